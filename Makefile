@@ -1,0 +1,56 @@
+# The single entry point. A newcomer runs `make demo` and `make test`; each installs what it needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+
+.PHONY: install install-demo redis-server test unit lint demo bench soak clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Installs the package with the dev extras (every runtime extra included).
+$(STAMP): $(VENV)/bin/python pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+install-demo: $(VENV)/bin/python
+	$(PY) -m pip install --quiet -e '.[sim,cli]'
+
+# Debian's redis-server for the real-Redis fixture; installed only when missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+lint: install
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+unit: install
+	$(PY) -m pytest tests/unit -q
+
+# Lint, then the whole suite. pytest exits 5 when it collected nothing: that fails too.
+test: install redis-server lint
+	$(PY) -m pytest -q
+
+soak: install redis-server
+	$(PY) -m pytest -q -m soak
+
+demo: install-demo
+	$(PY) -m polygateway demo
+
+bench: install redis-server
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist

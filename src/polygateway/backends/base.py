@@ -1,0 +1,228 @@
+"""The backend protocol: the governance state a fleet shares, behind atomic operations.
+
+Two implementations pass one contract suite: ``MemoryBackend`` (one process,
+the injected monotonic clock) and ``RedisBackend`` (many processes, the Redis
+server's clock). Every operation is atomic. A backend never raises anything
+but ``GovernanceBackendError`` for its own failures (fail closed).
+
+Time: every value a backend returns is *relative* (seconds from now), so the
+caller's monotonic clock and the backend's clock are never mixed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from polygateway.backends.waiting import WaitingRoom
+
+__all__ = [
+    "AcquireResult",
+    "AttemptOutcome",
+    "Backend",
+    "Lease",
+    "OutcomeKind",
+    "RejectReason",
+    "Rejection",
+    "ScopeSnapshot",
+    "SourceSnapshot",
+    "SourceSpec",
+]
+
+RejectReason = Literal["breaker_open", "probe_in_flight", "paced", "concurrency", "rpm", "tpm"]
+"""Why ``acquire`` passed over a candidate, checked in this order."""
+
+OutcomeKind = Literal[
+    "success",
+    "rate_limited",
+    "transient",
+    "source_misconfigured",
+    "request_rejected",
+    "cancelled",
+]
+"""What an attempt came to, as far as shared state cares (DESIGN.md section 4)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """The limits a backend enforces for one source; built once per client from SourceConfig.
+
+    ``rpm_burst`` / ``tpm_burst`` of ``None`` mean one second's worth, at least 1.
+    """
+
+    name: str
+    max_concurrency: int
+    rpm: float | None = None
+    rpm_burst: float | None = None
+    tpm: float | None = None
+    tpm_burst: float | None = None
+    breaker_failures: int = 5
+    cooldown_s: float = 30.0
+    cooldown_max_s: float = 300.0
+
+    @property
+    def rpm_capacity(self) -> float:
+        """Bucket size of the rpm limit (only meaningful when ``rpm`` is set)."""
+        if self.rpm_burst is not None:
+            return self.rpm_burst
+        return max(1.0, (self.rpm or 0.0) / 60.0)
+
+    @property
+    def tpm_capacity(self) -> float:
+        """Bucket size of the tpm limit (only meaningful when ``tpm`` is set)."""
+        if self.tpm_burst is not None:
+            return self.tpm_burst
+        return max(1.0, (self.tpm or 0.0) / 60.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The right to one attempt in flight at one source; expires ``ttl_s`` after grant or renewal.
+
+    ``tokens`` is the tpm reservation made at acquire; ``probe`` marks the one
+    half-open probe of a breaker.
+    """
+
+    scope: str
+    source: str
+    lease_id: str
+    ttl_s: float
+    tokens: int = 0
+    probe: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """One candidate passed over by ``acquire``.
+
+    ``reopen_in_s`` is the time after which the reason lifts by itself (breaker
+    cool-down, pacer deadline, rate window), or ``None`` when only a release can
+    lift it (concurrency, probe in flight).
+    """
+
+    source: str
+    reason: RejectReason
+    reopen_in_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireResult:
+    """A lease on the first admissible candidate, or every candidate's rejection."""
+
+    lease: Lease | None
+    rejections: tuple[Rejection, ...] = ()
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """Seconds until the earliest rejection lifts by time alone; ``None`` if none will."""
+        times = [r.reopen_in_s for r in self.rejections if r.reopen_in_s is not None]
+        return min(times) if times else None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutcome:
+    """What ``release`` records for the attempt a lease was held for.
+
+    ``aimd_decrease``: the failure was overload (429, timeout, 503, 529).
+    ``retry_after_s``: pace the source this long (from Retry-After / x-ratelimit-reset-*).
+    ``tokens_used``: real usage, to reconcile the tpm reservation with.
+    """
+
+    kind: OutcomeKind
+    aimd_decrease: bool = False
+    retry_after_s: float | None = None
+    tokens_used: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSnapshot:
+    """One source's live state, for ``polygateway status`` and tests."""
+
+    name: str
+    in_flight: int
+    limit: float
+    breaker: Literal["closed", "open", "half_open"]
+    consecutive_failures: int
+    trips: int
+    reopen_in_s: float | None
+    paced_for_s: float | None
+    rpm_tokens: float | None
+    tpm_tokens: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeSnapshot:
+    """A scope's live state: every known source and the fleet-wide progress age."""
+
+    scope: str
+    progress_age_s: float
+    sources: tuple[SourceSnapshot, ...] = field(default=())
+
+    def source(self, name: str) -> SourceSnapshot | None:
+        """The snapshot of one source, or ``None`` when the backend has not seen it."""
+        for s in self.sources:
+            if s.name == name:
+                return s
+        return None
+
+    @property
+    def in_flight(self) -> int:
+        """Permits held across the scope."""
+        return sum(s.in_flight for s in self.sources)
+
+
+NEVER = math.inf
+"""``progress_age_s`` of a scope that has never served."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Shared governance state. Every method is one atomic operation."""
+
+    async def acquire(
+        self,
+        scope: str,
+        candidates: Sequence[SourceSpec],
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+    ) -> AcquireResult:
+        """Lease the first candidate, in the given order, that passes every check.
+
+        Checks, in order: breaker admission (half-open admits one probe
+        fleet-wide), pacer deadline, AIMD limit and ``max_concurrency`` against
+        live leases, rpm bucket, tpm bucket (reserving ``cost_tokens``).
+        """
+        ...
+
+    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
+        """Free the permit and record the outcome; an expired or unknown lease is a no-op.
+
+        Records: breaker transition, AIMD step, pacer deadline, tpm
+        reconciliation, and progress on success. Wakes the head of the local
+        waiting room of the lease's scope.
+        """
+        ...
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend a live lease by its ``ttl_s`` from now; ``False`` when it has expired."""
+        ...
+
+    async def progress_age_s(self, scope: str) -> float:
+        """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
+        ...
+
+    async def snapshot(self, scope: str) -> ScopeSnapshot:
+        """The scope's live state."""
+        ...
+
+    def waiting_room(self, scope: str) -> WaitingRoom:
+        """This process's FIFO of calls waiting for a permit of ``scope``."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections; the backend is not used afterwards."""
+        ...

@@ -1,0 +1,1 @@
+"""PolyGateway backends/redis package."""

@@ -1,0 +1,1 @@
+"""PolyGateway governance package."""

@@ -1,0 +1,1 @@
+"""PolyGateway simulator package."""
