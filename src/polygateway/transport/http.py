@@ -1,4 +1,4 @@
-"""The wire, as the governance loop sees it: a transport protocol and one classification of failures.
+"""The wire as the governance loop sees it: a transport protocol and one failure classification.
 
 A transport sends one ``HttpRequest`` and either returns the parsed JSON body
 of a 2xx answer, yields the parsed ``data:`` events of an SSE stream, or

@@ -1,0 +1,102 @@
+"""The per-scope FIFO waiting room: only the head polls, a release wakes the head only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from polygateway.backends.waiting import WaitingRoom
+from polygateway.testing import FakeClock
+
+
+async def _never(_: float) -> None:
+    """A timer that never fires on its own: only a wake-up ends the wait."""
+    await asyncio.Event().wait()
+
+
+def test_first_to_enter_is_head_and_order_is_fifo() -> None:
+    """Waiters are served in the order they entered."""
+    room = WaitingRoom()
+    a, b, c = room.enter(), room.enter(), room.enter()
+    assert room.is_head(a)
+    assert not room.is_head(b)
+    room.leave(a)
+    assert room.is_head(b)
+    room.leave(b)
+    assert room.is_head(c)
+    assert len(room) == 1
+
+
+async def test_notify_wakes_only_the_head() -> None:
+    """A local release wakes the head and nobody else (O(1) per release)."""
+    room = WaitingRoom()
+    head, other = room.enter(), room.enter()
+    head_task = asyncio.create_task(room.wait(head, 60.0, _never))
+    other_task = asyncio.create_task(room.wait(other, 60.0, _never))
+    await asyncio.sleep(0)
+    room.notify()
+    await asyncio.wait_for(head_task, 1.0)
+    await asyncio.sleep(0)
+    assert not other_task.done()
+    assert room.wakeups == 1
+    other_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await other_task
+
+
+async def test_leaving_head_promotes_and_wakes_next() -> None:
+    """When the head leaves, the next waiter becomes head and is woken at once."""
+    room = WaitingRoom()
+    head, nxt = room.enter(), room.enter()
+    task = asyncio.create_task(room.wait(nxt, 60.0, _never))
+    await asyncio.sleep(0)
+    room.leave(head)
+    await asyncio.wait_for(task, 1.0)
+    assert room.is_head(nxt)
+
+
+async def test_wake_before_wait_is_not_lost() -> None:
+    """A wake-up that arrives between two waits makes the next wait return at once."""
+    room = WaitingRoom()
+    head = room.enter()
+    room.notify()
+    await asyncio.wait_for(room.wait(head, 60.0, _never), 1.0)
+
+
+async def test_timer_ends_the_wait_on_the_injected_clock() -> None:
+    """Without a wake-up the wait ends when the injected sleep returns."""
+    clock = FakeClock()
+    room = WaitingRoom()
+    head = room.enter()
+    await room.wait(head, 2.5, clock.sleep)
+    assert clock() == pytest.approx(1002.5)
+
+
+async def test_cancelled_waiter_leaves_and_frees_the_head_slot() -> None:
+    """Cancelling the head's wait and leaving hands the head slot to the next waiter."""
+    room = WaitingRoom()
+    head, nxt = room.enter(), room.enter()
+    task = asyncio.create_task(room.wait(head, 60.0, _never))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    room.leave(head)
+    room.leave(head)  # leaving twice is harmless
+    assert room.is_head(nxt)
+    assert len(room) == 1
+
+
+async def test_wait_leaves_no_task_behind() -> None:
+    """The timer task of a wait is cancelled when a wake-up ends it."""
+    room = WaitingRoom()
+    head = room.enter()
+    before = len(asyncio.all_tasks())
+    task = asyncio.create_task(room.wait(head, 60.0, _never))
+    await asyncio.sleep(0)
+    room.notify()
+    await task
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(asyncio.all_tasks()) == before
