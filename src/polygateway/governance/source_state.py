@@ -1,0 +1,310 @@
+"""One source's shared governance state and the acquire / release / renew steps over it.
+
+This module is the single Python statement of
+research-wiki/designs/governance-policies.md; the Redis backend's Lua scripts
+mirror it line for line and a differential test compares every decision. It
+composes the pure policies (breaker, AIMD, pacer, token buckets) over one
+plain state object and never reads a clock: ``now`` is the backend's clock,
+passed in. A backend makes each operation atomic around these functions.
+
+- ``admit`` runs the checks of acquire for one candidate, in order, and says
+  why it refuses or whether the admission is the half-open probe.
+- ``commit`` takes the permit, the rate tokens and the probe slot.
+- ``apply_outcome`` is release: remove the lease, then breaker, AIMD, pacer
+  and tpm reconciliation. The caller records scope progress on success.
+- ``renew`` extends a live lease (and the probe slot it may hold).
+- ``view`` is the read-only, relative-time picture for snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from polygateway.governance import aimd, breaker, ratelimit
+from polygateway.governance.aimd import Aimd
+from polygateway.governance.breaker import Breaker, BreakerState
+from polygateway.governance.pacer import pace_for
+from polygateway.governance.ratelimit import TokenBucket
+
+__all__ = [
+    "Admission",
+    "LeaseEntry",
+    "OutcomeKind",
+    "Refusal",
+    "RejectReason",
+    "SourceLimits",
+    "SourceState",
+    "SourceView",
+    "admit",
+    "apply_outcome",
+    "commit",
+    "drop_expired",
+    "new_source_state",
+    "renew",
+    "view",
+]
+
+# The same literals as backends/base.py; repeated because governance sits below backends.
+RejectReason = Literal["breaker_open", "probe_in_flight", "paced", "concurrency", "rpm", "tpm"]
+OutcomeKind = Literal[
+    "success",
+    "rate_limited",
+    "transient",
+    "source_misconfigured",
+    "request_rejected",
+    "cancelled",
+]
+
+
+class SourceLimits(Protocol):
+    """The limits of one source, read-only; ``backends.base.SourceSpec`` is one."""
+
+    @property
+    def max_concurrency(self) -> int: ...
+    @property
+    def rpm(self) -> float | None: ...
+    @property
+    def rpm_capacity(self) -> float: ...
+    @property
+    def tpm(self) -> float | None: ...
+    @property
+    def tpm_capacity(self) -> float: ...
+    @property
+    def breaker_failures(self) -> int: ...
+    @property
+    def cooldown_s(self) -> float: ...
+    @property
+    def cooldown_max_s(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a candidate was passed over, and when time alone lifts it (``None``: only a release)."""
+
+    reason: RejectReason
+    reopen_in_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A candidate passed every check; ``probe`` when its lease will be the half-open probe."""
+
+    probe: bool = False
+
+
+@dataclass(slots=True)
+class LeaseEntry:
+    """One live permit: when it expires, its tpm reservation, and the TTL a renewal restores."""
+
+    expiry: float
+    tokens: int
+    ttl_s: float
+
+
+@dataclass(slots=True)
+class SourceState:
+    """Everything the fleet shares about one source (the spec page's per-source table)."""
+
+    breaker: Breaker
+    aimd: Aimd
+    not_before: float = 0.0
+    rpm: TokenBucket | None = None
+    tpm: TokenBucket | None = None
+    leases: dict[str, LeaseEntry] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceView:
+    """A source's state as of ``now``, every time relative; what a snapshot reports."""
+
+    in_flight: int
+    limit: float
+    breaker: BreakerState
+    consecutive_failures: int
+    trips: int
+    reopen_in_s: float | None
+    paced_for_s: float | None
+    rpm_tokens: float | None
+    tpm_tokens: float | None
+
+
+_CONCURRENCY = Refusal("concurrency")
+_PROBE_IN_FLIGHT = Refusal("probe_in_flight")
+_ADMIT = Admission()
+_ADMIT_PROBE = Admission(probe=True)
+
+
+def new_source_state(limits: SourceLimits, now: float) -> SourceState:
+    """A source at first sight: breaker closed, limit at its max, buckets full."""
+    return SourceState(
+        breaker=Breaker(),
+        aimd=Aimd(limit=float(limits.max_concurrency)),
+        rpm=ratelimit.new_bucket(limits.rpm_capacity, now) if limits.rpm is not None else None,
+        tpm=ratelimit.new_bucket(limits.tpm_capacity, now) if limits.tpm is not None else None,
+    )
+
+
+def drop_expired(state: SourceState, now: float) -> None:
+    """Forget leases whose holder neither released nor renewed them in time (expiry <= now)."""
+    expired = [lease_id for lease_id, entry in state.leases.items() if entry.expiry <= now]
+    for lease_id in expired:
+        del state.leases[lease_id]
+
+
+def admit(
+    state: SourceState, limits: SourceLimits, now: float, cost_tokens: int
+) -> Admission | Refusal:
+    """Acquire's checks for one candidate, in the spec's order; the first failing one refuses.
+
+    Mutates only what the spec stores regardless of the verdict: expired
+    leases dropped, open-to-half-open after the cool-down, buckets refilled.
+    """
+    drop_expired(state, now)
+
+    verdict = breaker.admit(state.breaker, now)
+    if verdict.reason == "probe_in_flight":
+        return _PROBE_IN_FLIGHT
+    if verdict.reason is not None:
+        return Refusal(verdict.reason, verdict.reopen_in_s)
+
+    if now < state.not_before:
+        return Refusal("paced", state.not_before - now)
+
+    if len(state.leases) >= aimd.concurrency_cap(state.aimd, limits.max_concurrency):
+        return _CONCURRENCY
+
+    if limits.rpm is not None:
+        cap = limits.rpm_capacity
+        if state.rpm is None:
+            # Added to the config after first sight: a new bucket starts full.
+            state.rpm = ratelimit.new_bucket(cap, now)
+        ratelimit.refill(state.rpm, limits.rpm, cap, now)
+        wait = ratelimit.wait_for(state.rpm, 1, limits.rpm)
+        if wait is not None:
+            return Refusal("rpm", wait)
+
+    if limits.tpm is not None:
+        cap = limits.tpm_capacity
+        if state.tpm is None:
+            state.tpm = ratelimit.new_bucket(cap, now)
+        ratelimit.refill(state.tpm, limits.tpm, cap, now)
+        wait = ratelimit.wait_for(state.tpm, min(cost_tokens, cap), limits.tpm)
+        if wait is not None:
+            return Refusal("tpm", wait)
+
+    return _ADMIT_PROBE if verdict.probe else _ADMIT
+
+
+def commit(
+    state: SourceState,
+    limits: SourceLimits,
+    lease_id: str,
+    now: float,
+    *,
+    ttl_s: float,
+    cost_tokens: int,
+    probe: bool,
+) -> LeaseEntry:
+    """Take the admitted permit: one rpm token, ``cost_tokens`` tpm tokens, and the probe slot."""
+    if limits.rpm is not None and state.rpm is not None:
+        ratelimit.take(state.rpm, 1)
+    if limits.tpm is not None and state.tpm is not None:
+        ratelimit.take(state.tpm, cost_tokens)
+    entry = LeaseEntry(expiry=now + ttl_s, tokens=cost_tokens, ttl_s=ttl_s)
+    state.leases[lease_id] = entry
+    if probe:
+        breaker.claim_probe(state.breaker, lease_id, entry.expiry)
+    return entry
+
+
+def apply_outcome(
+    state: SourceState,
+    limits: SourceLimits,
+    lease_id: str,
+    now: float,
+    kind: OutcomeKind,
+    *,
+    aimd_decrease: bool = False,
+    retry_after_s: float | None = None,
+    tokens_used: int | None = None,
+) -> bool:
+    """Release a lease and record its outcome; ``False`` (and nothing changed) if it was not live.
+
+    The caller sets the scope's progress when this returns ``True`` for a success.
+    """
+    entry = state.leases.get(lease_id)
+    drop_expired(state, now)
+    if entry is None or entry.expiry <= now:
+        return False
+    del state.leases[lease_id]
+
+    b = state.breaker
+    if kind == "success":
+        breaker.on_success(b)
+        aimd.on_success(state.aimd, limits.max_concurrency)
+    elif kind == "transient":
+        breaker.on_failure(
+            b,
+            lease_id,
+            now,
+            threshold=limits.breaker_failures,
+            cooldown_s=limits.cooldown_s,
+            cooldown_max_s=limits.cooldown_max_s,
+        )
+        if aimd_decrease:
+            aimd.on_overload(state.aimd, now)
+    elif kind == "rate_limited":
+        breaker.free_probe(b, lease_id)
+        aimd.on_overload(state.aimd, now)
+        state.not_before = max(state.not_before, now + pace_for(retry_after_s))
+    elif kind == "source_misconfigured":
+        breaker.trip_long(b, now, limits.cooldown_max_s)
+    else:  # request_rejected, cancelled: the source did nothing wrong
+        breaker.free_probe(b, lease_id)
+
+    if tokens_used is not None and limits.tpm is not None and state.tpm is not None:
+        ratelimit.reconcile(state.tpm, entry.tokens, tokens_used, limits.tpm_capacity)
+    return True
+
+
+def renew(state: SourceState, lease_id: str, now: float) -> bool:
+    """Extend a live lease by its TTL from ``now`` (the probe slot too); ``False`` if not live."""
+    drop_expired(state, now)
+    entry = state.leases.get(lease_id)
+    if entry is None:
+        return False
+    entry.expiry = now + entry.ttl_s
+    breaker.renew_probe(state.breaker, lease_id, entry.expiry)
+    return True
+
+
+def view(state: SourceState, limits: SourceLimits, now: float) -> SourceView:
+    """The source as the next acquire would see it, without changing anything."""
+    b = state.breaker
+    effective = breaker.effective_state(b, now)
+    rpm_tokens: float | None = None
+    if limits.rpm is not None:
+        rpm_tokens = (
+            ratelimit.refilled_tokens(state.rpm, limits.rpm, limits.rpm_capacity, now)
+            if state.rpm is not None
+            else limits.rpm_capacity
+        )
+    tpm_tokens: float | None = None
+    if limits.tpm is not None:
+        tpm_tokens = (
+            ratelimit.refilled_tokens(state.tpm, limits.tpm, limits.tpm_capacity, now)
+            if state.tpm is not None
+            else limits.tpm_capacity
+        )
+    return SourceView(
+        in_flight=sum(1 for entry in state.leases.values() if entry.expiry > now),
+        limit=state.aimd.limit,
+        breaker=effective,
+        consecutive_failures=b.failures,
+        trips=b.trips,
+        reopen_in_s=b.open_until - now if effective == "open" else None,
+        paced_for_s=state.not_before - now if now < state.not_before else None,
+        rpm_tokens=rpm_tokens,
+        tpm_tokens=tpm_tokens,
+    )
