@@ -11,19 +11,36 @@ exceptions (httpx, aiohttp) are translated inside their transport module with
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import json
+import re
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
+from polygateway.governance.pacer import retry_after_from_headers
 from polygateway.models import FailureClass
 
 __all__ = [
     "AIMD_DECREASE_STATUSES",
+    "DONE",
+    "EXCERPT_CHARS",
+    "STREAM_END",
     "HttpRequest",
     "TransientError",
     "Transport",
     "classify_status",
+    "excerpt",
+    "is_event_stream",
+    "malformed",
+    "network_error",
+    "parse_event_data",
+    "parse_json_body",
+    "scrub",
+    "secrets_in",
+    "status_error",
+    "timeout_error",
+    "truncated_stream",
 ]
 
 _RATE_LIMITED = frozenset({429})
@@ -65,6 +82,8 @@ class TransientError(Exception):
         retry_after_s: how long the upstream asked to be left alone (Retry-After,
             x-ratelimit-reset-*), already turned into relative seconds.
         timeout: the attempt ran out of time (an overload signal for AIMD).
+        truncated: a stream closed before ``data: [DONE]``; the caller decides
+            whether a ``finish_reason`` already seen makes that acceptable.
     """
 
     def __init__(
@@ -75,11 +94,13 @@ class TransientError(Exception):
         failure: FailureClass | None = None,
         retry_after_s: float | None = None,
         timeout: bool = False,
+        truncated: bool = False,
     ) -> None:
         self.status_code = status_code
         self.failure: FailureClass = failure or classify_status(status_code)
         self.retry_after_s = retry_after_s
         self.timeout = timeout
+        self.truncated = truncated
         if not message:
             message = f"HTTP {status_code}" if status_code is not None else self.failure
         super().__init__(message)
@@ -144,3 +165,153 @@ class Transport(Protocol):
     async def aclose(self) -> None:
         """Close pooled connections."""
         ...
+
+
+# --- Helpers shared by every transport module --------------------------------
+#
+# Each client module (httpx, aiohttp) catches its library's exceptions and
+# builds the TransientError with these, so both transports say the same thing
+# for the same failure and no secret can slip into a message on either.
+
+EXCERPT_CHARS: Final = 200
+"""Longest excerpt of a provider's error body kept in a message: enough to debug, no dump."""
+
+DONE: Final = "[DONE]"
+"""The ``data:`` payload that ends an OpenAI-style event stream."""
+
+
+class _StreamEnd:
+    """Type of ``STREAM_END``: a sentinel no JSON value can equal."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "STREAM_END"
+
+
+STREAM_END: Final = _StreamEnd()
+"""What ``parse_event_data`` returns for ``data: [DONE]`` (compare with ``is``)."""
+
+_REDACTED = "***"
+# Header names whose values are credentials; matched as substrings of the lowered name.
+_CREDENTIAL_WORDS = ("authorization", "key", "token", "secret", "cookie", "password")
+# Shorter values are not scrubbed: replacing every "a" in a message would hide everything.
+_MIN_SECRET_CHARS = 4
+_WHITESPACE = re.compile(r"\s+")
+
+
+def secrets_in(headers: Mapping[str, str]) -> tuple[str, ...]:
+    """The credential values a request carries in its headers, longest first, to scrub.
+
+    Both a whole ``Authorization`` value and its token after the scheme are
+    returned, so an upstream that echoes only the bare key is scrubbed too.
+    """
+    found: set[str] = set()
+    for name, value in headers.items():
+        lowered = name.lower()
+        if not any(word in lowered for word in _CREDENTIAL_WORDS):
+            continue
+        for candidate in (value, value.partition(" ")[2]):
+            candidate = candidate.strip()
+            if len(candidate) >= _MIN_SECRET_CHARS:
+                found.add(candidate)
+    # Longest first: the whole "Bearer sk-..." goes before its token is looked for.
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret replaced by ``***``."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _REDACTED)
+    return text
+
+
+def excerpt(body: bytes | str, secrets: Iterable[str] = (), limit: int = EXCERPT_CHARS) -> str:
+    """A short, one-line, scrubbed excerpt of a provider's body for an error message.
+
+    Scrubbing happens before truncation, so a key cut in half by the limit
+    cannot survive as a recognisable prefix.
+    """
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    text = _WHITESPACE.sub(" ", scrub(text, secrets)).strip()
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return text
+
+
+def status_error(
+    status_code: int,
+    headers: Mapping[str, str],
+    body: bytes | str,
+    *,
+    source: str,
+    secrets: Iterable[str] = (),
+    now_wall: float,
+) -> TransientError:
+    """The classified error of a non-2xx answer, with its back-off and a scrubbed excerpt.
+
+    ``now_wall`` (epoch seconds) resolves a Retry-After given as an HTTP date.
+    """
+    detail = excerpt(body, secrets)
+    message = f"HTTP {status_code} from {source}" + (f": {detail}" if detail else "")
+    return TransientError(
+        message,
+        status_code=status_code,
+        retry_after_s=retry_after_from_headers(headers, now_wall),
+    )
+
+
+def network_error(
+    what: str, source: str, exc: BaseException, secrets: Iterable[str] = ()
+) -> TransientError:
+    """A failure with no answer (connect error, reset, protocol error): transient, no status."""
+    detail = excerpt(str(exc), secrets)
+    name = type(exc).__name__
+    return TransientError(
+        f"{what} at {source}: {name}" + (f": {detail}" if detail else ""), failure="transient"
+    )
+
+
+def timeout_error(what: str, source: str, seconds: float | None) -> TransientError:
+    """An attempt that ran out of time: transient, and an overload signal for AIMD."""
+    limit = f" after {seconds:g} s" if seconds is not None else ""
+    return TransientError(f"{what} at {source}{limit}", failure="transient", timeout=True)
+
+
+def malformed(source: str, detail: str = "") -> TransientError:
+    """A 2xx answer whose body is not what the protocol promises: transient, no status."""
+    message = f"malformed body from {source}" + (f": {detail}" if detail else "")
+    return TransientError(message, failure="transient")
+
+
+def truncated_stream(source: str) -> TransientError:
+    """A stream that closed without ``data: [DONE]``."""
+    return TransientError(
+        f"stream ended without [DONE] at {source}", failure="transient", truncated=True
+    )
+
+
+def parse_json_body(body: bytes, source: str) -> Any:
+    """The JSON of a 2xx body; anything undecodable is a malformed answer."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        # json.JSONDecodeError is a ValueError; the body itself is never quoted
+        # back, a 2xx body may well contain the caller's own data.
+        raise malformed(source, "not JSON") from exc
+
+
+def parse_event_data(data: str, source: str) -> Any:
+    """The JSON of one ``data:`` event, or ``STREAM_END`` for the ``[DONE]`` marker."""
+    if data.strip() == DONE:
+        return STREAM_END
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise malformed(source, "event data is not JSON") from exc
+
+
+def is_event_stream(content_type: str | None) -> bool:
+    """Whether a Content-Type announces an SSE stream."""
+    return bool(content_type) and "text/event-stream" in str(content_type).lower()

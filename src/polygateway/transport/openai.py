@@ -1,0 +1,346 @@
+"""The OpenAI-compatible wire format: chat completions (plain and streamed) and embeddings.
+
+Pure functions, no I/O: build the ``HttpRequest`` of a call, and read the
+provider's JSON back into PolyGateway's types. Covers OpenAI itself and the
+servers that copy its API (vLLM, Ollama, DeepSeek, Qwen compatible mode), so
+the readers accept the harmless variations seen among them (content as a list
+of parts, tool-call arguments as an object, chunks without ``index``) and
+reject everything else as a malformed body.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage
+from polygateway.transport.http import HttpRequest, TransientError, excerpt
+from polygateway.transport.wire import (
+    endpoint,
+    malformed_body,
+    opt_int,
+    opt_str,
+    req_list,
+    req_obj,
+    req_str,
+    source_headers,
+)
+
+if TYPE_CHECKING:
+    from polygateway.config import SourceConfig
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS_ESTIMATE",
+    "IMAGE_PART_TOKENS",
+    "ParsedChat",
+    "chat_request",
+    "embedding_request",
+    "estimate_chat_tokens",
+    "estimate_embedding_tokens",
+    "parse_chat_chunk",
+    "parse_chat_response",
+    "parse_embedding_response",
+]
+
+DEFAULT_MAX_TOKENS_ESTIMATE = 256
+"""Completion tokens reserved for tpm when the caller set no ``max_tokens``."""
+
+IMAGE_PART_TOKENS = 765
+"""Prompt tokens reserved per image part: OpenAI's price of a 1024x1024 high-detail image.
+
+An image sent inline is a long base64 data URL; counting its characters
+would reserve thousands of tokens the provider never charges.
+"""
+
+_CHARS_PER_TOKEN = 4
+_RESERVED = frozenset({"model", "messages", "input", "stream"})
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedChat:
+    """A chat completion as read off the wire; the client adds source and attempts."""
+
+    text: str
+    finish_reason: str | None
+    tool_calls: tuple[ToolCall, ...]
+    usage: Usage
+    raw: dict[str, Any] = field(repr=False)
+
+
+def _passthrough(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Caller parameters for the body; ``None`` means unset, and ours cannot be overridden."""
+    return {k: v for k, v in params.items() if v is not None and k not in _RESERVED}
+
+
+def chat_request(
+    source: SourceConfig,
+    messages: Sequence[Mapping[str, Any]],
+    params: Mapping[str, Any],
+    *,
+    stream: bool,
+    timeout_s: float,
+    ttft_timeout_s: float | None = None,
+    idle_timeout_s: float | None = None,
+) -> HttpRequest:
+    """The request of one chat completion to ``source``.
+
+    ``params`` (max_tokens, temperature, tools, tool_choice, response_format,
+    ...) pass through as given. A stream asks for usage in its last chunk and
+    carries the TTFT timeout as its ``timeout_s`` and the idle timeout
+    separately; each defaults to ``timeout_s``.
+    """
+    body: dict[str, Any] = _passthrough(params)
+    body["model"] = source.model
+    body["messages"] = [dict(m) for m in messages]
+    body["stream"] = stream
+    if stream:
+        options = dict(body.get("stream_options") or {})
+        options.setdefault("include_usage", True)
+        body["stream_options"] = options
+    return HttpRequest(
+        source=source.name,
+        url=endpoint(source, "chat/completions"),
+        timeout_s=(ttft_timeout_s or timeout_s) if stream else timeout_s,
+        headers=source_headers(source, content_type="application/json"),
+        json=body,
+        idle_timeout_s=(idle_timeout_s or timeout_s) if stream else None,
+        connect_timeout_s=source.connect_timeout_s,
+    )
+
+
+def _content_text(value: Any, what: str) -> str:
+    """Message content as text: a string, null, or a list of parts whose text parts are joined."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    parts = req_list(value, what)
+    texts = []
+    for i, part in enumerate(parts):
+        part = req_obj(part, f"{what}[{i}]")
+        if part.get("type", "text") == "text":
+            texts.append(req_str(part.get("text", ""), f"{what}[{i}].text"))
+    return "".join(texts)
+
+
+def _arguments(value: Any, what: str) -> str:
+    """Tool-call arguments as the JSON text OpenAI sends (Ollama sends an object)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    raise malformed_body(f"{what} is neither a string nor an object")
+
+
+def _usage(value: Any) -> Usage:
+    """Token counts; ``total_tokens`` defaults to the sum when the provider omits it."""
+    usage = req_obj(value, "usage")
+    prompt = opt_int(usage.get("prompt_tokens"), "usage.prompt_tokens")
+    completion = opt_int(usage.get("completion_tokens"), "usage.completion_tokens")
+    total = opt_int(usage.get("total_tokens"), "usage.total_tokens") or prompt + completion
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+
+
+def _error_event(body: dict[str, Any]) -> TransientError | None:
+    """The failure an in-band ``{"error": ...}`` object reports, if the body is one."""
+    error = body.get("error")
+    if error is None:
+        return None
+    message = error.get("message") if isinstance(error, dict) else error
+    return TransientError(f"provider error: {excerpt(str(message))}", failure="transient")
+
+
+def _choices(body: dict[str, Any]) -> list[Any]:
+    """The ``choices`` array; only ``choices[0]`` is read (n > 1 is not a gateway concern)."""
+    return req_list(body.get("choices"), "choices")
+
+
+def parse_chat_response(body: Any) -> ParsedChat:
+    """Read a chat completion; any shape but the promised one is a malformed body."""
+    answer = req_obj(body, "body")
+    if (error := _error_event(answer)) is not None:
+        raise error
+    choices = _choices(answer)
+    if not choices:
+        raise malformed_body("choices is empty")
+    choice = req_obj(choices[0], "choices[0]")
+    message = req_obj(choice.get("message"), "choices[0].message")
+    text = _content_text(message.get("content"), "message.content")
+    calls = []
+    for i, raw_call in enumerate(req_list(message.get("tool_calls") or [], "message.tool_calls")):
+        what = f"message.tool_calls[{i}]"
+        call = req_obj(raw_call, what)
+        function = req_obj(call.get("function"), f"{what}.function")
+        calls.append(
+            ToolCall(
+                id=opt_str(call.get("id"), f"{what}.id") or "",
+                name=req_str(function.get("name"), f"{what}.function.name"),
+                arguments=_arguments(function.get("arguments"), f"{what}.function.arguments"),
+                type=opt_str(call.get("type"), f"{what}.type") or "function",
+            )
+        )
+    usage = _usage(answer["usage"]) if answer.get("usage") is not None else Usage()
+    return ParsedChat(
+        text=text,
+        finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason"),
+        tool_calls=tuple(calls),
+        usage=usage,
+        raw=answer,
+    )
+
+
+def parse_chat_chunk(event: Any) -> ChatChunk:
+    """Read one streamed chunk: text delta, tool-call deltas, finish reason, usage if present.
+
+    The usage-only chunk that ``include_usage`` adds has empty ``choices``.
+    An in-band error event is a transient failure.
+    """
+    chunk = req_obj(event, "chunk")
+    if (error := _error_event(chunk)) is not None:
+        raise error
+    usage = _usage(chunk["usage"]) if chunk.get("usage") is not None else None
+    choices = _choices(chunk)
+    if not choices:
+        return ChatChunk(usage=usage)
+    choice = req_obj(choices[0], "choices[0]")
+    delta = req_obj(choice.get("delta") or {}, "choices[0].delta")
+    deltas = []
+    for i, raw_call in enumerate(req_list(delta.get("tool_calls") or [], "delta.tool_calls")):
+        what = f"delta.tool_calls[{i}]"
+        call = req_obj(raw_call, what)
+        function = req_obj(call.get("function") or {}, f"{what}.function")
+        index = call.get("index", i)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise malformed_body(f"{what}.index is not an integer")
+        arguments = function.get("arguments")
+        deltas.append(
+            ToolCallDelta(
+                index=index,
+                id=opt_str(call.get("id"), f"{what}.id"),
+                name=opt_str(function.get("name"), f"{what}.function.name"),
+                arguments=None
+                if arguments is None
+                else _arguments(arguments, f"{what}.function.arguments"),
+            )
+        )
+    return ChatChunk(
+        text=_content_text(delta.get("content"), "delta.content"),
+        tool_calls=tuple(deltas),
+        finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason"),
+        usage=usage,
+    )
+
+
+def embedding_request(
+    source: SourceConfig,
+    texts: Sequence[str],
+    params: Mapping[str, Any],
+    *,
+    timeout_s: float,
+) -> HttpRequest:
+    """The request embedding one batch of ``texts`` at ``source``."""
+    body: dict[str, Any] = _passthrough(params)
+    body["model"] = source.model
+    body["input"] = list(texts)
+    return HttpRequest(
+        source=source.name,
+        url=endpoint(source, "embeddings"),
+        timeout_s=timeout_s,
+        headers=source_headers(source, content_type="application/json"),
+        json=body,
+        connect_timeout_s=source.connect_timeout_s,
+    )
+
+
+def _vector(value: Any, what: str) -> list[float]:
+    """One embedding: a non-empty array of finite numbers."""
+    items = req_list(value, what)
+    if not items:
+        raise malformed_body(f"{what} is empty")
+    vector = []
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            raise malformed_body(f"{what} holds a non-numeric value")
+        vector.append(float(x))
+    return vector
+
+
+def parse_embedding_response(body: Any, expected: int) -> tuple[list[list[float]], Usage]:
+    """Vectors in input order (sorted by ``index``) and usage.
+
+    Exactly ``expected`` vectors with indexes ``0..expected-1``, all of one
+    dimension, or the answer is malformed: a short answer must never shift
+    vectors onto the wrong texts.
+    """
+    answer = req_obj(body, "body")
+    if (error := _error_event(answer)) is not None:
+        raise error
+    data = req_list(answer.get("data"), "data")
+    if len(data) != expected:
+        raise malformed_body(f"expected {expected} vectors, got {len(data)}")
+    by_index: dict[int, list[float]] = {}
+    for i, raw_item in enumerate(data):
+        item = req_obj(raw_item, f"data[{i}]")
+        index = item.get("index", i)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise malformed_body(f"data[{i}].index is not an integer")
+        if not 0 <= index < expected or index in by_index:
+            raise malformed_body(
+                f"expected {expected} vectors, got index {index} out of range or repeated"
+            )
+        by_index[index] = _vector(item.get("embedding"), f"data[{i}].embedding")
+    vectors = [by_index[i] for i in range(expected)]
+    if len({len(v) for v in vectors}) > 1:
+        raise malformed_body("vectors of different dimensions")
+    usage = _usage(answer["usage"]) if answer.get("usage") is not None else Usage()
+    return vectors, usage
+
+
+def _chars_to_tokens(chars: int) -> int:
+    return -(-chars // _CHARS_PER_TOKEN)
+
+
+def _message_chars(message: Mapping[str, Any]) -> tuple[int, int]:
+    """(characters of text, number of image parts) in one message."""
+    content = message.get("content")
+    chars, images = 0, 0
+    if isinstance(content, str):
+        chars += len(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type", "text") == "text":
+                chars += len(str(part.get("text", "")))
+            else:
+                images += 1
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        # Tool calls the model made earlier are prompt text now.
+        chars += len(json.dumps(tool_calls, default=str))
+    return chars, images
+
+
+def estimate_chat_tokens(
+    messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None
+) -> int:
+    """The tpm reservation of a chat call: prompt chars / 4, images, plus ``max_tokens``.
+
+    ``max_tokens`` defaults to ``DEFAULT_MAX_TOKENS_ESTIMATE``; the backend
+    reconciles the reservation with reported usage afterwards.
+    """
+    chars, images = 0, 0
+    for message in messages:
+        c, i = _message_chars(message)
+        chars += c
+        images += i
+    completion = DEFAULT_MAX_TOKENS_ESTIMATE if max_tokens is None else max_tokens
+    return _chars_to_tokens(chars) + images * IMAGE_PART_TOKENS + completion
+
+
+def estimate_embedding_tokens(texts: Sequence[str]) -> int:
+    """The tpm reservation of an embedding batch: chars / 4 per text, at least 1 each."""
+    return sum(max(1, _chars_to_tokens(len(t))) for t in texts)

@@ -1,0 +1,95 @@
+"""Pieces every wire format shares: endpoint URLs, request headers, strict JSON readers.
+
+The readers raise ``TransientError("malformed body: ...")`` for anything that
+is not the promised shape, so a provider's odd answer is a failed attempt (the
+loop tries another source), never a ``KeyError`` or ``TypeError`` escaping a
+client.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from polygateway.transport.http import TransientError
+
+if TYPE_CHECKING:
+    from polygateway.config import SourceConfig
+
+__all__ = [
+    "endpoint",
+    "malformed_body",
+    "opt_int",
+    "opt_str",
+    "req_list",
+    "req_obj",
+    "req_str",
+    "source_headers",
+]
+
+
+def endpoint(source: SourceConfig, path: str) -> str:
+    """``base_url`` joined with ``path`` by exactly one slash."""
+    return source.base_url.rstrip("/") + "/" + path.lstrip("/")
+
+
+def source_headers(source: SourceConfig, *, content_type: str | None = None) -> dict[str, str]:
+    """The headers of a request to ``source``: bearer key, content type, then its own extras.
+
+    The source's configured ``headers`` come last and win: a provider that
+    wants its key as ``api-key`` is served by configuration, not code.
+    """
+    headers: dict[str, str] = {}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    if source.api_key is not None:
+        key = source.api_key.get_secret_value()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+    headers.update(source.headers)
+    return headers
+
+
+def malformed_body(detail: str) -> TransientError:
+    """The failure of a 2xx answer whose JSON is not the protocol's shape."""
+    return TransientError(f"malformed body: {detail}", failure="transient")
+
+
+def req_obj(value: Any, what: str) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else a malformed-body failure naming ``what``."""
+    if not isinstance(value, dict):
+        raise malformed_body(f"{what} is not an object")
+    return value
+
+
+def req_list(value: Any, what: str) -> list[Any]:
+    """``value`` if it is a JSON array, else a malformed-body failure naming ``what``."""
+    if not isinstance(value, list):
+        raise malformed_body(f"{what} is not an array")
+    return value
+
+
+def req_str(value: Any, what: str) -> str:
+    """``value`` if it is a string, else a malformed-body failure naming ``what``."""
+    if not isinstance(value, str):
+        raise malformed_body(f"{what} is not a string")
+    return value
+
+
+def opt_str(value: Any, what: str) -> str | None:
+    """``value`` if it is a string or null/absent (``None``)."""
+    return None if value is None else req_str(value, what)
+
+
+def opt_int(value: Any, what: str) -> int:
+    """A non-negative count (``0`` when null/absent); integral floats are accepted."""
+    if value is None:
+        return 0
+    # bool is an int subclass, and True tokens is nonsense.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise malformed_body(f"{what} is not a number")
+    if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
+        raise malformed_body(f"{what} is not an integer")
+    if value < 0:
+        raise malformed_body(f"{what} is negative")
+    return int(value)
