@@ -1,0 +1,192 @@
+"""The in-process backend: governance state in a dict, shared by the clients of one process.
+
+Every operation is atomic because it never awaits: the ``async def`` methods
+do all their work synchronously between two event-loop turns, so no other
+task can see a half-applied decision. The policy itself lives in
+``governance/source_state.py``; this module only keeps the state per scope
+and source, hands out lease ids, records progress and wakes waiting rooms.
+Time is the injected monotonic clock (a ``FakeClock`` in tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from polygateway.backends.base import (
+    AcquireResult,
+    AttemptOutcome,
+    Lease,
+    Rejection,
+    ScopeSnapshot,
+    SourceSnapshot,
+    SourceSpec,
+)
+from polygateway.backends.waiting import WaitingRoom
+from polygateway.governance import source_state
+from polygateway.governance.source_state import Admission, SourceState
+
+__all__ = ["MemoryBackend"]
+
+
+@dataclass(slots=True)
+class _Source:
+    """One source's state plus the last spec seen for it (snapshots need its rates)."""
+
+    spec: SourceSpec
+    state: SourceState
+
+
+@dataclass(slots=True)
+class _Scope:
+    """A scope's sources in order of first sight, and when it last served."""
+
+    sources: dict[str, _Source] = field(default_factory=dict)
+    progress_at: float | None = None
+
+
+class MemoryBackend:
+    """Governance state for one process; implements ``backends.base.Backend``."""
+
+    __slots__ = ("_ids", "_now", "_rooms", "_scopes")
+
+    def __init__(self, *, now: Callable[[], float] | None = None) -> None:
+        self._now: Callable[[], float] = (
+            now if now is not None else time.monotonic
+        )  # edge: default clock
+        self._scopes: dict[str, _Scope] = {}
+        self._rooms: dict[str, WaitingRoom] = {}
+        self._ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"MemoryBackend(scopes={sorted(self._scopes)!r})"
+
+    def _scope(self, scope: str) -> _Scope:
+        found = self._scopes.get(scope)
+        if found is None:
+            found = self._scopes[scope] = _Scope()
+        return found
+
+    async def acquire(
+        self,
+        scope: str,
+        candidates: Sequence[SourceSpec],
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+    ) -> AcquireResult:
+        """Lease the first admissible candidate, in order; see governance/source_state.py."""
+        now = self._now()
+        sc = self._scope(scope)
+        rejections: list[Rejection] = []
+        for spec in candidates:
+            src = sc.sources.get(spec.name)
+            if src is None:
+                src = sc.sources[spec.name] = _Source(
+                    spec, source_state.new_source_state(spec, now)
+                )
+            else:
+                src.spec = spec
+            verdict = source_state.admit(src.state, spec, now, cost_tokens)
+            if not isinstance(verdict, Admission):
+                rejections.append(Rejection(spec.name, verdict.reason, verdict.reopen_in_s))
+                continue
+            lease_id = str(next(self._ids))
+            source_state.commit(
+                src.state,
+                spec,
+                lease_id,
+                now,
+                ttl_s=ttl_s,
+                cost_tokens=cost_tokens,
+                probe=verdict.probe,
+            )
+            lease = Lease(
+                scope=scope,
+                source=spec.name,
+                lease_id=lease_id,
+                ttl_s=ttl_s,
+                tokens=cost_tokens,
+                probe=verdict.probe,
+            )
+            return AcquireResult(lease, tuple(rejections))
+        return AcquireResult(None, tuple(rejections))
+
+    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
+        """Free the permit, record the outcome, wake the waiting room; a dead lease is a no-op."""
+        sc = self._scopes.get(lease.scope)
+        src = sc.sources.get(lease.source) if sc is not None else None
+        if sc is None or src is None:
+            return
+        now = self._now()
+        freed = source_state.apply_outcome(
+            src.state,
+            src.spec,
+            lease.lease_id,
+            now,
+            outcome.kind,
+            aimd_decrease=outcome.aimd_decrease,
+            retry_after_s=outcome.retry_after_s,
+            tokens_used=outcome.tokens_used,
+        )
+        if not freed:
+            return
+        if outcome.kind == "success":
+            sc.progress_at = now
+        room = self._rooms.get(lease.scope)
+        if room is not None:
+            room.notify()
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend a live lease by its TTL from now; ``False`` when it is unknown or expired."""
+        sc = self._scopes.get(lease.scope)
+        src = sc.sources.get(lease.source) if sc is not None else None
+        if src is None:
+            return False
+        return source_state.renew(src.state, lease.lease_id, self._now())
+
+    async def progress_age_s(self, scope: str) -> float:
+        """Seconds since the scope last served; ``inf`` if it never has."""
+        sc = self._scopes.get(scope)
+        if sc is None or sc.progress_at is None:
+            return math.inf
+        return max(0.0, self._now() - sc.progress_at)
+
+    async def snapshot(self, scope: str) -> ScopeSnapshot:
+        """Every source seen in the scope, in order of first sight, as of now."""
+        now = self._now()
+        sc = self._scopes.get(scope)
+        if sc is None:
+            return ScopeSnapshot(scope=scope, progress_age_s=math.inf)
+        age = math.inf if sc.progress_at is None else max(0.0, now - sc.progress_at)
+        sources = []
+        for name, src in sc.sources.items():
+            v = source_state.view(src.state, src.spec, now)
+            sources.append(
+                SourceSnapshot(
+                    name=name,
+                    in_flight=v.in_flight,
+                    limit=v.limit,
+                    breaker=v.breaker,
+                    consecutive_failures=v.consecutive_failures,
+                    trips=v.trips,
+                    reopen_in_s=v.reopen_in_s,
+                    paced_for_s=v.paced_for_s,
+                    rpm_tokens=v.rpm_tokens,
+                    tpm_tokens=v.tpm_tokens,
+                )
+            )
+        return ScopeSnapshot(scope=scope, progress_age_s=age, sources=tuple(sources))
+
+    def waiting_room(self, scope: str) -> WaitingRoom:
+        """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""
+        room = self._rooms.get(scope)
+        if room is None:
+            room = self._rooms[scope] = WaitingRoom()
+        return room
+
+    async def aclose(self) -> None:
+        """Nothing to release: the state lives and dies with the process."""
