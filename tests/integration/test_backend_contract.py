@@ -641,6 +641,11 @@ async def test_snapshot_times_are_relative_and_buckets_refilled(backend_env: Bac
     assert s.rpm_tokens == pytest.approx(2.75)
 
 
+async def _never(_seconds: float) -> None:
+    """A wait timer that never fires: only a release may end the wait (and time stands still)."""
+    await asyncio.Event().wait()
+
+
 async def test_release_wakes_the_waiting_room_head(backend_env: BackendEnv) -> None:
     """Releasing a live lease wakes the head of its scope's room; a no-op release wakes nobody."""
     env = backend_env
@@ -650,7 +655,7 @@ async def test_release_wakes_the_waiting_room_head(backend_env: BackendEnv) -> N
     head = room.enter()
     second = room.enter()
     lease = await _grant(env, A)
-    waiting = asyncio.ensure_future(room.wait(head, 60, env.clock.sleep))
+    waiting = asyncio.ensure_future(room.wait(head, 60, _never))
     await asyncio.sleep(0)
     await env.backend.release(lease, SUCCESS)
     await asyncio.wait_for(waiting, 1)
