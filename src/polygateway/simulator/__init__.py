@@ -1,1 +1,34 @@
-"""PolyGateway simulator package."""
+"""A fault-injecting simulated upstream: a real HTTP server on 127.0.0.1 (DESIGN.md section 10).
+
+It speaks OpenAI chat completions (JSON and SSE) and embeddings, and
+MonkeyOCR's ``/ocr/text`` and ``/parse``, for several sources on one server
+(``{sim.url}/{source}/...``), each with its own ``FaultProfile``; it records
+what it saw for tests and reports. It plays the upstream, so it imports
+nothing of the governance stack. Needs the ``sim`` extra (starlette, uvicorn).
+
+    async with SimulatedUpstream({"a": PROFILES["flaky"]}) as sim:
+        base_url = sim.base_url("a")          # http://127.0.0.1:PORT/a/v1
+        ...
+        sim.stats("a").max_concurrent
+"""
+
+from __future__ import annotations
+
+from polygateway.simulator.command import main
+from polygateway.simulator.payloads import embedding_vector
+from polygateway.simulator.profiles import PROFILES, FaultProfile, get_profile
+from polygateway.simulator.server import SimulatedUpstream, SimulatorNotRunning
+from polygateway.simulator.stats import OUTCOMES, SourceStats, format_stats
+
+__all__ = [
+    "OUTCOMES",
+    "PROFILES",
+    "FaultProfile",
+    "SimulatedUpstream",
+    "SimulatorNotRunning",
+    "SourceStats",
+    "embedding_vector",
+    "format_stats",
+    "get_profile",
+    "main",
+]

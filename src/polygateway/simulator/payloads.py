@@ -1,0 +1,305 @@
+"""The bodies a healthy upstream answers with: OpenAI chat / embeddings and MonkeyOCR shapes.
+
+Pure functions of the request, so a test can predict every answer: the reply
+text depends on the source and the request, an embedding vector on its input
+text alone (its first component is a stable hash, which makes the input order
+visible in the output).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+__all__ = [
+    "OCR_SUFFIXES",
+    "ChatReply",
+    "chat_chunks",
+    "chat_completion",
+    "chat_reply",
+    "content_list",
+    "embedding_vector",
+    "embeddings_response",
+    "ocr_text_response",
+    "parse_response",
+]
+
+OCR_SUFFIXES = frozenset({".pdf", ".jpg", ".jpeg", ".png"})
+"""File name endings MonkeyOCR accepts for an upload."""
+
+_FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
+
+
+def _tokens(text: str) -> int:
+    """A rough token count (4 characters a token), never 0, like an estimate providers match."""
+    return max(1, len(text) // 4)
+
+
+def _prompt_text(messages: Sequence[Any]) -> str:
+    """All text of the messages, for the token count and the echo in the reply."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(
+                str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p
+            )
+    return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    """What a chat answer will say, before it is shaped as a completion or as chunks."""
+
+    id: str
+    model: str
+    created: int
+    words: tuple[str, ...]
+    tool_name: str | None
+    prompt_tokens: int
+
+    @property
+    def content(self) -> str:
+        """The full reply text (the streamed deltas join to exactly this)."""
+        return " ".join(self.words)
+
+    @property
+    def finish_reason(self) -> str:
+        """``tool_calls`` when the reply is a tool call, else ``stop``."""
+        return "tool_calls" if self.tool_name is not None else "stop"
+
+    def usage(self) -> dict[str, int]:
+        """The OpenAI usage object of this reply."""
+        completion = len(self.words) if self.tool_name is None else 8
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def tool_call(self) -> dict[str, Any]:
+        """The one tool call of a tool reply, arguments as a JSON string like OpenAI sends."""
+        return {
+            "id": f"call_{self.id[-8:]}",
+            "type": "function",
+            "function": {"name": self.tool_name, "arguments": "{}"},
+        }
+
+
+def chat_reply(
+    request: Mapping[str, Any], *, source: str, request_no: int, created: int, min_words: int
+) -> ChatReply:
+    """Decide the reply to a chat request; ``min_words`` lets a stream fill its chunks."""
+    messages = request.get("messages", [])
+    prompt = _prompt_text(messages if isinstance(messages, list) else [])
+    words = [*f"Simulated reply from {source}.".split(), *prompt.split()[:8]]
+    i = 0
+    while len(words) < min_words:
+        words.append(_FILLER[i % len(_FILLER)])
+        i += 1
+    max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
+    if isinstance(max_tokens, int) and max_tokens > 0:
+        words = words[:max_tokens]
+    tool_name: str | None = None
+    tools = request.get("tools")
+    if isinstance(tools, list) and tools:
+        first = tools[0]
+        function = first.get("function") if isinstance(first, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        tool_name = name if isinstance(name, str) else "tool"
+    model = request.get("model")
+    return ChatReply(
+        id=f"chatcmpl-sim-{source}-{request_no}",
+        model=model if isinstance(model, str) else "sim-model",
+        created=created,
+        words=tuple(words),
+        tool_name=tool_name,
+        prompt_tokens=_tokens(prompt),
+    )
+
+
+def chat_completion(reply: ChatReply) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` object."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_name is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": [reply.tool_call()]}
+    return {
+        "id": reply.id,
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason}],
+        "usage": reply.usage(),
+    }
+
+
+def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> list[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a stream: role, deltas, finish, then usage.
+
+    The ``[DONE]`` sentinel is not a chunk; the server sends it after these.
+    """
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": reply.id,
+            "object": "chat.completion.chunk",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    out: list[dict[str, Any]] = []
+    if reply.tool_name is not None:
+        call = reply.tool_call()
+        start = {**call, "index": 0, "function": {"name": reply.tool_name, "arguments": ""}}
+        out.append(chunk({"role": "assistant", "content": None, "tool_calls": [start]}))
+        args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+        out.append(chunk({"tool_calls": [args]}))
+    else:
+        out.append(chunk({"role": "assistant", "content": ""}))
+        n = max(1, min(chunks, len(reply.words)))
+        for i in range(n):
+            # Split the words into n near-equal runs; every run after the first
+            # starts with the space that joined it, so the deltas concatenate to
+            # the non-streamed content exactly.
+            lo, hi = len(reply.words) * i // n, len(reply.words) * (i + 1) // n
+            text = " ".join(reply.words[lo:hi])
+            out.append(chunk({"content": text if i == 0 else " " + text}))
+    out.append(chunk({}, reply.finish_reason))
+    if include_usage:
+        last = chunk({})
+        last["choices"] = []
+        last["usage"] = reply.usage()
+        out.append(last)
+    return out
+
+
+def embedding_vector(text: str, dim: int = 8) -> list[float]:
+    """The simulator's embedding of ``text``: a pure function of the text.
+
+    Component 0 is the first 32 bits of the text's SHA-256 as a fraction in
+    [0, 1), so a test can tell which input a vector belongs to; the others are
+    further hash bytes spread over [-1, 1].
+    """
+    stream = b""
+    block = 0
+    while len(stream) < 4 + dim:
+        stream += hashlib.sha256(f"{block}:{text}".encode()).digest()
+        block += 1
+    head = hashlib.sha256(text.encode()).digest()
+    vector = [int.from_bytes(head[:4], "big") / 2**32]
+    vector += [round(b / 127.5 - 1.0, 6) for b in stream[4 : 4 + dim - 1]]
+    return vector
+
+
+def embeddings_response(
+    inputs: Sequence[str], *, model: str, dim: int, encoding_format: str
+) -> dict[str, Any]:
+    """An OpenAI ``list`` of embeddings in input order; ``base64`` packs float32 like OpenAI."""
+    data: list[dict[str, Any]] = []
+    for index, text in enumerate(inputs):
+        vector = embedding_vector(text, dim)
+        embedding: list[float] | str = vector
+        if encoding_format == "base64":
+            embedding = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode("ascii")
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    tokens = sum(_tokens(t) for t in inputs)
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def _digest(data: bytes) -> str:
+    """A short, stable fingerprint of an upload, echoed so tests see the bytes arrived."""
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def ocr_text_response(filename: str, data: bytes) -> dict[str, Any]:
+    """MonkeyOCR's ``/ocr/text`` answer for an upload."""
+    text = (
+        f"Recognized text of {filename}\n\n"
+        f"{len(data)} bytes, sha256 {_digest(data)}.\n"
+        "The quick brown fox jumps over the lazy dog."
+    )
+    return {
+        "success": True,
+        "task_type": "text",
+        "content": text,
+        "message": "Text extraction completed successfully",
+    }
+
+
+def content_list(filename: str, data: bytes, pages: int = 2) -> list[dict[str, Any]]:
+    """A MonkeyOCR / MinerU content list: a title, text, a table and an equation per page."""
+    stem = PurePosixPath(filename).stem or "document"
+    items: list[dict[str, Any]] = []
+    for page in range(pages):
+        items += [
+            {
+                "type": "title",
+                "text": f"{stem}, page {page + 1}",
+                "text_level": 1,
+                "bbox": [72, 60, 540, 90],
+                "page_idx": page,
+            },
+            {
+                "type": "text",
+                "text": f"Body text of page {page + 1} ({len(data)} bytes, {_digest(data)}).",
+                "bbox": [72, 110, 540, 300],
+                "page_idx": page,
+            },
+            {
+                "type": "table",
+                "table_body": "<table><tr><td>a</td><td>1</td></tr></table>",
+                "table_caption": [f"Table {page + 1}"],
+                "bbox": [72, 320, 540, 460],
+                "page_idx": page,
+            },
+            {
+                "type": "equation",
+                "text": "$$E = mc^2$$",
+                "text_format": "latex",
+                "bbox": [200, 480, 400, 520],
+                "page_idx": page,
+            },
+        ]
+    return items
+
+
+def parse_response(filename: str, data: bytes, return_type: str | None) -> dict[str, Any]:
+    """MonkeyOCR's ``/parse`` answer: a JSON content list, or markdown when not asked for one."""
+    items = content_list(filename, data)
+    if return_type == "content_list_json":
+        content = json.dumps(items, ensure_ascii=False)
+        content_type = "content_list_json"
+    else:
+        lines: list[str] = []
+        for item in items:
+            if item["type"] == "title":
+                lines.append(f"# {item['text']}")
+            elif item["type"] == "table":
+                lines.append(item["table_body"])
+            else:
+                lines.append(item["text"])
+        content = "\n\n".join(lines)
+        content_type = "markdown"
+    return {
+        "success": True,
+        "message": "Document parsing completed successfully",
+        "content": content,
+        "content_type": content_type,
+    }

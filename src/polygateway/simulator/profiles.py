@@ -1,0 +1,173 @@
+"""Fault profiles: how one simulated source misbehaves, and the named built-in profiles.
+
+Every request to a source draws at most one random fault, so the fault rates
+of a profile are probabilities of disjoint outcomes and must add up to at most
+1. The server-side limits (``rpm_limit``, ``max_concurrency``) are not random:
+they answer 429 exactly when a real provider would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Literal
+
+__all__ = [
+    "FAULTS",
+    "PROFILES",
+    "Fault",
+    "FaultProfile",
+    "RetryAfterStyle",
+    "get_profile",
+]
+
+Fault = Literal["429", "5xx", "hang", "reset", "malformed", "error_body", "truncate"]
+"""A random fault a request can draw (``truncate`` only changes streams)."""
+
+FAULTS: tuple[Fault, ...] = (
+    "429",
+    "5xx",
+    "hang",
+    "reset",
+    "malformed",
+    "error_body",
+    "truncate",
+)
+
+RetryAfterStyle = Literal["seconds", "http-date"]
+
+
+@dataclass(frozen=True, slots=True)
+class FaultProfile:
+    """How one simulated source behaves; the defaults are a healthy, instant source.
+
+    Attributes:
+        latency_s: mean delay before the response headers.
+        latency_jitter_s: the delay is uniform on ``latency_s ± latency_jitter_s``, floored at 0.
+        ttft_s: extra delay after the headers of a stream, before its first chunk.
+        rate_429: probability of a 429 answer.
+        retry_after_s: the Retry-After of a random 429; ``None`` sends no header.
+        retry_after_style: Retry-After as delta seconds or as an HTTP date.
+        rpm_limit: server-side requests per sliding 60 s window; over it, 429.
+        max_concurrency: server-side requests in service at once; over it, 429 with Retry-After 1.
+        rate_5xx: probability of a 5xx answer, its status drawn from ``statuses_5xx``.
+        rate_hang: probability of never answering (until ``hang_s``, the client leaves,
+            or the server shuts down).
+        rate_reset: probability of closing the connection in the middle of the body.
+        rate_malformed: probability of a 200 whose body is not valid JSON.
+        rate_error_body: probability of a 200 whose body is an error object
+            (``{"error": ...}``, MonkeyOCR ``{"success": false, ...}``).
+        rate_truncate: probability that a stream stops without a finish_reason and ``[DONE]``.
+        stream_chunks: content chunks per streamed answer.
+        chunk_interval_s: delay between stream chunks.
+        embedding_dim: length of each embedding vector.
+    """
+
+    latency_s: float = 0.0
+    latency_jitter_s: float = 0.0
+    ttft_s: float = 0.0
+    rate_429: float = 0.0
+    retry_after_s: float | None = 1.0
+    retry_after_style: RetryAfterStyle = "seconds"
+    rpm_limit: int | None = None
+    max_concurrency: int | None = None
+    rate_5xx: float = 0.0
+    statuses_5xx: tuple[int, ...] = (500, 502, 503)
+    rate_hang: float = 0.0
+    hang_s: float = 3600.0
+    rate_reset: float = 0.0
+    rate_malformed: float = 0.0
+    rate_error_body: float = 0.0
+    rate_truncate: float = 0.0
+    stream_chunks: int = 8
+    chunk_interval_s: float = 0.0
+    embedding_dim: int = 8
+
+    def __post_init__(self) -> None:
+        """Refuse a profile that cannot be played, naming the field."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            number = isinstance(value, float | int) and not isinstance(value, bool)
+            if number and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"FaultProfile.{f.name} must be finite and >= 0, not {value}")
+        for name, rate in self.fault_rates().items():
+            if rate > 1:
+                raise ValueError(f"FaultProfile.rate_{name} must be <= 1, not {rate}")
+        total = sum(self.fault_rates().values())
+        if total > 1 + 1e-9:
+            # One draw picks at most one fault, so the rates share one unit interval.
+            raise ValueError(f"FaultProfile fault rates add up to {total:.3f}, more than 1")
+        if self.rpm_limit is not None and self.rpm_limit < 1:
+            raise ValueError("FaultProfile.rpm_limit must be >= 1 or None")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("FaultProfile.max_concurrency must be >= 1 or None")
+        if self.rate_5xx > 0 and not self.statuses_5xx:
+            raise ValueError("FaultProfile.statuses_5xx must not be empty when rate_5xx > 0")
+        if any(not 500 <= s <= 599 for s in self.statuses_5xx):
+            raise ValueError(f"FaultProfile.statuses_5xx must be 5xx codes: {self.statuses_5xx}")
+        if self.stream_chunks < 1:
+            raise ValueError("FaultProfile.stream_chunks must be >= 1")
+        if self.embedding_dim < 1:
+            raise ValueError("FaultProfile.embedding_dim must be >= 1")
+        if self.retry_after_style not in ("seconds", "http-date"):
+            raise ValueError(f"FaultProfile.retry_after_style unknown: {self.retry_after_style!r}")
+
+    def fault_rates(self) -> dict[Fault, float]:
+        """Each random fault and its probability, in the order the draw walks them."""
+        return {
+            "429": self.rate_429,
+            "5xx": self.rate_5xx,
+            "hang": self.rate_hang,
+            "reset": self.rate_reset,
+            "malformed": self.rate_malformed,
+            "error_body": self.rate_error_body,
+            "truncate": self.rate_truncate,
+        }
+
+
+PROFILES: Mapping[str, FaultProfile] = MappingProxyType(
+    {
+        # A well-behaved provider: some latency, streams with a visible first-token delay.
+        "healthy": FaultProfile(
+            latency_s=0.02, latency_jitter_s=0.01, ttft_s=0.02, chunk_interval_s=0.005
+        ),
+        # Mostly fine, with a low rate of every kind of failure a gateway must survive.
+        "flaky": FaultProfile(
+            latency_s=0.03,
+            latency_jitter_s=0.02,
+            ttft_s=0.03,
+            chunk_interval_s=0.005,
+            rate_429=0.03,
+            rate_5xx=0.06,
+            rate_hang=0.02,
+            rate_reset=0.03,
+            rate_malformed=0.02,
+            rate_truncate=0.02,
+        ),
+        # A provider at its quota: a low server-side rpm and 429s that say when to come back.
+        "rate_limited": FaultProfile(
+            latency_s=0.02,
+            latency_jitter_s=0.01,
+            rate_429=0.2,
+            retry_after_s=2.0,
+            rpm_limit=30,
+            max_concurrency=4,
+        ),
+        # A provider that is down: nearly every answer is 503.
+        "failing": FaultProfile(latency_s=0.01, rate_5xx=0.9, statuses_5xx=(503,)),
+        # No delays and no faults: measures the gateway's own cost in benchmarks.
+        "zero_latency": FaultProfile(),
+    }
+)
+"""The built-in profiles, by name (``polygateway simulate --profile NAME``)."""
+
+
+def get_profile(name: str) -> FaultProfile:
+    """The built-in profile called ``name``; the error lists the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise KeyError(f"unknown simulator profile {name!r} (known: {known})") from None
