@@ -1,1 +1,12 @@
-"""PolyGateway backends/redis package."""
+"""The Redis backend: governance state shared by a fleet of processes (DESIGN.md section 6).
+
+Importing this package imports ``redis``; ``import polygateway`` does not, and
+exposes ``RedisBackend`` lazily. Without the extra, the import error says
+``pip install 'polygateway[redis]'``.
+"""
+
+from __future__ import annotations
+
+from polygateway.backends.redis.limiter import RedisBackend
+
+__all__ = ["RedisBackend"]

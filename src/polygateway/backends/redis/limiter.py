@@ -1,0 +1,494 @@
+"""The Redis backend: one governance state for a whole fleet of processes.
+
+Every operation is one Lua script (``scripts.py``), so it is atomic on the
+server and costs one round trip: a call that does not wait costs exactly two
+(acquire, release); a stream adds one per renewal. Scripts run by EVALSHA and
+are reloaded by redis-py on NOSCRIPT, so a ``SCRIPT FLUSH`` or a restarted
+server is survived without a restart of the process.
+
+Time is the server's (``redis.call('TIME')``) unless a ``now`` is injected,
+which only tests do, so the contract suite runs its time-dependent cases under
+a ``FakeClock``. Every value handed back is relative, so the caller's
+monotonic clock and the server's clock never mix.
+
+Fail closed: any Redis error, socket timeout or script failure becomes
+``GovernanceBackendError`` naming the operation and the scope (this module is
+the one boundary where redis exceptions are translated); no request goes
+upstream ungoverned. The password of the URL never appears in a message or
+repr.
+
+Cancellation: ``acquire`` and ``release`` run their script shielded. A caller
+cancelled while its acquire is in flight gets its lease, if one was granted,
+released at once in the background; a caller cancelled while releasing still
+has its permit returned. Neither waits for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+try:
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import RedisError
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "RedisBackend needs the redis client: pip install 'polygateway[redis]'"
+    ) from exc
+
+from polygateway.backends.base import (
+    AcquireResult,
+    AttemptOutcome,
+    Lease,
+    Rejection,
+    RejectReason,
+    ScopeSnapshot,
+    SourceSnapshot,
+    SourceSpec,
+)
+from polygateway.backends.redis import scripts
+from polygateway.backends.waiting import WaitingRoom
+from polygateway.errors import ConfigError, GovernanceBackendError
+from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
+from polygateway.governance.pacer import pace_for
+
+__all__ = ["RedisBackend"]
+
+logger = logging.getLogger("polygateway.backends.redis")
+
+_PROGRESS_TTL_S = 3600
+"""Lifetime of the fleet-wide progress key, refreshed by every success.
+
+It bounds ``stall_window_s`` (config refuses more than 3600 s): the stall
+rule only asks whether the scope served within the window, and a progress
+mark older than the longest window is as good as none, so an abandoned
+scope's key may as well disappear.
+"""
+
+_STATE_TTL_S = 86400
+"""Lifetime of a source's state after its last acquire or release.
+
+A source nobody has touched for a day has no cool-down or pacing left worth
+keeping (both are far shorter); dropping it keeps a fleet whose config
+changed from accumulating keys. Lease keys empty themselves as leases end.
+"""
+
+_MAX_SPEC_CACHE = 1024
+"""Specs whose ARGV strings are kept; configs hold a few dozen, so this only bounds misuse."""
+
+_REDACTED = "***"
+
+T = TypeVar("T")
+Operation = Literal["acquire", "release", "renew", "progress_age_s", "snapshot"]
+BreakerState = Literal["closed", "open", "half_open"]
+_BREAKER_STATES = ("closed", "open", "half_open")
+_CANCELLED = AttemptOutcome("cancelled")
+
+
+def _key(scope: str, *parts: str) -> str:
+    """``pgw:{scope}:...``: the hash tag keeps a scope in one Redis Cluster slot."""
+    return ":".join(("pgw", "{" + scope + "}", *parts))
+
+
+def _num(value: float | None) -> str:
+    """A number as a Lua script reads it back exactly; ``""`` for none."""
+    if value is None:
+        return ""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ConfigError(f"a governance limit must be a finite number, not {value!r}")
+    return repr(number)
+
+
+def _text(value: Any) -> str:
+    """A script's reply item as text (the client may or may not decode replies)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)
+
+
+def _opt_float(value: Any) -> float | None:
+    text = _text(value)
+    return None if text == "" else float(text)
+
+
+def _is_one(reply: Any) -> bool:
+    return int(reply) == 1
+
+
+def _age(reply: Any) -> float:
+    """A progress age from a script; ``""`` means never served."""
+    age = _opt_float(reply)
+    return math.inf if age is None else age
+
+
+def _mask_url(url: str) -> str:
+    """The URL with its password (userinfo or ``?password=``) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis url>"
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:{_REDACTED}@{host}"
+    query = parts.query
+    if "password" in query.lower():
+        pairs = [
+            (k, _REDACTED if k.lower() == "password" else v)
+            for k, v in parse_qsl(query, keep_blank_values=True)
+        ]
+        query = urlencode(pairs, safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _secrets_of(url: str) -> tuple[str, ...]:
+    """Every spelling of the URL's password that a foreign message could contain."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ()
+    found = [parts.password or ""]
+    found += [v for k, v in parse_qsl(parts.query) if k.lower() == "password"]
+    spelled = {s for raw in found if raw for s in (raw, unquote(raw))}
+    # Longest first, so a password containing another is masked whole.
+    return tuple(sorted(spelled, key=len, reverse=True))
+
+
+class RedisBackend:
+    """Governance state shared by every process that points at one Redis; implements ``Backend``.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``, ``unix://``).
+        socket_timeout_s: longest wait for Redis on connect and on each reply;
+            past it the operation fails closed.
+        now: tests only: a clock passed to every script instead of the server's TIME.
+        client: an existing ``redis.asyncio.Redis`` to use instead of opening a
+            pool (its owner closes it; ``url`` then only names it in messages).
+    """
+
+    __slots__ = (
+        "_background",
+        "_client",
+        "_now",
+        "_owns_client",
+        "_rooms",
+        "_scripts",
+        "_secrets",
+        "_serial",
+        "_spec_args",
+        "_url",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        socket_timeout_s: float = 1.0,
+        now: Callable[[], float] | None = None,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        self._url = _mask_url(url)
+        self._secrets = _secrets_of(url)
+        if not socket_timeout_s > 0:
+            raise ConfigError(
+                f"socket_timeout_s must be positive, not {socket_timeout_s!r}",
+                field="redis_socket_timeout_s",
+            )
+        if client is None:
+            try:
+                client = aioredis.Redis.from_url(
+                    url,
+                    socket_timeout=socket_timeout_s,
+                    socket_connect_timeout=socket_timeout_s,
+                    # No client-side retry: one failed attempt fails closed at once,
+                    # within the timeout; the governance loop decides what comes next.
+                    retry=Retry(NoBackoff(), 0),
+                )
+            except ValueError as exc:
+                raise ConfigError(
+                    f"invalid redis url {self._url}: {self._scrub(str(exc))}", field="redis_url"
+                ) from exc
+            self._owns_client = True
+        else:
+            self._owns_client = False
+        self._client = client
+        self._now = now
+        self._scripts = {
+            "acquire": client.register_script(scripts.ACQUIRE),
+            "release": client.register_script(scripts.RELEASE),
+            "renew": client.register_script(scripts.RENEW),
+            "progress_age_s": client.register_script(scripts.PROGRESS),
+            "snapshot": client.register_script(scripts.SNAPSHOT),
+        }
+        self._rooms: dict[str, WaitingRoom] = {}
+        self._spec_args: dict[SourceSpec, tuple[str, ...]] = {}
+        # Shielded work a cancelled caller left behind; kept referenced until done.
+        self._background: set[asyncio.Future[Any]] = set()
+        self._serial = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"RedisBackend(url={self._url!r})"
+
+    # -- the one boundary where redis exceptions are translated ---------------------------
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, _REDACTED)
+        return text
+
+    def _failure(
+        self, operation: Operation, scope: str, detail: str, exc: BaseException
+    ) -> GovernanceBackendError:
+        message = f"redis {operation} failed at {self._url}: {detail}"
+        if str(exc):
+            message += f": {self._scrub(str(exc))}"
+        return GovernanceBackendError(message, operation=operation, scope=scope)
+
+    async def _call(
+        self,
+        operation: Operation,
+        scope: str,
+        keys: Sequence[str],
+        args: Sequence[str],
+        parse: Callable[[Any], T],
+    ) -> T:
+        """Run one script and parse its reply; any failure becomes ``GovernanceBackendError``."""
+        try:
+            reply = await self._scripts[operation](keys=keys, args=args)
+        except RedisError as exc:
+            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
+        except OSError as exc:
+            # Socket errors redis-py does not wrap (e.g. during connection setup).
+            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
+        try:
+            return parse(reply)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise self._failure(operation, scope, "unexpected script reply", exc) from exc
+
+    def _now_arg(self) -> str:
+        return "" if self._now is None else repr(float(self._now()))
+
+    def _args_of(self, spec: SourceSpec) -> tuple[str, ...]:
+        """A candidate's ARGV slice (ACQUIRE's contract), computed once per spec."""
+        cached = self._spec_args.get(spec)
+        if cached is None:
+            rpm = spec.rpm is not None
+            tpm = spec.tpm is not None
+            cached = (
+                spec.name,
+                str(int(spec.max_concurrency)),
+                _num(spec.rpm),
+                _num(spec.rpm_capacity) if rpm else "",
+                _num(spec.tpm),
+                _num(spec.tpm_capacity) if tpm else "",
+                str(int(spec.breaker_failures)),
+                _num(spec.cooldown_s),
+                _num(spec.cooldown_max_s),
+            )
+            if len(self._spec_args) >= _MAX_SPEC_CACHE:
+                self._spec_args.clear()
+            self._spec_args[spec] = cached
+        return cached
+
+    # -- the Backend protocol ----------------------------------------------------------
+    #
+    # Each method reads the injected clock (if any) before its first await, as the
+    # memory backend does: the operation happens at the moment it is called.
+
+    async def acquire(
+        self,
+        scope: str,
+        candidates: Sequence[SourceSpec],
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+    ) -> AcquireResult:
+        """Lease the first admissible candidate, in order, in one ACQUIRE run (shielded)."""
+        if not candidates:
+            return AcquireResult(None)
+        specs = tuple(candidates)
+        # Unique fleet-wide (uuid4) and, thanks to the counter in front, sorting in order of
+        # issue within this process: logs and the lease zsets read chronologically, and
+        # anything that orders leases by id sees the same order on a replay.
+        lease_id = f"{next(self._serial):012x}{uuid.uuid4().hex}"
+        keys = [_key(scope, "sources")]
+        args = [self._now_arg(), lease_id, _num(ttl_s), str(int(cost_tokens)), str(_STATE_TTL_S)]
+        for spec in specs:
+            keys += (
+                _key(scope, "src", spec.name),
+                _key(scope, "leases", spec.name),
+                _key(scope, "lease_meta", spec.name),
+            )
+            args += self._args_of(spec)
+
+        def parse(reply: Any) -> AcquireResult:
+            granted = int(reply[0])
+            rejections = tuple(
+                Rejection(
+                    specs[i].name,
+                    cast(RejectReason, _text(reply[2 + 2 * i])),
+                    _opt_float(reply[3 + 2 * i]),
+                )
+                for i in range((len(reply) - 2) // 2)
+            )
+            if granted == 0:
+                return AcquireResult(None, rejections)
+            lease = Lease(
+                scope=scope,
+                source=specs[granted - 1].name,
+                lease_id=lease_id,
+                ttl_s=ttl_s,
+                tokens=cost_tokens,
+                probe=int(reply[1]) == 1,
+            )
+            return AcquireResult(lease, rejections)
+
+        task = asyncio.ensure_future(self._call("acquire", scope, keys, args, parse))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The script may have granted a lease this caller will never see: give it back.
+            task.add_done_callback(self._release_abandoned)
+            raise
+
+    def _release_abandoned(self, task: asyncio.Future[AcquireResult]) -> None:
+        """Done-callback of an acquire whose caller was cancelled: return what it was granted."""
+        if task.cancelled() or task.exception() is not None:
+            return  # no reply confirmed a grant; an unseen one expires with its lease
+        lease = task.result().lease
+        if lease is not None:
+            self._adopt(asyncio.ensure_future(self.release(lease, _CANCELLED)))
+
+    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
+        """Free the permit and record the outcome in one RELEASE run (shielded)."""
+        scope = lease.scope
+        retry_after = outcome.retry_after_s
+        if retry_after is not None and math.isnan(retry_after):
+            retry_after = None
+        keys = (
+            _key(scope, "src", lease.source),
+            _key(scope, "leases", lease.source),
+            _key(scope, "lease_meta", lease.source),
+            _key(scope, "progress"),
+        )
+        args = (
+            self._now_arg(),
+            lease.lease_id,
+            outcome.kind,
+            "1" if outcome.aimd_decrease else "0",
+            repr(pace_for(retry_after)),
+            "" if outcome.tokens_used is None else str(int(outcome.tokens_used)),
+            repr(AIMD_COOLOFF_S),
+            repr(AIMD_FACTOR),
+            str(_PROGRESS_TTL_S),
+            str(_STATE_TTL_S),
+        )
+        task = asyncio.ensure_future(self._release(scope, keys, args))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The release goes on without its caller; keep it referenced until done.
+            self._adopt(task)
+            raise
+
+    async def _release(self, scope: str, keys: Sequence[str], args: Sequence[str]) -> None:
+        freed = await self._call("release", scope, keys, args, _is_one)
+        if freed:
+            room = self._rooms.get(scope)
+            if room is not None:
+                room.notify()
+
+    def _adopt(self, task: asyncio.Future[Any]) -> None:
+        """Keep work a cancelled caller left behind referenced; log a failure nobody awaits."""
+        self._background.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.warning(
+                "could not return the permit of a cancelled call; it frees itself when its "
+                "lease expires: %s",
+                exc,
+            )
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend a live lease by its TTL from now in one RENEW run."""
+        scope = lease.scope
+        keys = (
+            _key(scope, "src", lease.source),
+            _key(scope, "leases", lease.source),
+            _key(scope, "lease_meta", lease.source),
+        )
+        args = (self._now_arg(), lease.lease_id)
+        return await self._call("renew", scope, keys, args, _is_one)
+
+    async def progress_age_s(self, scope: str) -> float:
+        """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
+        args = (self._now_arg(),)
+        return await self._call("progress_age_s", scope, (_key(scope, "progress"),), args, _age)
+
+    async def snapshot(self, scope: str) -> ScopeSnapshot:
+        """Every source seen in the scope, in order of first sight (two round trips)."""
+        args = (self._now_arg(),)
+        try:
+            raw_names = await self._client.zrange(_key(scope, "sources"), 0, -1)
+        except RedisError as exc:
+            raise self._failure("snapshot", scope, type(exc).__name__, exc) from exc
+        except OSError as exc:
+            raise self._failure("snapshot", scope, type(exc).__name__, exc) from exc
+        names = [_text(n) for n in raw_names]
+        keys = [_key(scope, "progress")]
+        for name in names:
+            keys += (_key(scope, "src", name), _key(scope, "leases", name))
+
+        def parse(reply: Any) -> ScopeSnapshot:
+            sources = []
+            for i, name in enumerate(names):
+                row = reply[1 + 10 * i : 11 + 10 * i]
+                if int(row[0]) == 0:
+                    continue  # registered, but its state expired meanwhile
+                breaker = _text(row[3])
+                if breaker not in _BREAKER_STATES:
+                    raise ValueError(f"unknown breaker state {breaker!r}")
+                sources.append(
+                    SourceSnapshot(
+                        name=name,
+                        in_flight=int(row[1]),
+                        limit=float(_text(row[2])),
+                        breaker=cast(BreakerState, breaker),
+                        consecutive_failures=int(_text(row[4])),
+                        trips=int(_text(row[5])),
+                        reopen_in_s=_opt_float(row[6]),
+                        paced_for_s=_opt_float(row[7]),
+                        rpm_tokens=_opt_float(row[8]),
+                        tpm_tokens=_opt_float(row[9]),
+                    )
+                )
+            return ScopeSnapshot(scope=scope, progress_age_s=_age(reply[0]), sources=tuple(sources))
+
+        return await self._call("snapshot", scope, keys, args, parse)
+
+    def waiting_room(self, scope: str) -> WaitingRoom:
+        """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""
+        room = self._rooms.get(scope)
+        if room is None:
+            room = self._rooms[scope] = WaitingRoom()
+        return room
+
+    async def aclose(self) -> None:
+        """Finish the releases cancelled callers left behind, then close the pool (if ours)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._owns_client:
+            await self._client.aclose()

@@ -1,0 +1,502 @@
+"""The Lua scripts of the Redis backend: the governance policies' one permitted twin.
+
+Each script mirrors ``governance/source_state.py`` (and the breaker, AIMD and
+token-bucket functions it composes) step for step, in the same order and with
+the same float arithmetic, so that both backends make bit-identical
+decisions; research-wiki/designs/governance-policies.md is the specification
+and the differential test the guard. The scripts are constants: values only
+ever travel as KEYS / ARGV, never by building Lua text.
+
+Conventions shared by every script:
+
+- ``ARGV[1]`` is ``now`` in seconds, or ``""`` for the server clock
+  (``redis.call('TIME')``). Only tests pass a ``now``.
+- Floats travel as strings: Python sends ``repr(float)``, Lua stores and
+  returns ``string.format('%.17g', x)`` (Lua's own number-to-string keeps only
+  14 digits, and Redis truncates Lua numbers returned to integers). ``""``
+  stands for "none" (no rpm limit, no reopen time, never served).
+- Keys of one scope share the hash tag ``{scope}``, so a scope lives in one
+  Redis Cluster slot and every script touches one slot only.
+- Per-source hash ``pgw:{scope}:src:<source>``: breaker (``breaker``,
+  ``failures``, ``trips``, ``open_until``, ``probe_id``, ``probe_until``), AIMD
+  (``limit``, ``last_decrease``: absent is -inf), pacer (``not_before``),
+  buckets (``rpm_tokens``, ``rpm_at``, ``tpm_tokens``, ``tpm_at``: absent is
+  no bucket yet) and the last spec seen (``max_concurrency``, ``rpm``,
+  ``rpm_cap``, ``tpm``, ``tpm_cap``, ``breaker_failures``, ``cooldown_s``,
+  ``cooldown_max_s``), which release and snapshot need.
+- Leases: zset ``pgw:{scope}:leases:<source>`` (lease id -> expiry) and hash
+  ``pgw:{scope}:lease_meta:<source>`` (lease id -> ``"<tokens> <ttl_s>"``);
+  a lease with ``expiry <= now`` is dead and dropped at every operation.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACQUIRE", "PROGRESS", "RELEASE", "RENEW", "SNAPSHOT"]
+
+ACQUIRE = """
+-- ACQUIRE: lease the first admissible candidate, in the given order.
+--
+-- KEYS[1]          pgw:{scope}:sources          zset: source name -> order of first sight
+-- KEYS[3i-1]       pgw:{scope}:src:<name_i>     hash: the source's state and last spec
+-- KEYS[3i]         pgw:{scope}:leases:<name_i>  zset: lease id -> expiry
+-- KEYS[3i+1]       pgw:{scope}:lease_meta:<name_i>  hash: lease id -> "<tokens> <ttl_s>"
+-- ARGV[1]  now ("" = server TIME)       ARGV[2] lease id       ARGV[3] ttl_s
+-- ARGV[4]  cost_tokens                  ARGV[5] state key TTL in seconds
+-- ARGV[6 + 9(i-1) ..] candidate i: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
+--          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit)
+-- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
+-- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
+-- half-open probe, then one (reason, reopen_in_s or "") pair per rejected candidate,
+-- in order. Candidates after the granted one are not examined (nor registered).
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local now_s = fmt(now)
+local lease_id = ARGV[2]
+local ttl = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
+local state_ttl = tonumber(ARGV[5])
+
+-- Dead leases (expiry <= now) are forgotten, with their metadata.
+local function drop_expired(lk, mk)
+  local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)
+  local n = #expired
+  for first = 1, n, 1000 do
+    local last = math.min(first + 999, n)
+    redis.call('ZREM', lk, unpack(expired, first, last))
+    redis.call('HDEL', mk, unpack(expired, first, last))
+  end
+end
+
+-- The checks of source_state.admit, in order; returns reason, reopen_in_s, probe.
+-- Stored whatever the verdict: first sight, dropped leases, open -> half_open, refills.
+local function examine(i, a)
+  local sk, lk, mk = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
+  local name = ARGV[a + 1]
+  local maxc = tonumber(ARGV[a + 2])
+  local rpm = tonumber(ARGV[a + 3])
+  local rpm_cap = tonumber(ARGV[a + 4])
+  local tpm = tonumber(ARGV[a + 5])
+  local tpm_cap = tonumber(ARGV[a + 6])
+  local cooldown_max = tonumber(ARGV[a + 9])
+
+  if not redis.call('ZSCORE', KEYS[1], name) then
+    redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), name)
+  end
+  redis.call('EXPIRE', KEYS[1], state_ttl)
+
+  local h = redis.call('HMGET', sk, 'limit', 'breaker', 'open_until', 'probe_id',
+    'probe_until', 'not_before', 'rpm_tokens', 'rpm_at', 'tpm_tokens', 'tpm_at')
+  local limit = tonumber(h[1])
+  local breaker, open_until, probe_id, probe_until, not_before
+  local rpm_tokens, rpm_at, tpm_tokens, tpm_at
+  if limit == nil then
+    -- First sight (source_state.new_source_state): closed, limit at its max, buckets full.
+    limit, breaker, open_until, probe_id, probe_until, not_before = maxc, 'closed', 0, '', 0, 0
+    redis.call('HSET', sk, 'limit', fmt(limit), 'breaker', breaker, 'failures', '0',
+      'trips', '0', 'open_until', '0', 'probe_id', '', 'probe_until', '0', 'not_before', '0')
+    if rpm ~= nil then
+      rpm_tokens, rpm_at = rpm_cap, now
+      redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s)
+    end
+    if tpm ~= nil then
+      tpm_tokens, tpm_at = tpm_cap, now
+      redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens), 'tpm_at', now_s)
+    end
+  else
+    breaker = h[2]
+    open_until = tonumber(h[3])
+    probe_id = h[4] or ''
+    probe_until = tonumber(h[5])
+    not_before = tonumber(h[6])
+    rpm_tokens, rpm_at = tonumber(h[7]), tonumber(h[8])
+    tpm_tokens, tpm_at = tonumber(h[9]), tonumber(h[10])
+  end
+  -- The last spec seen: release and snapshot work from it.
+  redis.call('HSET', sk, 'max_concurrency', ARGV[a + 2], 'rpm', ARGV[a + 3],
+    'rpm_cap', ARGV[a + 4], 'tpm', ARGV[a + 5], 'tpm_cap', ARGV[a + 6],
+    'breaker_failures', ARGV[a + 7], 'cooldown_s', ARGV[a + 8], 'cooldown_max_s', ARGV[a + 9])
+  redis.call('EXPIRE', sk, math.max(state_ttl, math.ceil(cooldown_max) + 1))
+
+  drop_expired(lk, mk)
+
+  -- 1. Breaker (breaker.admit).
+  if breaker == 'open' then
+    if now < open_until then
+      return 'breaker_open', open_until - now, false
+    end
+    breaker = 'half_open'
+    redis.call('HSET', sk, 'breaker', breaker)
+  end
+  local probe = false
+  if breaker == 'half_open' then
+    if probe_id ~= '' and probe_until > now then
+      return 'probe_in_flight', nil, false
+    end
+    probe = true
+  end
+
+  -- 2. Pacer.
+  if now < not_before then
+    return 'paced', not_before - now, false
+  end
+
+  -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max.
+  if redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
+    return 'concurrency', nil, false
+  end
+
+  -- 4. rpm bucket (ratelimit.refill, then wait_for 1 token).
+  if rpm ~= nil then
+    if rpm_tokens == nil then
+      rpm_tokens, rpm_at = rpm_cap, now
+    end
+    rpm_tokens = math.min(rpm_cap, rpm_tokens + (now - rpm_at) * rpm / 60)
+    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s)
+    if not (rpm_tokens >= 1) then
+      return 'rpm', (1 - rpm_tokens) * 60 / rpm, false
+    end
+  end
+
+  -- 5. tpm bucket: the reservation is capped at the bucket, so a big request can pass.
+  if tpm ~= nil then
+    if tpm_tokens == nil then
+      tpm_tokens, tpm_at = tpm_cap, now
+    end
+    tpm_tokens = math.min(tpm_cap, tpm_tokens + (now - tpm_at) * tpm / 60)
+    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens), 'tpm_at', now_s)
+    local need = math.min(cost, tpm_cap)
+    if not (tpm_tokens >= need) then
+      return 'tpm', (need - tpm_tokens) * 60 / tpm, false
+    end
+  end
+
+  -- Commit (source_state.commit): take the tokens (buckets may go negative), add the lease.
+  if rpm ~= nil then
+    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens - 1))
+  end
+  if tpm ~= nil then
+    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens - cost))
+  end
+  local expiry = now + ttl
+  redis.call('ZADD', lk, fmt(expiry), lease_id)
+  redis.call('HSET', mk, lease_id, fmt(cost) .. ' ' .. fmt(ttl))
+  -- Lease keys empty themselves; the TTL only collects those of a crashed fleet.
+  local keep = math.max(state_ttl, math.ceil(ttl) + 1)
+  for _, key in ipairs({lk, mk}) do
+    if redis.call('TTL', key) < keep then
+      redis.call('EXPIRE', key, keep)
+    end
+  end
+  if probe then
+    redis.call('HSET', sk, 'probe_id', lease_id, 'probe_until', fmt(expiry))
+  end
+  return nil, nil, probe
+end
+
+local result = {0, 0}
+local count = (#ARGV - 5) / 9
+for i = 1, count do
+  local reason, reopen, probe = examine(i, 5 + 9 * (i - 1))
+  if reason == nil then
+    result[1] = i
+    if probe then
+      result[2] = 1
+    end
+    return result
+  end
+  table.insert(result, reason)
+  if reopen == nil then
+    table.insert(result, '')
+  else
+    table.insert(result, fmt(reopen))
+  end
+end
+return result
+"""
+
+RELEASE = """
+-- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome).
+--
+-- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
+-- KEYS[3] pgw:{scope}:lease_meta:<source>   KEYS[4] pgw:{scope}:progress
+-- ARGV[1] now ("" = server TIME)   ARGV[2] lease id
+-- ARGV[3] outcome kind: success | transient | rate_limited | source_misconfigured |
+--         request_rejected | cancelled
+-- ARGV[4] "1" when the failure asks for an AIMD decrease (transient only)
+-- ARGV[5] pace_s for rate_limited (pacer.pace_for already applied by the caller)
+-- ARGV[6] tokens_used ("" = not reported)   ARGV[7] AIMD cool-off s   ARGV[8] AIMD factor
+-- ARGV[9] progress key TTL s               ARGV[10] state key TTL s
+-- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
+-- (then nothing but the dropping of dead leases happened).
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local now_s = fmt(now)
+local sk, lk, mk = KEYS[1], KEYS[2], KEYS[3]
+local lease_id = ARGV[2]
+local kind = ARGV[3]
+
+local expiry = tonumber(redis.call('ZSCORE', lk, lease_id))
+local meta = redis.call('HGET', mk, lease_id)
+local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)
+local n = #expired
+for first = 1, n, 1000 do
+  local last = math.min(first + 999, n)
+  redis.call('ZREM', lk, unpack(expired, first, last))
+  redis.call('HDEL', mk, unpack(expired, first, last))
+end
+if expiry == nil or expiry <= now then
+  return 0
+end
+redis.call('ZREM', lk, lease_id)
+redis.call('HDEL', mk, lease_id)
+
+local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_failures',
+  'cooldown_s', 'cooldown_max_s', 'breaker', 'failures', 'trips', 'open_until', 'probe_id',
+  'probe_until', 'limit', 'last_decrease', 'not_before', 'tpm_tokens')
+local maxc = tonumber(h[1])
+if maxc == nil then
+  -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
+  return 1
+end
+local tpm, tpm_cap = tonumber(h[2]), tonumber(h[3])
+local threshold, cooldown, cooldown_max = tonumber(h[4]), tonumber(h[5]), tonumber(h[6])
+local breaker, failures, trips = h[7], tonumber(h[8]), tonumber(h[9])
+local open_until, probe_id, probe_until = tonumber(h[10]), h[11] or '', tonumber(h[12])
+local limit, last_decrease, not_before = tonumber(h[13]), tonumber(h[14]), tonumber(h[15])
+local tpm_tokens = tonumber(h[16])
+local decreased = false
+
+local function free_probe(only)
+  if only == nil or (probe_id ~= '' and probe_id == only) then
+    probe_id, probe_until = '', 0
+  end
+end
+
+-- breaker.trip: the cool-down doubles per consecutive trip, capped.
+local function trip()
+  trips = trips + 1
+  local doublings = math.min(math.max(trips - 1, 0), 1000)
+  open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
+  breaker, failures = 'open', 0
+  free_probe(nil)
+end
+
+-- aimd.on_overload: at most one decrease per cool-off.
+local function overload()
+  if last_decrease ~= nil and now - last_decrease < tonumber(ARGV[7]) then
+    return
+  end
+  limit = math.max(1, limit * tonumber(ARGV[8]))
+  last_decrease = now
+  decreased = true
+end
+
+if kind == 'success' then
+  breaker, failures, trips = 'closed', 0, 0
+  free_probe(nil)
+  limit = math.min(maxc, limit + 1 / limit)
+elseif kind == 'transient' then
+  if breaker == 'closed' then
+    failures = failures + 1
+    if failures >= threshold then
+      trip()
+    end
+  elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
+    trip()
+  end
+  if ARGV[4] == '1' then
+    overload()
+  end
+elseif kind == 'rate_limited' then
+  free_probe(lease_id)
+  overload()
+  not_before = math.max(not_before, now + tonumber(ARGV[5]))
+elseif kind == 'source_misconfigured' then
+  -- breaker.trip_long: misconfigured, not overloaded.
+  trips = trips + 1
+  open_until = now + cooldown_max
+  breaker, failures = 'open', 0
+  free_probe(nil)
+else
+  free_probe(lease_id)
+end
+
+redis.call('HSET', sk, 'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
+  'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
+  'limit', fmt(limit), 'not_before', fmt(not_before))
+if decreased then
+  redis.call('HSET', sk, 'last_decrease', fmt(last_decrease))
+end
+
+-- ratelimit.reconcile: replace the reservation with real usage.
+local used = tonumber(ARGV[6])
+if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
+  local reserved = tonumber(string.match(meta or '0', '^(%S+)'))
+  redis.call('HSET', sk, 'tpm_tokens', fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
+end
+redis.call('EXPIRE', sk, math.max(tonumber(ARGV[10]), math.ceil(cooldown_max) + 1))
+
+if kind == 'success' then
+  redis.call('SET', KEYS[4], now_s, 'EX', ARGV[9])
+end
+return 1
+"""
+
+RENEW = """
+-- RENEW: extend a live lease by its own TTL from now (and the probe slot it may hold).
+--
+-- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
+-- KEYS[3] pgw:{scope}:lease_meta:<source>
+-- ARGV[1] now ("" = server TIME)   ARGV[2] lease id
+-- Returns 1 when the lease was live and is renewed, 0 when it was unknown or expired.
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local sk, lk, mk = KEYS[1], KEYS[2], KEYS[3]
+local lease_id = ARGV[2]
+
+local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', fmt(now))
+local n = #expired
+for first = 1, n, 1000 do
+  local last = math.min(first + 999, n)
+  redis.call('ZREM', lk, unpack(expired, first, last))
+  redis.call('HDEL', mk, unpack(expired, first, last))
+end
+if not redis.call('ZSCORE', lk, lease_id) then
+  return 0
+end
+local meta = redis.call('HGET', mk, lease_id) or ''
+local ttl = tonumber(string.match(meta, '%S+%s+(%S+)'))
+if ttl == nil then
+  return 0
+end
+local expiry = fmt(now + ttl)
+redis.call('ZADD', lk, 'XX', expiry, lease_id)
+local probe_id = redis.call('HGET', sk, 'probe_id')
+if probe_id and probe_id ~= '' and probe_id == lease_id then
+  redis.call('HSET', sk, 'probe_until', expiry)
+end
+return 1
+"""
+
+PROGRESS = """
+-- PROGRESS: seconds since the scope last served anywhere in the fleet.
+--
+-- KEYS[1] pgw:{scope}:progress   (set by RELEASE on success, with a TTL)
+-- ARGV[1] now ("" = server TIME)
+-- Returns the age as a string, at least 0, or "" when the scope never served
+-- (or not within the key's TTL).
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local at = tonumber(redis.call('GET', KEYS[1]))
+if at == nil then
+  return ''
+end
+return string.format('%.17g', math.max(0, now - at))
+"""
+
+SNAPSHOT = """
+-- SNAPSHOT: the scope's live state as of now, read-only (source_state.view).
+--
+-- KEYS[1] pgw:{scope}:progress
+-- KEYS[2i] pgw:{scope}:src:<name_i>   KEYS[2i+1] pgw:{scope}:leases:<name_i>
+-- ARGV[1] now ("" = server TIME)
+-- Returns {progress_age ("" = never), then per source i: known (0/1), in_flight, limit,
+-- breaker, failures, trips, reopen_in_s, paced_for_s, rpm_tokens, tpm_tokens}
+-- with "" for every value that is none.
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local now_s = fmt(now)
+
+local result = {''}
+local at = tonumber(redis.call('GET', KEYS[1]))
+if at ~= nil then
+  result[1] = fmt(math.max(0, now - at))
+end
+
+-- ratelimit.refilled_tokens, or a full bucket when none exists yet.
+local function bucket(rate, cap, tokens, t)
+  if rate == nil then
+    return ''
+  end
+  if tokens == nil then
+    return fmt(cap)
+  end
+  return fmt(math.min(cap, tokens + (now - t) * rate / 60))
+end
+
+for i = 1, (#KEYS - 1) / 2 do
+  local sk, lk = KEYS[2 * i], KEYS[2 * i + 1]
+  local h = redis.call('HMGET', sk, 'limit', 'breaker', 'failures', 'trips', 'open_until',
+    'not_before', 'rpm', 'rpm_cap', 'rpm_tokens', 'rpm_at', 'tpm', 'tpm_cap', 'tpm_tokens',
+    'tpm_at')
+  local limit = tonumber(h[1])
+  if limit == nil then
+    table.insert(result, 0)
+    for _ = 1, 9 do
+      table.insert(result, '')
+    end
+  else
+    local breaker = h[2]
+    local open_until = tonumber(h[5])
+    if breaker == 'open' and now >= open_until then
+      breaker = 'half_open'
+    end
+    local reopen = ''
+    if breaker == 'open' then
+      reopen = fmt(open_until - now)
+    end
+    local not_before = tonumber(h[6])
+    local paced = ''
+    if now < not_before then
+      paced = fmt(not_before - now)
+    end
+    table.insert(result, 1)
+    table.insert(result, redis.call('ZCOUNT', lk, '(' .. now_s, '+inf'))
+    table.insert(result, fmt(limit))
+    table.insert(result, breaker)
+    table.insert(result, h[3])
+    table.insert(result, h[4])
+    table.insert(result, reopen)
+    table.insert(result, paced)
+    table.insert(result, bucket(tonumber(h[7]), tonumber(h[8]), tonumber(h[9]), tonumber(h[10])))
+    table.insert(result, bucket(tonumber(h[11]), tonumber(h[12]), tonumber(h[13]), tonumber(h[14])))
+  end
+end
+return result
+"""
