@@ -14,6 +14,7 @@ import pytest
 
 from polygateway.backends.base import Backend
 from polygateway.backends.memory import MemoryBackend
+from polygateway.backends.redis import RedisBackend
 from polygateway.testing import FakeClock
 
 
@@ -26,12 +27,16 @@ class BackendEnv:
     clock: FakeClock
 
 
-@pytest.fixture(params=["memory"])
+@pytest.fixture(params=["memory", "redis"])
 async def backend_env(request: pytest.FixtureRequest) -> AsyncIterator[BackendEnv]:
     """A fresh backend of each kind, on a fake clock, closed after the test."""
     clock = FakeClock()
     name: str = request.param
-    backend: Backend = MemoryBackend(now=clock)
+    backend: Backend
+    if name == "redis":
+        backend = RedisBackend(request.getfixturevalue("redis_url"), now=clock)
+    else:
+        backend = MemoryBackend(now=clock)
     try:
         yield BackendEnv(name=name, backend=backend, clock=clock)
     finally:
