@@ -10,6 +10,7 @@ import asyncio
 import base64
 import email.utils
 import json
+import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -247,6 +248,18 @@ async def test_hang_outlasts_the_client_timeout_and_ends_when_it_leaves(
     assert stats.max_concurrent == 1
 
 
+async def test_a_hang_that_outlives_hang_s_is_a_slow_answer(client: httpx.AsyncClient) -> None:
+    """When hang_s passes before the client gives up, the request is answered after all."""
+    async with SimulatedUpstream({"a": FaultProfile(rate_hang=1.0, hang_s=0.2)}) as sim:
+        started = time.monotonic()
+        r = await client.post(f"{sim.base_url('a')}/chat/completions", json=CHAT)
+        waited = time.monotonic() - started
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert waited >= 0.2 * 0.8
+    assert sim.stats("a").by_outcome == {"hang": 1}
+
+
 async def test_reset_breaks_the_body_mid_way(client: httpx.AsyncClient) -> None:
     """A reset sends a 200 head and part of the body, then drops the connection."""
     async with SimulatedUpstream({"a": FaultProfile(rate_reset=1.0)}) as sim:
@@ -261,6 +274,19 @@ async def test_reset_breaks_the_body_mid_way(client: httpx.AsyncClient) -> None:
         after = await client.post(f"{sim.base_url('a')}/chat/completions", json=CHAT)
     assert after.status_code == 200
     assert sim.stats("a").outcome("reset") == 2
+
+
+async def test_injected_resets_are_not_logged_as_server_errors(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn's "Exception in ASGI application" record for a planned reset is dropped."""
+    caplog.set_level(logging.INFO)
+    async with SimulatedUpstream({"a": FaultProfile(rate_reset=1.0)}) as sim:
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            await client.post(f"{sim.base_url('a')}/embeddings", json={"input": "x"})
+        assert await eventually(lambda: sim.stats("a").current_concurrent == 0)
+    assert sim.stats("a").outcome("reset") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_reset_breaks_a_stream_after_some_chunks(client: httpx.AsyncClient) -> None:
@@ -463,6 +489,14 @@ def test_command_line_serves_then_prints_the_record(capsys: pytest.CaptureFixtur
     assert "/c/v1" in out
     assert "(failing)" in out
     assert out.strip().splitlines()[-1].split()[0] == "c"
+
+
+def test_command_line_lists_the_built_in_profiles(capsys: pytest.CaptureFixture[str]) -> None:
+    """--list-profiles names every built-in profile with what it changes."""
+    assert main(["--list-profiles"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines()] == list(PROFILES)
+    assert "rpm_limit=30" in out
 
 
 def test_command_line_refuses_an_unknown_profile(capsys: pytest.CaptureFixture[str]) -> None:

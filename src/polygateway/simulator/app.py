@@ -42,7 +42,7 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -201,14 +201,10 @@ def _error(
     """An error answer in the route's own shape: OpenAI's error object or FastAPI's detail."""
     body: dict[str, Any]
     if style == "openai":
-        kind = (
-            "rate_limit_exceeded"
-            if status == 429
-            else ("invalid_request_error" if status < 500 else "server_error")
-        )
-        body = {
-            "error": {"message": message, "type": kind, "code": kind if status == 429 else None}
-        }
+        kind, code = ("server_error", None) if status >= 500 else ("invalid_request_error", None)
+        if status == 429:
+            kind = code = "rate_limit_exceeded"
+        body = {"error": {"message": message, "type": kind, "code": code}}
     else:
         body = {"detail": message}
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
@@ -402,7 +398,10 @@ class _Endpoint:
         recorder = source.recorder
         admitted = False
         route = self.route
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return  # the client left while sending its request: nothing to answer
         job = await self.parse(request, body, source)
         if isinstance(job, _Job) and job.reply is not None:
             route = "chat_stream"

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 from polygateway.simulator.profiles import PROFILES, FaultProfile, get_profile
 from polygateway.simulator.server import SimulatedUpstream
@@ -95,8 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list_profiles:
+        default = FaultProfile()
         for name, profile in PROFILES.items():
-            print(f"{name}: {profile}")
+            changed = [
+                f"{f.name}={getattr(profile, f.name)!r}"
+                for f in fields(profile)
+                if getattr(profile, f.name) != getattr(default, f.name)
+            ]
+            print(f"{name}: {', '.join(changed) or 'no delay, no fault'}")
         return 0
     try:
         sources = parse_sources(args.profile, args.sources, args.source)

@@ -26,7 +26,7 @@ from polygateway.simulator.stats import SourceStats
 
 __all__ = ["SimulatedUpstream", "SimulatorNotRunning"]
 
-Protocol = Literal["openai", "vision_ocr", "monkey_ocr"]
+SourceProtocol = Literal["openai", "vision_ocr", "monkey_ocr"]
 
 # Uvicorn's last resort if something ignores the closing event: cancel what is left.
 _GRACEFUL_SHUTDOWN_S = 3
@@ -176,7 +176,7 @@ class SimulatedUpstream:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def base_url(self, name: str, protocol: Protocol = "openai") -> str:
+    def base_url(self, name: str, protocol: SourceProtocol = "openai") -> str:
         """A source's base URL as a client configures it (``/v1`` for OpenAI-style protocols)."""
         if name not in self.state.sources:
             raise KeyError(f"unknown simulated source {name!r}")
