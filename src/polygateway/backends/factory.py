@@ -1,0 +1,68 @@
+"""One shared backend per settings object (memory) or per Redis URL (redis).
+
+Two clients of one scope in one process must draw on one budget, or they
+would double its limits: ``shared_backend`` hands every client built from
+the same settings the same ``MemoryBackend``, and every client pointed at the
+same Redis URL the same ``RedisBackend`` (one connection pool).
+
+The memory backends are keyed by the settings object's identity and dropped
+when it is garbage-collected (``weakref.finalize``), so a long-lived process
+that builds settings repeatedly does not keep every one alive. The Redis
+backend is imported lazily: ``import polygateway`` never imports redis.
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from typing import TYPE_CHECKING
+
+from polygateway.backends.base import Backend
+from polygateway.backends.memory import MemoryBackend
+from polygateway.errors import ConfigError
+
+if TYPE_CHECKING:
+    from polygateway.config import GatewaySettings
+
+__all__ = ["shared_backend"]
+
+_MEMORY: dict[int, Backend] = {}
+"""``id(settings)`` -> its memory backend, for as long as the settings object lives."""
+
+_REDIS: dict[str, Backend] = {}
+"""Redis URL (password included, never printed) -> its backend."""
+
+
+def shared_backend(settings: GatewaySettings) -> Backend:
+    """The backend the settings name, shared with every client built from the same settings.
+
+    Raises:
+        ConfigError: ``backend = "redis"`` without the ``redis`` extra installed.
+    """
+    if settings.backend == "memory":
+        key = id(settings)
+        backend = _MEMORY.get(key)
+        if backend is None:
+            backend = _MEMORY[key] = MemoryBackend()
+            # An id may be reused once its object is gone: forget the backend with it.
+            weakref.finalize(settings, _MEMORY.pop, key, None)
+        return backend
+    url = settings.get_redis_url()
+    backend = _REDIS.get(url)
+    if backend is None:
+        backend = _REDIS[url] = _redis_backend(url, settings.redis_socket_timeout_s)
+    return backend
+
+
+def _redis_backend(url: str, socket_timeout_s: float) -> Backend:
+    """A ``RedisBackend``, imported only now; ``ConfigError`` says which extra is missing."""
+    try:
+        module = importlib.import_module("polygateway.backends.redis")
+        backend_cls = module.RedisBackend
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            'backend = "redis" needs the redis extra: install polygateway[redis]',
+            field="backend",
+        ) from exc
+    backend: Backend = backend_cls(url, socket_timeout_s=socket_timeout_s)
+    return backend

@@ -1,0 +1,191 @@
+"""What the governance loop hands an attempt and what a served call hands back.
+
+``AttemptContext`` carries one attempt's effective timeouts (already clipped
+to the call's deadline) and collects what the attempt reports (usage, TTFT).
+``Served`` is the attempt that served a call; inside ``RetryMW.session`` its
+permit is still held, so a stream can renew its lease and report a clean end.
+``shielded`` runs a backend operation to its end even when the caller is
+cancelled meanwhile: cancellation must never leak a permit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from polygateway.backends.base import Backend, Lease
+from polygateway.errors import GovernanceBackendError
+from polygateway.models import AttemptRecord, Usage
+
+if TYPE_CHECKING:
+    from polygateway.config import SourceConfig
+
+__all__ = ["AttemptContext", "AttemptFn", "Served", "keep_until_done", "shielded"]
+
+T = TypeVar("T")
+
+AttemptFn = Callable[["SourceConfig", "AttemptContext"], Awaitable[T]]
+"""Performs one real request to a source within the effective timeouts of the context."""
+
+_log = logging.getLogger("polygateway.retry")
+
+
+class AttemptContext:
+    """One attempt's effective timeouts (clipped to the deadline) and what it reports back.
+
+    The attempt function sets ``usage`` (tpm reconciliation, telemetry) and,
+    for streams, ``ttft_s``. ``permit_wait_s`` and ``stalled_s`` describe the
+    wait before the attempt, for its telemetry record.
+    """
+
+    __slots__ = (
+        "attempt",
+        "call_id",
+        "idle_timeout_s",
+        "lease",
+        "permit_wait_s",
+        "stalled_s",
+        "started_at",
+        "timeout_s",
+        "ttft_s",
+        "ttft_timeout_s",
+        "usage",
+    )
+
+    def __init__(
+        self,
+        *,
+        call_id: str,
+        attempt: int,
+        lease: Lease,
+        timeout_s: float,
+        ttft_timeout_s: float,
+        idle_timeout_s: float,
+        started_at: float,
+        permit_wait_s: float = 0.0,
+        stalled_s: float = 0.0,
+    ) -> None:
+        self.call_id = call_id
+        self.attempt = attempt
+        self.lease = lease
+        self.timeout_s = timeout_s
+        self.ttft_timeout_s = ttft_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.started_at = started_at
+        self.permit_wait_s = permit_wait_s
+        self.stalled_s = stalled_s
+        self.usage: Usage | None = None
+        self.ttft_s: float | None = None
+
+    @property
+    def source(self) -> str:
+        """Name of the source this attempt goes to."""
+        return self.lease.source
+
+    def __repr__(self) -> str:
+        return (
+            f"AttemptContext(call_id={self.call_id!r}, attempt={self.attempt}, "
+            f"source={self.lease.source!r}, timeout_s={self.timeout_s:g})"
+        )
+
+
+class Served(Generic[T]):
+    """The attempt that served a call: its value, its source, and every attempt record of the call.
+
+    Inside ``RetryMW.session`` the permit is still held: the body calls
+    ``complete()`` after a clean end (released as success; anything else is
+    released as cancelled, or as the failure that ended it) and, for a long
+    stream, ``renew_if_due()`` as chunks arrive.
+    """
+
+    __slots__ = ("_backend", "_completed", "_now", "_records", "_renewed_at", "ctx", "value")
+
+    def __init__(
+        self,
+        value: T,
+        ctx: AttemptContext,
+        records: list[AttemptRecord],
+        backend: Backend,
+        now: Callable[[], float],
+    ) -> None:
+        self.value = value
+        self.ctx = ctx
+        self._records = records
+        self._backend = backend
+        self._now = now
+        self._renewed_at = now()
+        self._completed = False
+
+    def __repr__(self) -> str:
+        return f"Served(source={self.source!r}, attempts={len(self._records)})"
+
+    @property
+    def source(self) -> str:
+        """Name of the source that served."""
+        return self.ctx.lease.source
+
+    @property
+    def attempts(self) -> tuple[AttemptRecord, ...]:
+        """Every attempt of the call so far (complete once the session has ended)."""
+        return tuple(self._records)
+
+    @property
+    def completed(self) -> bool:
+        """Whether the body reported a clean end."""
+        return self._completed
+
+    def complete(self) -> None:
+        """The work ended cleanly: the permit is released as a success."""
+        self._completed = True
+
+    async def renew_if_due(self) -> bool:
+        """Renew the lease once a third of its TTL has passed; ``True`` when a renewal was sent.
+
+        One backend operation per renewal, never one per chunk. A failed
+        renewal is logged, not raised: the answer is already flowing, and the
+        next chunk tries again.
+        """
+        lease = self.ctx.lease
+        if self._now() - self._renewed_at < lease.ttl_s / 3.0:
+            return False
+        try:
+            alive = await self._backend.renew(lease)
+        except GovernanceBackendError as exc:
+            _log.warning("lease renewal failed at %s: %s", lease.source, exc)
+            return True
+        self._renewed_at = self._now()
+        if not alive:
+            _log.warning("the lease at %s expired before its renewal", lease.source)
+        return True
+
+
+_BACKGROUND: set[asyncio.Future[Any]] = set()
+"""Backend operations still running after their caller was cancelled."""
+
+
+def keep_until_done(task: asyncio.Future[Any]) -> None:
+    """Hold a reference until an orphaned task ends, and log a failure nobody else will see."""
+    _BACKGROUND.add(task)
+
+    def done(t: asyncio.Future[Any]) -> None:
+        _BACKGROUND.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            _log.warning("backend operation failed after a cancellation: %s", t.exception())
+
+    task.add_done_callback(done)
+
+
+async def shielded(coro: Coroutine[Any, Any, T]) -> T:
+    """Await a backend operation that a cancellation of the caller cannot cut short.
+
+    On cancellation the operation runs on to its end in the background and
+    the caller's ``CancelledError`` passes through untouched.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        keep_until_done(task)
+        raise

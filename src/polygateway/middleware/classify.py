@@ -1,0 +1,85 @@
+"""What each failure class does to the governance loop: the table of DESIGN.md section 4.
+
+``transport/http.py`` turns what the upstream did into a class; this module
+is the one place that says what each class does to shared state (the
+``AttemptOutcome`` released to the backend) and to the loop (charged to
+``max_attempts`` or not, raise ``RequestRejected`` at once or retry)::
+
+    class                 released as     breaker    AIMD                 loop
+    rate_limited          rate_limited    -          decrease; paced      retry, free if exempt_429
+    transient             transient       failure    on timeout/503/529   retry, charged
+    source_misconfigured  misconfigured   trip long  -                    retry elsewhere, charged
+    request_rejected      rejected        -          -                    RequestRejected at once
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from polygateway.backends.base import AttemptOutcome, OutcomeKind
+from polygateway.models import FailureClass
+from polygateway.transport.http import TransientError
+
+__all__ = ["FAILURE_TABLE", "Decrease", "FailureRule", "Verdict", "verdict_for"]
+
+
+Decrease = Literal["always", "on_overload", "never"]
+"""When a failure shrinks the source's AIMD limit: ``on_overload`` is a timeout, 503 or 529."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRule:
+    """One row of the table: what the backend records and what the loop does next.
+
+    ``exempt_if_429``: not charged to ``max_attempts`` when the loop runs with
+    ``exempt_429`` (chat). ``paces``: the Retry-After goes to the pacer.
+    ``raises``: the loop raises ``RequestRejected`` at once and tries no other source.
+    """
+
+    outcome: OutcomeKind
+    decrease: Decrease = "never"
+    paces: bool = False
+    exempt_if_429: bool = False
+    raises: bool = False
+
+
+FAILURE_TABLE: Final[Mapping[FailureClass, FailureRule]] = {
+    # Back-pressure, not a fault: the breaker is untouched, the source is paced.
+    "rate_limited": FailureRule("rate_limited", decrease="always", paces=True, exempt_if_429=True),
+    # 408/5xx/connect/reset/timeout/malformed: a breaker failure.
+    "transient": FailureRule("transient", decrease="on_overload"),
+    # 401/403/404: this source is wrong (the breaker trips long); other sources are tried.
+    "source_misconfigured": FailureRule("source_misconfigured"),
+    # 400/413/422: the request itself is wrong; no other source would take it.
+    "request_rejected": FailureRule("request_rejected", raises=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one failed attempt comes to: the release outcome and the loop's next move."""
+
+    outcome: AttemptOutcome
+    charged: bool
+    raises: bool
+
+
+def verdict_for(error: TransientError, *, exempt_429: bool) -> Verdict:
+    """Apply ``FAILURE_TABLE`` to a failed attempt."""
+    rule = FAILURE_TABLE[error.failure]
+    if rule.decrease == "always":
+        decrease = True
+    else:
+        decrease = rule.decrease == "on_overload" and error.aimd_decrease
+    outcome = AttemptOutcome(
+        kind=rule.outcome,
+        aimd_decrease=decrease,
+        retry_after_s=error.retry_after_s if rule.paces else None,
+    )
+    return Verdict(
+        outcome=outcome,
+        charged=not (rule.exempt_if_429 and exempt_429),
+        raises=rule.raises,
+    )
