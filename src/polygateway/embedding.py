@@ -164,7 +164,9 @@ class EmbeddingClient(GovernedClient):
     ) -> EmbeddingResponse:
         """Vectors of ``texts`` in input order; ``params`` (dimensions, user, ...) go as given.
 
-        ``deadline_s`` bounds the whole call, every batch included.
+        ``deadline_s`` bounds the whole call, every batch included. ``fail_fast``
+        applies to every batch: one that finds no free permit (its siblings'
+        included) fails the call with ``no_runnable``.
 
         Raises:
             RequestRejected: a non-list, an empty string or a non-string item

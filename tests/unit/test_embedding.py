@@ -210,6 +210,33 @@ async def test_batches_run_concurrently_up_to_the_permit_limit_and_never_beyond(
     assert (await r.backend.snapshot(SCOPE)).in_flight == 0
 
 
+async def test_batch_tasks_are_capped_so_huge_inputs_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With one permit, at most 2 batch tasks exist at once, however many batches there are."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    settings = make_settings(source(max_batch_size=1, max_concurrency=1))
+    r = rig(settings=settings, default=slow_echo, clock=clock, sleep=timers.sleep)
+    run_batch = r.client._embed_batch
+    live = peak = 0
+
+    async def counted(*args: Any) -> Any:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        try:
+            return await run_batch(*args)
+        finally:
+            live -= 1
+
+    monkeypatch.setattr(r.client, "_embed_batch", counted)
+    result = await r.client.embed(texts(50))
+    assert result.vectors == [vector_of(t) for t in texts(50)]
+    assert peak == 2
+    assert r.transport.max_in_flight == 1
+
+
 async def test_batch_limits_are_the_smallest_of_the_scope_sources() -> None:
     """Any batch may go to any source, so it fits the smallest size and token limits."""
     settings = make_settings(
@@ -387,6 +414,26 @@ async def test_cancel_releases_permit() -> None:
     assert r.transport.in_flight == 0
     assert r.backend.waiting_room(SCOPE).empty
     assert r.recorder.outcomes() == ["cancelled", "cancelled"]
+
+
+async def test_close_cancels_batches_in_flight_after_the_grace() -> None:
+    """aclose() past close_grace_s cancels the batches, frees their permits, fails the call."""
+    gate = Gate()
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    settings = make_settings(source(max_batch_size=1, max_concurrency=2), close_grace_s=1.0)
+    r = rig(settings=settings, default=gate, clock=clock, sleep=timers.sleep)
+    task = asyncio.create_task(r.client.embed(texts(4)))
+    await gate.wait_entered(2)
+    closing = asyncio.create_task(r.client.aclose())
+    await settle()
+    assert not task.done()  # still within the grace
+    await timers.advance(1.0)
+    await closing
+    with pytest.raises(GatewayError, match="client closed"):
+        await task
+    assert (await r.backend.snapshot(SCOPE)).in_flight == 0
+    assert r.transport.in_flight == 0
 
 
 # --- Construction and life -----------------------------------------------------------
