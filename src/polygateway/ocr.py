@@ -253,7 +253,12 @@ class OcrClient(GovernedClient):
         return _Upload(payload, kind, fitting)
 
     def _loop_for(self, sources: tuple[SourceConfig, ...]) -> RetryMW:
-        """The scope's loop, or the same loop over fewer sources when some cannot take a call."""
+        """The scope's loop, or the same loop over fewer sources when some cannot take a call.
+
+        Every loop of the scope shares its FIFO waiting room, so in a mixed
+        scope a PDF at the head waits for a MonkeyOCR permit while image calls
+        behind it wait their turn: head-of-line order, kept for fairness.
+        """
         if len(sources) == len(self._config.sources):
             return self._mw
         key = tuple(s.name for s in sources)
