@@ -1,0 +1,248 @@
+"""The ``polygateway`` command line (also ``python -m polygateway``).
+
+Sub-commands::
+
+    demo           real traffic through the three clients against a misbehaving simulator
+    simulate       serve the fault-injecting simulated upstream (polygateway.simulator)
+    check-config   validate a settings file and show it, secrets masked
+    status         a shared backend's live state per scope
+    chat, embed, ocr   one call through a scope of a real configuration
+
+Errors are one line on stderr (``error: ...``) and a non-zero exit: 2 for
+bad settings or usage, 1 for anything else; ``--debug`` shows the traceback.
+Nothing here imports rich, the simulator or the clients at import time: each
+command loads what it needs, and says which extra to install when it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from importlib import metadata
+
+from polygateway.cli.render import CliError, print_error
+from polygateway.errors import ConfigError, GatewayError
+
+__all__ = ["EXIT_CONFIG", "EXIT_FAILURE", "build_parser", "main"]
+
+EXIT_FAILURE = 1
+"""A call failed, a file could not be read, or the demo did not serve every call."""
+EXIT_CONFIG = 2
+"""Bad settings or bad usage (argparse uses 2 for usage errors too)."""
+EXIT_INTERRUPTED = 130
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _version() -> str:
+    """The installed version, or a plain note when running from an uninstalled tree."""
+    try:
+        return metadata.version("polygateway")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every sub-command takes."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", help="show tracebacks and the library's debug log"
+    )
+    return common
+
+
+def _config_options() -> argparse.ArgumentParser:
+    """Options of the sub-commands that read a settings file."""
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument(
+        "--config",
+        default="polygateway.toml",
+        metavar="FILE",
+        help="settings file (TOML; default: polygateway.toml)",
+    )
+    config.add_argument(
+        "--env-file",
+        default=".env",
+        metavar="FILE",
+        help="dotenv file read for POLYGATEWAY_* overrides and api_key_env (default: .env)",
+    )
+    config.add_argument(
+        "--no-env-file", action="store_true", help="read no dotenv file, only the environment"
+    )
+    return config
+
+
+def _json_option() -> argparse.ArgumentParser:
+    """``--json``: one machine-readable document on stdout instead of tables."""
+    flag = argparse.ArgumentParser(add_help=False)
+    flag.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return flag
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``polygateway`` with every sub-command."""
+    from polygateway.cli.demo import add_demo_parser
+
+    parser = argparse.ArgumentParser(
+        prog="polygateway",
+        description="Governance for asyncio calls to LLM, embedding and OCR services.",
+        epilog="`polygateway demo` shows what it is for, with nothing configured.",
+    )
+    parser.add_argument("--version", action="version", version=f"polygateway {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common, config, as_json = _common(), _config_options(), _json_option()
+
+    add_demo_parser(sub, [common, as_json])
+
+    # `simulate` is handed whole to the simulator's own parser (see main); this entry
+    # is only for the command list.
+    sub.add_parser(
+        "simulate",
+        help="serve the fault-injecting simulated upstream (see `simulate --help`)",
+        add_help=False,
+    )
+
+    check = sub.add_parser(
+        "check-config",
+        parents=[common, config, as_json],
+        help="validate a settings file and show its scopes and sources, secrets masked",
+        description="Validate a settings file (TOML, then POLYGATEWAY_* env and .env) and show "
+        "the gateway knobs, scopes and sources with every secret masked. Exits 2 with the "
+        "ConfigError message when anything is wrong.",
+    )
+    check.set_defaults(handler=_lazy("check_config"))
+
+    status = sub.add_parser(
+        "status",
+        parents=[common, config, as_json],
+        help="a shared (Redis) backend's live state: permits, breakers, pacing, AIMD, progress",
+        description="Show a shared backend's live state per scope: permits in use, AIMD limits, "
+        "breakers, pacing deadlines, rate buckets and progress age. A memory backend lives "
+        "inside one process; status of it is shown by the process that owns it "
+        "(`polygateway demo --status-every 2` shows the demo's own).",
+    )
+    status.add_argument(
+        "--scope", action="append", default=[], help="a scope to show (repeatable; default all)"
+    )
+    status.add_argument(
+        "--watch",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS until interrupted",
+    )
+    status.set_defaults(handler=_lazy("status"))
+
+    chat = sub.add_parser(
+        "chat", parents=[common, config, as_json], help="one chat completion through a scope"
+    )
+    chat.add_argument("prompt", nargs="*", help="the user message (default: read stdin)")
+    chat.add_argument("--scope", default="chat", help="scope to use (default chat)")
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N")
+    chat.add_argument("--stream", action="store_true", help="stream the answer as it comes")
+    chat.set_defaults(handler=_lazy("run_chat"))
+
+    embed = sub.add_parser(
+        "embed", parents=[common, config, as_json], help="embed texts through a scope"
+    )
+    embed.add_argument("texts", nargs="*", help="texts (default: one per line of --file or stdin)")
+    embed.add_argument("--file", default=None, help="read texts from FILE, one per line")
+    embed.add_argument("--scope", default="embed", help="scope to use (default embed)")
+    embed.set_defaults(handler=_lazy("run_embed"))
+
+    ocr = sub.add_parser(
+        "ocr", parents=[common, config, as_json], help="OCR an image or PDF through a scope"
+    )
+    ocr.add_argument("file", help="a PNG, JPEG or PDF file")
+    ocr.add_argument("--scope", default="ocr", help="scope to use (default ocr)")
+    ocr.add_argument(
+        "--layout", action="store_true", help="parse the layout (blocks, markdown) instead"
+    )
+    ocr.set_defaults(handler=_lazy("run_ocr"))
+    return parser
+
+
+def _lazy(name: str) -> Handler:
+    """A handler of ``commands`` resolved when it runs (the module is light, but stays lazy)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from polygateway.cli import commands
+
+        handler: Handler = getattr(commands, name)
+        return handler(args)
+
+    return run
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def _simulate(argv: Sequence[str]) -> int:
+    """``polygateway simulate ...``: the simulator's own command line, argv handed over whole."""
+    try:
+        from polygateway.simulator.command import main as simulate_main
+    except ImportError:
+        print_error("the simulator needs the sim extra: pip install 'polygateway[sim]'")
+        return EXIT_FAILURE
+    return simulate_main(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["simulate"]:
+        return _simulate(args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    debug: bool = getattr(args, "debug", False)
+    if debug:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        logging.getLogger("polygateway").setLevel(logging.DEBUG)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return EXIT_INTERRUPTED
+    except ConfigError as exc:
+        return _fail(exc, EXIT_CONFIG, debug)
+    except (GatewayError, CliError, OSError) as exc:
+        return _fail(exc, EXIT_FAILURE, debug)
+    except Exception as exc:
+        # The command line's outermost edge: a bug anywhere below must still end as one
+        # line (with the traceback under --debug), never a raw traceback by default.
+        return _fail(exc, EXIT_FAILURE, debug, unexpected=True)
+
+
+def _fail(exc: BaseException, code: int, debug: bool, *, unexpected: bool = False) -> int:
+    """Report ``exc`` as one line (plus its traceback with ``--debug``) and return ``code``."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    message = str(exc) or type(exc).__name__
+    if unexpected:
+        message = f"{type(exc).__name__}: {message} (run with --debug for the traceback)"
+    print_error(message)
+    return code

@@ -1,0 +1,334 @@
+"""The sub-commands that serve a real configuration: check-config, status, chat, embed, ocr.
+
+Each handler takes the parsed arguments and returns the exit status; errors
+are raised (``ConfigError``, ``GatewayError``, ``CliError``) and turned into
+one line by ``polygateway.cli.main``. The clients are imported inside their
+commands, so ``check-config`` and ``status`` need none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from polygateway.backends.base import Backend, ScopeSnapshot
+from polygateway.backends.factory import shared_backend
+from polygateway.cli import render
+from polygateway.cli.render import CliError
+from polygateway.config import GatewaySettings
+from polygateway.errors import ConfigError
+
+if TYPE_CHECKING:
+    from polygateway.middleware.lifecycle import GovernedClient
+
+__all__ = [
+    "MEMORY_STATUS_NOTE",
+    "check_config",
+    "load_settings",
+    "max_concurrency_of",
+    "run_chat",
+    "run_embed",
+    "run_ocr",
+    "status",
+]
+
+MEMORY_STATUS_NOTE = (
+    "a memory backend lives inside one process; its status is shown by the process that "
+    "owns it (e.g. `polygateway demo --status-every 2`). `status` reads a shared backend: "
+    'set backend = "redis" and redis_url in the [gateway] table'
+)
+
+
+def load_settings(args: argparse.Namespace) -> GatewaySettings:
+    """The settings named by ``--config`` (and ``--env-file``), validated."""
+    env_file = None if args.no_env_file else args.env_file
+    return GatewaySettings.load(args.config, env_file=env_file)
+
+
+def max_concurrency_of(settings: GatewaySettings, scope: str) -> dict[str, int]:
+    """Each configured source's ``max_concurrency``, to show next to its AIMD limit."""
+    config = settings.scopes.get(scope)
+    return {} if config is None else {s.name: s.max_concurrency for s in config.sources}
+
+
+# -- check-config ------------------------------------------------------------------------
+
+
+def check_config(args: argparse.Namespace) -> int:
+    """Validate a settings file and show what it configures, secrets masked."""
+    try:
+        settings = load_settings(args)
+    except ConfigError as exc:
+        if args.json:
+            render.dump_json({"ok": False, "error": str(exc), "field": exc.field, "path": exc.path})
+        raise
+    summary = render.settings_summary(settings)
+    n_sources = sum(len(scope["sources"]) for scope in summary["scopes"].values())
+    verdict = f"ok: {args.config} is valid ({len(summary['scopes'])} scopes, {n_sources} sources)"
+    if args.json:
+        render.dump_json({"ok": True, "path": str(args.config), **summary})
+        return 0
+    out = render.console()
+    out.print(render.gateway_rows(summary))
+    for name, shown in summary["scopes"].items():
+        out.print(render.sources_table(name, shown))
+    if not summary["scopes"]:
+        out.print("no scopes configured")
+    out.print(verdict)
+    return 0
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+def status(args: argparse.Namespace) -> int:
+    """Show a shared backend's live state per scope, once or every ``--watch`` seconds."""
+    settings = load_settings(args)
+    if settings.backend == "memory":
+        raise ConfigError(MEMORY_STATUS_NOTE, field="backend", path=str(args.config))
+    scopes = list(args.scope) if args.scope else list(settings.scopes)
+    if not scopes:
+        raise ConfigError("no scope to show: the file configures none", path=str(args.config))
+    for name in scopes:
+        settings.scope(name)  # an unknown scope is a ConfigError listing the known ones
+    if not args.json:
+        render.need_rich()
+    return asyncio.run(_status(settings, scopes, args.json, args.watch))
+
+
+async def _status(
+    settings: GatewaySettings, scopes: Sequence[str], as_json: bool, watch: float | None
+) -> int:
+    """Read the snapshots (repeatedly when watching) and print them."""
+    backend = shared_backend(settings)
+    try:
+        while True:
+            snaps = [await backend.snapshot(name) for name in scopes]
+            _print_status(settings, snaps, as_json)
+            if watch is None:
+                return 0
+            await asyncio.sleep(watch)
+    finally:
+        await backend.aclose()
+
+
+def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_json: bool) -> None:
+    """One status report: a JSON document, or one table per scope."""
+    if as_json:
+        render.dump_json(
+            {
+                "backend": settings.backend,
+                "redis_url": settings.redis_url_masked,
+                "scopes": [
+                    render.snapshot_json(s, max_concurrency_of(settings, s.scope)) for s in snaps
+                ],
+            }
+        )
+        return
+    out = render.console()
+    out.print(f"backend {settings.backend} at {settings.redis_url_masked}")
+    for snap in snaps:
+        out.print(render.scope_status_table(snap, max_concurrency_of(settings, snap.scope)))
+
+
+# -- chat / embed / ocr -------------------------------------------------------------------
+
+
+@contextmanager
+def _spinner(text: str, enabled: bool) -> Iterator[None]:
+    """A spinner on stderr while a call runs, when a person is watching."""
+    if not enabled or not sys.stderr.isatty():
+        yield
+        return
+    with render.console(stderr=True).status(text):
+        yield
+
+
+@asynccontextmanager
+async def _closing_backend(client: GovernedClient) -> AsyncIterator[None]:
+    """Close the shared backend after the client: a CLI run owns it (Redis: its pool)."""
+    backend: Backend = client.backend
+    try:
+        async with client:
+            yield
+    finally:
+        await backend.aclose()
+
+
+def _read_text_arg(values: Sequence[str], file: str | None) -> list[str]:
+    """Texts from the command line, else from ``--file`` or stdin, one per non-empty line."""
+    if values:
+        return list(values)
+    try:
+        raw = Path(file).read_text(encoding="utf-8") if file else sys.stdin.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {file}: {exc.strerror}") from None
+    return [line for line in raw.splitlines() if line.strip()]
+
+
+def _attempts_json(attempts: Sequence[Any]) -> list[dict[str, Any]]:
+    """Attempt records for ``--json`` (names, classes, status codes, timings: no secrets)."""
+    return [asdict(a) for a in attempts]
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """One chat completion (or stream) through a configured scope."""
+    settings = load_settings(args)
+    prompt = " ".join(args.prompt) if args.prompt else sys.stdin.read()
+    if not prompt.strip():
+        raise CliError("nothing to send: give a prompt or pipe one on stdin")
+    if not args.json:
+        render.need_rich()
+    messages: list[dict[str, Any]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": prompt})
+    return asyncio.run(_chat(settings, args, messages))
+
+
+async def _chat(
+    settings: GatewaySettings, args: argparse.Namespace, messages: list[dict[str, Any]]
+) -> int:
+    from polygateway.chat import ChatClient
+
+    client = ChatClient.from_settings(settings, scope=args.scope)
+    async with _closing_backend(client):
+        if args.stream:
+            pieces: list[str] = []
+            source = ""
+            finish: str | None = None
+            async with client.stream(messages=messages, max_tokens=args.max_tokens) as stream:
+                async for chunk in stream:
+                    pieces.append(chunk.text)
+                    source = chunk.source or source
+                    finish = chunk.finish_reason or finish
+                    if not args.json:
+                        print(chunk.text, end="", flush=True)
+            if args.json:
+                text = "".join(pieces)
+                render.dump_json({"text": text, "source": source, "finish_reason": finish})
+            else:
+                print()
+            return 0
+        with _spinner(f"chat via scope {client.scope}", not args.json):
+            r = await client.complete(messages=messages, max_tokens=args.max_tokens)
+        if args.json:
+            render.dump_json(
+                {
+                    "text": r.text,
+                    "source": r.source,
+                    "finish_reason": r.finish_reason,
+                    "tool_calls": [asdict(t) for t in r.tool_calls],
+                    "usage": asdict(r.usage),
+                    "attempts": _attempts_json(r.attempts),
+                }
+            )
+        else:
+            print(r.text)
+            _note(f"source {r.source}, {len(r.attempts)} attempt(s), {r.usage.total_tokens} tokens")
+    return 0
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    """Embed texts through a configured scope."""
+    settings = load_settings(args)
+    texts = _read_text_arg(args.texts, args.file)
+    if not texts:
+        raise CliError("nothing to embed: give texts, --file or lines on stdin")
+    if not args.json:
+        render.need_rich()
+    return asyncio.run(_embed(settings, args, texts))
+
+
+async def _embed(settings: GatewaySettings, args: argparse.Namespace, texts: list[str]) -> int:
+    from polygateway.embedding import EmbeddingClient
+
+    client = EmbeddingClient.from_settings(settings, scope=args.scope)
+    async with _closing_backend(client):
+        with _spinner(f"embedding {len(texts)} texts via scope {client.scope}", not args.json):
+            e = await client.embed(texts)
+    if args.json:
+        render.dump_json(
+            {
+                "vectors": e.vectors,
+                "usage": asdict(e.usage),
+                "sources": list(e.sources),
+                "batches": [list(b) for b in e.batches],
+                "attempts": _attempts_json(e.attempts),
+            }
+        )
+        return 0
+    dim = len(e.vectors[0]) if e.vectors else 0
+    table = render.make_table(None, ("#", "text", "dim", "first values"), right_from=2)
+    for index, (text, vector) in enumerate(zip(texts, e.vectors, strict=True)):
+        head = ", ".join(f"{x:.4f}" for x in vector[:3])
+        table.add_row(str(index), _clip(text, 40), str(len(vector)), f"[{head}, ...]")
+    render.console().print(table)
+    _note(
+        f"{len(e.vectors)} vectors of dimension {dim} in {len(e.batches)} batch(es), "
+        f"sources {sorted(set(e.sources))}, {len(e.attempts)} attempt(s)"
+    )
+    return 0
+
+
+def run_ocr(args: argparse.Namespace) -> int:
+    """Recognise the text of an image (or parse a document's layout) through a configured scope."""
+    settings = load_settings(args)
+    try:
+        data = Path(args.file).read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
+    if not args.json:
+        render.need_rich()
+    return asyncio.run(_ocr(settings, args, data))
+
+
+async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes) -> int:
+    from polygateway.ocr import OcrClient
+
+    client = OcrClient.from_settings(settings, scope=args.scope)
+    spinning = _spinner(f"OCR of {args.file} via scope {client.scope}", not args.json)
+    async with _closing_backend(client):
+        if args.layout:
+            with spinning:
+                d = await client.parse_layout(data)
+            if args.json:
+                render.dump_json(
+                    {
+                        "markdown": d.markdown,
+                        "source": d.source,
+                        "blocks": [asdict(b) for b in d.blocks],
+                        "attempts": _attempts_json(d.attempts),
+                    }
+                )
+            else:
+                print(d.markdown)
+                _note(f"source {d.source}, {len(d.blocks)} block(s), {len(d.attempts)} attempt(s)")
+            return 0
+        with spinning:
+            t = await client.recognize_text(data)
+    if args.json:
+        render.dump_json(
+            {"text": t.text, "source": t.source, "attempts": _attempts_json(t.attempts)}
+        )
+    else:
+        print(t.text)
+        _note(f"source {t.source}, {len(t.attempts)} attempt(s)")
+    return 0
+
+
+def _clip(text: str, width: int) -> str:
+    """One line of at most ``width`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _note(text: str) -> None:
+    """A short line about the call on stderr, so stdout stays the answer alone."""
+    print(text, file=sys.stderr, flush=True)

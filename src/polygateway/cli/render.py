@@ -1,0 +1,273 @@
+"""Output of the command line: rich tables for people, JSON for scripts, one-line errors.
+
+rich is the ``cli`` extra: it is imported only when a table is drawn, so
+``import polygateway.cli`` and every ``--json`` run work without it. Every
+value printed here comes from masked dumps (URLs with ``***`` for passwords,
+API keys reduced to "set" / "not set"): no secret reaches a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, TextIO
+
+from polygateway.backends.base import ScopeSnapshot
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from polygateway.config import GatewaySettings
+
+__all__ = [
+    "CliError",
+    "console",
+    "dump_json",
+    "fmt_age",
+    "fmt_num",
+    "fmt_seconds",
+    "gateway_rows",
+    "jsonable",
+    "make_table",
+    "need_rich",
+    "print_error",
+    "scope_status_table",
+    "settings_summary",
+    "snapshot_json",
+    "sources_table",
+]
+
+RICH_MISSING = "tables need rich: pip install 'polygateway[cli]' (or pass --json)"
+
+
+class CliError(Exception):
+    """A problem with what the user asked the command line for (not with a call); exit 1."""
+
+
+def need_rich() -> None:
+    """Fail with the install hint when the ``cli`` extra is missing."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise CliError(RICH_MISSING) from None
+
+
+_PIPE_WIDTH = 140
+"""Width of tables written to a pipe or file: rich's 80 columns would truncate them."""
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr); rich itself turns colour off when not a terminal."""
+    need_rich()
+    from rich.console import Console
+
+    out = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    if not out.is_terminal:
+        out.width = max(out.width, _PIPE_WIDTH)
+    return out
+
+
+def make_table(title: str | None, columns: Sequence[str], *, right_from: int = 1) -> Table:
+    """A plain table: the first ``right_from`` columns left-aligned (names), the rest numbers."""
+    need_rich()
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", pad_edge=False)
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index < right_from else "right", no_wrap=True)
+    return table
+
+
+def print_error(message: str, *, stream: TextIO | None = None) -> None:
+    """One line on stderr: ``error: <message>``; newlines are folded so it stays one line."""
+    line = " ".join(message.split())
+    print(f"error: {line}", file=stream if stream is not None else sys.stderr, flush=True)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with infinities and NaN as ``None``: JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def dump_json(data: Any, *, stream: TextIO | None = None) -> None:
+    """Print ``data`` as one JSON document (strict: no Infinity / NaN)."""
+    text = json.dumps(jsonable(data), allow_nan=False, sort_keys=False)
+    print(text, file=stream if stream is not None else sys.stdout, flush=True)
+
+
+def fmt_num(value: float | None, digits: int = 1) -> str:
+    """A number for a table cell; ``-`` for none."""
+    if value is None:
+        return "-"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.{digits}f}"
+
+
+def fmt_seconds(value: float | None) -> str:
+    """A duration for a table cell: ``1.25 s``, ``-`` for none."""
+    if value is None:
+        return "-"
+    return f"{value:.2f} s"
+
+
+def fmt_age(age_s: float) -> str:
+    """A progress age: ``never`` for a scope that has not served."""
+    if not math.isfinite(age_s):
+        return "never served"
+    return f"served {age_s:.1f} s ago"
+
+
+# -- settings ----------------------------------------------------------------------------
+
+_GATEWAY_KEYS = (
+    "backend",
+    "redis_url",
+    "transport",
+    "stall_window_s",
+    "max_attempts",
+    "poll_interval_s",
+    "backoff_base_s",
+    "backoff_cap_s",
+    "breaker_failures",
+    "breaker_cooldown_s",
+    "breaker_cooldown_max_s",
+    "lease_grace_s",
+    "close_grace_s",
+)
+
+
+def settings_summary(settings: GatewaySettings) -> dict[str, Any]:
+    """The settings as they may be shown: URLs masked, each API key reduced to set / not set."""
+    dumped = settings.model_dump(mode="json")  # masks redis_url, base_url, proxy, headers
+    gateway = {key: dumped[key] for key in _GATEWAY_KEYS}
+    scopes: dict[str, Any] = {}
+    for name, scope in settings.scopes.items():
+        shown = dumped["scopes"][name]
+        sources = []
+        for source, source_dump in zip(scope.sources, shown["sources"], strict=True):
+            entry = {k: v for k, v in source_dump.items() if k != "api_key"}
+            entry["api_key_set"] = source.api_key is not None
+            sources.append(entry)
+        scopes[name] = {
+            "kind": shown["kind"],
+            "exempt_429": shown["exempt_429"],
+            "sources": sources,
+        }
+    return {"gateway": gateway, "scopes": scopes}
+
+
+def gateway_rows(summary: Mapping[str, Any]) -> Table:
+    """The ``[gateway]`` keys as a two-column table."""
+    table = make_table("gateway", ("key", "value"), right_from=2)
+    for key, value in summary["gateway"].items():
+        table.add_row(key, str(value))
+    return table
+
+
+def sources_table(scope: str, shown: Mapping[str, Any]) -> Table:
+    """One scope's sources, as check-config shows them."""
+    exempt = "429 not charged" if shown["exempt_429"] else "429 charged"
+    table = make_table(
+        f"scope {scope} (kind {shown['kind']}, {exempt})",
+        (
+            "source",
+            "protocol",
+            "base_url",
+            "model",
+            "api key",
+            "conc",
+            "rpm",
+            "tpm",
+            "timeout",
+            "ttft",
+            "prio",
+            "weight",
+        ),
+        right_from=5,
+    )
+    for source in shown["sources"]:
+        if source["api_key_env"]:
+            key = f"${source['api_key_env']} ({'set' if source['api_key_set'] else 'not set'})"
+        else:
+            key = "set in code" if source["api_key_set"] else "none"
+        table.add_row(
+            source["name"],
+            source["protocol"],
+            source["base_url"],
+            source["model"] or "-",
+            key,
+            str(source["max_concurrency"]),
+            fmt_num(source["rpm"]),
+            fmt_num(source["tpm"]),
+            fmt_num(source["timeout_s"]),
+            fmt_num(source["ttft_timeout_s"]),
+            str(source["priority"]),
+            fmt_num(source["weight"]),
+        )
+    return table
+
+
+# -- backend state -----------------------------------------------------------------------
+
+
+def snapshot_json(snap: ScopeSnapshot, max_concurrency: Mapping[str, int]) -> dict[str, Any]:
+    """A scope snapshot for ``--json`` (``progress_age_s`` is ``null`` when never served)."""
+    sources = []
+    for source in snap.sources:
+        entry = asdict(source)
+        entry["max_concurrency"] = max_concurrency.get(source.name)
+        sources.append(entry)
+    return {
+        "scope": snap.scope,
+        "progress_age_s": snap.progress_age_s,
+        "in_flight": snap.in_flight,
+        "sources": sources,
+    }
+
+
+def scope_status_table(snap: ScopeSnapshot, max_concurrency: Mapping[str, int]) -> Table:
+    """One scope's live governance state: permits, AIMD limit, breaker, pacing, buckets."""
+    table = make_table(
+        f"scope {snap.scope}: {snap.in_flight} in flight, {fmt_age(snap.progress_age_s)}",
+        (
+            "source",
+            "in flight",
+            "limit / max",
+            "breaker",
+            "failures",
+            "trips",
+            "reopens in",
+            "paced for",
+            "rpm tokens",
+            "tpm tokens",
+        ),
+    )
+    if not snap.sources:
+        table.add_row("(no source seen yet)", *([""] * 9))
+    for s in snap.sources:
+        cap = max_concurrency.get(s.name)
+        table.add_row(
+            s.name,
+            str(s.in_flight),
+            f"{s.limit:.1f} / {cap if cap is not None else '?'}",
+            s.breaker.replace("_", "-"),
+            str(s.consecutive_failures),
+            str(s.trips),
+            fmt_seconds(s.reopen_in_s),
+            fmt_seconds(s.paced_for_s),
+            fmt_num(s.rpm_tokens),
+            fmt_num(s.tpm_tokens),
+        )
+    return table
