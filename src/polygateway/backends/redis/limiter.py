@@ -26,11 +26,12 @@ has its permit returned. Neither waits for the lease to expire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -254,6 +255,20 @@ class RedisBackend:
             message += f": {self._scrub(str(exc))}"
         return GovernanceBackendError(message, operation=operation, scope=scope)
 
+    @contextlib.contextmanager
+    def _boundary(self, operation: Operation, scope: str) -> Iterator[None]:
+        """Where redis exceptions become ``GovernanceBackendError``: fail closed, with context."""
+        try:
+            yield
+        except RedisError as exc:
+            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
+        except OSError as exc:
+            # Socket errors redis-py does not wrap (e.g. during connection setup).
+            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
+        except (ValueError, TypeError, IndexError) as exc:
+            # A reply our parser cannot read: a script out of step with this code.
+            raise self._failure(operation, scope, "unexpected script reply", exc) from exc
+
     async def _call(
         self,
         operation: Operation,
@@ -262,18 +277,9 @@ class RedisBackend:
         args: Sequence[str],
         parse: Callable[[Any], T],
     ) -> T:
-        """Run one script and parse its reply; any failure becomes ``GovernanceBackendError``."""
-        try:
-            reply = await self._scripts[operation](keys=keys, args=args)
-        except RedisError as exc:
-            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
-        except OSError as exc:
-            # Socket errors redis-py does not wrap (e.g. during connection setup).
-            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
-        try:
-            return parse(reply)
-        except (ValueError, TypeError, IndexError) as exc:
-            raise self._failure(operation, scope, "unexpected script reply", exc) from exc
+        """Run one script (one round trip) and parse its reply, inside the boundary."""
+        with self._boundary(operation, scope):
+            return parse(await self._scripts[operation](keys=keys, args=args))
 
     def _now_arg(self) -> str:
         return "" if self._now is None else repr(float(self._now()))
@@ -317,9 +323,9 @@ class RedisBackend:
         if not candidates:
             return AcquireResult(None)
         specs = tuple(candidates)
-        # Unique fleet-wide (uuid4) and, thanks to the counter in front, sorting in order of
-        # issue within this process: logs and the lease zsets read chronologically, and
-        # anything that orders leases by id sees the same order on a replay.
+        # Unique fleet-wide (uuid4), and sorting in order of issue within this process (the
+        # counter in front), as the memory backend's ids do: ordering leases by id is then
+        # stable from run to run, and a lease zset reads chronologically.
         lease_id = f"{next(self._serial):012x}{uuid.uuid4().hex}"
         keys = [_key(scope, "sources")]
         args = [self._now_arg(), lease_id, _num(ttl_s), str(int(cost_tokens)), str(_STATE_TTL_S)]
@@ -357,24 +363,19 @@ class RedisBackend:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            # The script may have granted a lease this caller will never see: give it back.
-            task.add_done_callback(self._release_abandoned)
+            # The script may grant a lease this caller will never see: give it back.
+            self._adopt(asyncio.ensure_future(self._give_back(task)))
             raise
 
-    def _release_abandoned(self, task: asyncio.Future[AcquireResult]) -> None:
-        """Done-callback of an acquire whose caller was cancelled: return what it was granted."""
-        if task.cancelled() or task.exception() is not None:
-            return  # no reply confirmed a grant; an unseen one expires with its lease
-        lease = task.result().lease
+    async def _give_back(self, acquiring: asyncio.Future[AcquireResult]) -> None:
+        """Release what an acquire whose caller was cancelled is granted, as soon as it is."""
+        lease = (await acquiring).lease
         if lease is not None:
-            self._adopt(asyncio.ensure_future(self.release(lease, _CANCELLED)))
+            await self.release(lease, _CANCELLED)
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit and record the outcome in one RELEASE run (shielded)."""
         scope = lease.scope
-        retry_after = outcome.retry_after_s
-        if retry_after is not None and math.isnan(retry_after):
-            retry_after = None
         keys = (
             _key(scope, "src", lease.source),
             _key(scope, "leases", lease.source),
@@ -386,7 +387,7 @@ class RedisBackend:
             lease.lease_id,
             outcome.kind,
             "1" if outcome.aimd_decrease else "0",
-            repr(pace_for(retry_after)),
+            repr(pace_for(outcome.retry_after_s)),
             "" if outcome.tokens_used is None else str(int(outcome.tokens_used)),
             repr(AIMD_COOLOFF_S),
             repr(AIMD_FACTOR),
@@ -417,8 +418,8 @@ class RedisBackend:
         self._background.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.warning(
-                "could not return the permit of a cancelled call; it frees itself when its "
-                "lease expires: %s",
+                "work left behind by a cancelled call failed; any permit it holds frees "
+                "itself when its lease expires: %s",
                 exc,
             )
 
@@ -441,13 +442,8 @@ class RedisBackend:
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         """Every source seen in the scope, in order of first sight (two round trips)."""
         args = (self._now_arg(),)
-        try:
-            raw_names = await self._client.zrange(_key(scope, "sources"), 0, -1)
-        except RedisError as exc:
-            raise self._failure("snapshot", scope, type(exc).__name__, exc) from exc
-        except OSError as exc:
-            raise self._failure("snapshot", scope, type(exc).__name__, exc) from exc
-        names = [_text(n) for n in raw_names]
+        with self._boundary("snapshot", scope):
+            names = [_text(n) for n in await self._client.zrange(_key(scope, "sources"), 0, -1)]
         keys = [_key(scope, "progress")]
         for name in names:
             keys += (_key(scope, "src", name), _key(scope, "leases", name))
@@ -488,7 +484,7 @@ class RedisBackend:
 
     async def aclose(self) -> None:
         """Finish the releases cancelled callers left behind, then close the pool (if ours)."""
-        if self._background:
+        while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()
