@@ -442,9 +442,10 @@ async def _demo(args: argparse.Namespace, out: Console | None) -> int:
         )
         if out is not None:
             where = "in memory" if args.backend == "memory" else f"on {settings.redis_url_masked}"
+            out.print(f"PolyGateway demo: a misbehaving simulated upstream on {sim.url}")
             out.print(
-                f"PolyGateway demo: simulator on {sim.url}, 3 scopes x 3 sources "
-                f"(healthy, rate_limited, failing), governance state {where}"
+                f"scopes {', '.join(SCOPES.values())}, each with sources {', '.join(ROLES)}; "
+                f"governance state {where}"
             )
         return await _drive(args, out, sim, settings)
 

@@ -1,0 +1,120 @@
+"""``polygateway status`` against a real Redis that a running demo (another process) drives.
+
+The demo runs with ``--backend redis`` on a password-protected ``redis-server``;
+``status`` reads the same Redis from its own process while the traffic flows
+and after it ends. The password appears in neither command's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cli_run import DEMO_TIMEOUT_S, RunCli, cli_command, cli_env
+
+ROLES = ("healthy", "rate_limited", "failing")
+SCOPES = ("demo-chat", "demo-embed", "demo-ocr")
+PASSWORD = "e2e-redis-Pa55word"
+CAPS = {"healthy": 16, "rate_limited": 4, "failing": 4}
+
+
+def status_config(url: str) -> str:
+    """A settings file naming the demo's scopes on the given Redis, sources as the demo has them."""
+    parts = [f'[gateway]\nbackend = "redis"\nredis_url = "{url}"\n']
+    for scope in SCOPES:
+        kind = scope.removeprefix("demo-")
+        protocol = "monkey_ocr" if kind == "ocr" else "openai"
+        parts.append(f'[scopes.{scope}]\nkind = "{kind}"\n')
+        for role in ROLES:
+            parts.append(
+                f'[[scopes.{scope}.sources]]\nname = "{role}"\nprotocol = "{protocol}"\n'
+                f'base_url = "http://127.0.0.1:9/{role}"\nmax_concurrency = {CAPS[role]}\n'
+            )
+    return "".join(parts)
+
+
+def test_status_reads_live_redis_state_of_a_running_demo(
+    tmp_path: Path, run_cli: RunCli, make_redis_server: Callable[..., Any]
+) -> None:
+    """``status`` from another process sees a Redis demo's permits and breakers, then all freed."""
+    server = make_redis_server(password=PASSWORD)
+    (tmp_path / "polygateway.toml").write_text(status_config(server.url))
+    demo = subprocess.Popen(
+        cli_command("demo", "--backend", "redis", "--redis-url", server.url, "--json"),
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    samples: list[dict[str, Any]] = []
+    try:
+        deadline = time.monotonic() + DEMO_TIMEOUT_S
+        while demo.poll() is None and time.monotonic() < deadline:
+            ran = run_cli("status", "--json")
+            assert ran.code == 0, ran.stderr
+            assert PASSWORD not in ran.output
+            samples.append(ran.json())
+            time.sleep(0.3)
+        stdout, stderr = demo.communicate(timeout=DEMO_TIMEOUT_S)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
+    assert demo.returncode == 0, (stdout[-2000:], stderr[-2000:])
+    assert PASSWORD not in stdout + stderr
+    assert json.loads(stdout)["served_all"] is True
+
+    assert len(samples) >= 5
+    assert samples[0]["redis_url"] == f"redis://:***@127.0.0.1:{server.port}/0"
+    live = [scope for sample in samples for scope in sample["scopes"]]
+    assert any(scope["in_flight"] > 0 for scope in live)
+    seen = [src for scope in live for src in scope["sources"]]
+    assert any(src["name"] == "failing" and src["breaker"] == "open" for src in seen)
+    for src in seen:
+        assert 1.0 <= src["limit"] <= CAPS[src["name"]] == src["max_concurrency"]
+        assert 0 <= src["in_flight"] <= CAPS[src["name"]]
+
+    after = run_cli("status", "--json")
+    assert after.code == 0, after.stderr
+    final = {scope["scope"]: scope for scope in after.json()["scopes"]}
+    assert sorted(final) == sorted(SCOPES)
+    for scope in final.values():
+        assert scope["in_flight"] == 0
+        assert math.isfinite(scope["progress_age_s"])
+        assert sorted(src["name"] for src in scope["sources"]) == sorted(ROLES)
+
+    table = run_cli("status", "--scope", "demo-chat")
+    assert table.code == 0, table.stderr
+    assert "scope demo-chat: 0 in flight, served" in table.stdout
+    assert "16.0 / 16" in table.stdout
+    assert "scope demo-ocr" not in table.stdout
+    assert PASSWORD not in table.output
+
+
+def test_status_of_an_unreachable_redis_fails_in_one_line(tmp_path: Path, run_cli: RunCli) -> None:
+    """Redis down: exit 1 with one line naming the operation, the password masked."""
+    url = f"redis://:{PASSWORD}@127.0.0.1:9/0"
+    (tmp_path / "polygateway.toml").write_text(status_config(url))
+    ran = run_cli("status")
+    assert ran.code == 1, ran.output
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: ")
+    assert "snapshot" in lines[0]
+    assert PASSWORD not in ran.output
+    assert "Traceback" not in ran.output
+
+
+def test_status_of_an_unknown_scope_lists_the_known_ones(tmp_path: Path, run_cli: RunCli) -> None:
+    """``--scope nope``: exit 2 naming the configured scopes, before touching Redis."""
+    (tmp_path / "polygateway.toml").write_text(status_config("redis://127.0.0.1:9/0"))
+    ran = run_cli("status", "--scope", "nope")
+    assert ran.code == 2
+    assert "no scope named 'nope'" in ran.stderr
+    assert "demo-chat" in ran.stderr
