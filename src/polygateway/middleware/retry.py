@@ -55,7 +55,8 @@ from polygateway.middleware.attempt import (
 from polygateway.middleware.classify import FAILURE_TABLE, FailureRule, Verdict, verdict_for
 from polygateway.middleware.telemetry import Emitter, NullEmitter
 from polygateway.models import AttemptRecord
-from polygateway.transport.http import TransientError
+from polygateway.transport.http import TransientError, scrub, secrets_in
+from polygateway.transport.wire import source_headers
 
 if TYPE_CHECKING:
     from polygateway.backends.waiting import Waiter, WaitingRoom
@@ -247,6 +248,7 @@ class RetryMW:
         "_policy",
         "_rng",
         "_scope",
+        "_secrets",
         "_sleep",
         "_sources",
         "_specs",
@@ -274,6 +276,11 @@ class RetryMW:
         self._emitter: Emitter = emitter if emitter is not None else NullEmitter()
         self._names = tuple(s.name for s in self._sources)
         self._by_name = {s.name: s for s in self._sources}
+        # Defence in depth: transports scrub their messages already, but nothing
+        # that reaches a record, a log or an error may carry a source's credentials.
+        self._secrets = tuple(
+            sorted({v for s in self._sources for v in secrets_in(source_headers(s))}, key=len)[::-1]
+        )
         self._specs = {
             s.name: SourceSpec(
                 name=s.name,
@@ -543,7 +550,7 @@ class RetryMW:
         except TransientError as error:
             verdict = verdict_for(error, exempt_429=self._policy.exempt_429)
             await self._release(lease, verdict.outcome)
-            self._emit(call, ctx, verdict.outcome.kind, error.status_code, str(error))
+            self._emit(call, ctx, verdict.outcome.kind, error.status_code, self._text(error))
             return _Failed(source.name, verdict, error)
         except BaseException:
             # Cancellation, the caller's timeout, or a bug in the attempt function:
@@ -560,7 +567,7 @@ class RetryMW:
         error: str | None = None
         if isinstance(exc, TransientError):
             outcome = verdict_for(exc, exempt_429=self._policy.exempt_429).outcome
-            status, error = exc.status_code, str(exc)
+            status, error = exc.status_code, self._text(exc)
         elif exc is None and served.completed:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
             outcome = AttemptOutcome("success", tokens_used=used or None)
@@ -575,7 +582,7 @@ class RetryMW:
         verdict, error = failed.verdict, failed.error
         if verdict.raises:
             raise RequestRejected(
-                f"{call.op_name}: {failed.source} rejected the request: {error}",
+                f"{call.op_name}: {failed.source} rejected the request: {self._text(error)}",
                 scope=self._scope,
                 sources=(failed.source,),
                 status_code=error.status_code,
@@ -604,6 +611,10 @@ class RetryMW:
         await self._sleep(delay)
         call.pick_started_at = self._now()
 
+    def _text(self, error: BaseException) -> str:
+        """An error's message with every credential of the scope's sources scrubbed."""
+        return scrub(str(error), self._secrets)
+
     async def _release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit, shielded from cancellation; a backend failure is logged, not raised.
 
@@ -617,7 +628,7 @@ class RetryMW:
                 "release of a %s lease at %s failed (its expiry frees the permit): %s",
                 outcome.kind,
                 lease.source,
-                exc,
+                self._text(exc),
             )
 
     def _emit(
