@@ -1,0 +1,382 @@
+"""One measured run of one configuration, in a fresh process; prints one JSON object.
+
+    python -m bench.run_one CONFIG --scenario chat --n 2000 --concurrency 64 --sim-url URL
+
+The client is built and warmed up first (pools filled, code paths hot), then
+the measured loop runs between two ``getrusage(RUSAGE_SELF)`` readings: the
+CPU figure is this process's user + system time for exactly the measured
+calls. Off-machine connections are refused by an audit hook, so a library
+that phones home fails loudly instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bench.clients import CONFIGS, Client, Target
+
+__all__ = ["main", "percentile"]
+
+SCENARIOS = ("chat", "stream", "scale", "embed", "storm")
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost", None})
+_SCALE_LIMIT = 100
+"""The scale scenario's concurrency bound: PolyGateway's max_concurrency, raw clients' semaphore."""
+_EMBED_CONCURRENCY = 8
+"""Embedding batches in flight: PolyGateway's max_concurrency, raw clients' semaphore."""
+_ROUND_TRIP_SAMPLE = 50
+"""Calls, one at a time after the measured loop, whose Redis round trips MONITOR counts."""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _status_mib() -> dict[str, float]:
+    """Current (VmRSS) and peak (VmHWM) resident memory in MiB, from /proc/self/status."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(value.split()[0]) / 1024
+    except OSError:
+        # Not Linux: fall back to ru_maxrss (KiB on Linux, bytes on macOS) for both.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out = {"VmRSS": peak, "VmHWM": peak}
+    return out
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark so VmHWM covers the measured loop only (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _refuse_off_machine(event: str, args: tuple[Any, ...]) -> None:
+    """Audit hook: no connection and no name lookup leaves 127.0.0.1."""
+    if event == "socket.connect":
+        address = args[1]
+        if isinstance(address, tuple) and address[0] not in _LOOPBACK:
+            raise PermissionError(f"benchmark: off-machine connection refused: {address[:2]!r}")
+    elif event == "socket.getaddrinfo":
+        host = args[0].decode() if isinstance(args[0], bytes) else args[0]
+        if host not in _LOOPBACK:
+            raise PermissionError(f"benchmark: off-machine name lookup refused: {host!r}")
+
+
+async def _run_calls(
+    op: Callable[[], Awaitable[None]], n: int, concurrency: int
+) -> tuple[list[float], list[str]]:
+    """Run ``op`` ``n`` times with ``concurrency`` workers; latencies and error descriptions."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    todo = iter(range(n))
+    perf = time.perf_counter
+
+    async def worker() -> None:
+        # One shared iterator: workers take the next call as soon as they are free.
+        for _ in todo:
+            t0 = perf()
+            try:
+                await op()
+            except Exception as exc:  # a failed call is a result here, not a crash
+                errors.append(f"{type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            latencies.append(perf() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, n)))))
+    return latencies, errors
+
+
+async def _run_all_at_once(
+    op: Callable[[], Awaitable[None]], n: int, bound: int | None
+) -> tuple[list[float], list[str]]:
+    """Submit ``n`` calls at once (raw clients behind a semaphore of ``bound``)."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    gate = asyncio.Semaphore(bound) if bound is not None else None
+    perf = time.perf_counter
+
+    async def one() -> None:
+        t0 = perf()
+        try:
+            if gate is None:
+                await op()
+            else:
+                async with gate:
+                    await op()
+        except Exception as exc:  # a failed call is a result here, not a crash
+            errors.append(f"{type(exc).__name__}: {str(exc)[:160]}")
+            return
+        latencies.append(perf() - t0)
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    return latencies, errors
+
+
+class _RedisCounter:
+    """What the benchmark's redis-server executed, in its own words.
+
+    ``INFO commandstats`` counts every command, including those a Lua script
+    runs inside the server, so during the measured loop it gives script calls
+    (``EVALSHA``) and total commands per call. Round trips are counted apart,
+    on a sample of calls after the loop, with ``MONITOR`` (run by
+    ``redis-cli`` in its own process): it tags commands run by scripts
+    ``[0 lua]``, so every other line is one command a client sent.
+    """
+
+    _IGNORED = ("info", "config", "flushall", "ping", "hello", "client", "monitor")
+    _SCRIPT_CALLS = frozenset({"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro"})
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self._url = url
+        self._client = redis.Redis.from_url(url)
+
+    def flush(self) -> None:
+        """Forget every key of earlier runs."""
+        self._client.flushall()
+
+    def reset(self) -> None:
+        """Zero the server's command statistics."""
+        self._client.config_resetstat()
+
+    def read(self) -> dict[str, int]:
+        """Calls per command since ``reset``, the benchmark's own commands left out."""
+        stats = self._client.info("commandstats")
+        out: dict[str, int] = {}
+        for key, value in stats.items():
+            command = key.removeprefix("cmdstat_")
+            if command.partition("|")[0] not in self._IGNORED:
+                out[command] = int(value["calls"])
+        return out
+
+    def script_calls(self, commands: dict[str, int]) -> int:
+        """How many of ``commands`` were script invocations (each one round trip)."""
+        return sum(v for k, v in commands.items() if k in self._SCRIPT_CALLS)
+
+    async def round_trips(self, op: Callable[[], Awaitable[None]], calls: int) -> dict[str, Any]:
+        """Run ``op`` ``calls`` times, one at a time, under MONITOR; client commands per call."""
+        import shutil
+
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            return {"redis_round_trips_note": "redis-cli not installed: no MONITOR sample"}
+        monitor = await asyncio.create_subprocess_exec(
+            cli,
+            "-u",
+            self._url,
+            "monitor",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        assert monitor.stdout is not None
+        lines: list[str] = []
+        try:
+            first = (await monitor.stdout.readline()).decode().strip()
+            if first != "OK":
+                return {"redis_round_trips_note": f"MONITOR did not start: {first!r}"}
+            for _ in range(calls):
+                await op()
+            # MONITOR echoes asynchronously: a marker command says everything before it arrived.
+            self._client.echo("bench-monitor-end")
+            while True:
+                line = (await monitor.stdout.readline()).decode()
+                if not line or "bench-monitor-end" in line:
+                    break
+                lines.append(line)
+        finally:
+            monitor.terminate()
+            await monitor.wait()
+        sent: dict[str, int] = {}
+        for line in lines:
+            # 1700000000.123456 [0 127.0.0.1:40000] "evalsha" "..." ; script commands say [0 lua]
+            _, _, rest = line.partition(" [")
+            where, _, command = rest.partition("] ")
+            if where.endswith(" lua"):
+                continue
+            name = command.split(" ", 1)[0].strip('"').lower()
+            sent[name] = sent.get(name, 0) + 1
+        return {
+            "redis_round_trips_per_call": sum(sent.values()) / calls,
+            "redis_round_trip_commands": sent,
+            "redis_round_trip_sample": calls,
+        }
+
+
+def _summary(latencies: list[float], errors: list[str]) -> dict[str, Any]:
+    """Latency percentiles and the errors seen."""
+    kinds: dict[str, int] = {}
+    for e in errors:
+        kinds[e] = kinds.get(e, 0) + 1
+    return {
+        "ok": len(latencies),
+        "errors": len(errors),
+        "error_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:5]),
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+    }
+
+
+async def _measure(client: Client, args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    """Warm up, then measure the scenario; returns the figures."""
+    n, concurrency, scenario = args.n, args.concurrency, args.scenario
+    counter = _RedisCounter(target.redis_url) if getattr(client, "backend", "") == "redis" else None
+    if counter is not None:
+        counter.flush()
+    await client.start(target)
+    out: dict[str, Any] = {}
+    try:
+        bound = None if client.governed else _SCALE_LIMIT
+        texts: list[str] = []
+        if scenario == "chat":
+            warm = max(concurrency, min(200, n // 10))
+            await _run_calls(client.chat, warm, concurrency)
+        elif scenario == "stream":
+
+            async def warm_stream() -> None:
+                await client.stream(time.perf_counter())
+
+            await _run_calls(warm_stream, max(concurrency, min(50, n // 10)), concurrency)
+        elif scenario == "scale":
+            await _run_all_at_once(client.chat, max(_SCALE_LIMIT, min(1000, n // 10)), bound)
+        elif scenario == "embed":
+            texts = [f"short text number {i} to embed" for i in range(n)]
+            await client.embed(texts[: min(n, 16 * target.batch_size)], _EMBED_CONCURRENCY)
+        # The storm has no warm-up: a warm-up would already pace or cool down its sources.
+        if counter is not None:
+            counter.reset()
+        _reset_peak_rss()
+        ttfts: list[float] = []
+        chunks = 0
+        vectors = 0
+        cpu0, t0 = _cpu_s(), time.perf_counter()
+        if scenario == "chat":
+            latencies, errors = await _run_calls(client.chat, n, concurrency)
+        elif scenario == "stream":
+
+            async def one_stream() -> None:
+                nonlocal chunks
+                ttft, count = await client.stream(time.perf_counter())
+                ttfts.append(ttft)
+                chunks += count
+
+            latencies, errors = await _run_calls(one_stream, n, concurrency)
+        elif scenario == "scale":
+            latencies, errors = await _run_all_at_once(client.chat, n, bound)
+        elif scenario == "embed":
+            vectors = await client.embed(texts, _EMBED_CONCURRENCY)
+            latencies, errors = [time.perf_counter() - t0], []
+        else:  # storm
+            latencies, errors = await _run_all_at_once(client.chat, n, None)
+        cpu1, t1 = _cpu_s(), time.perf_counter()
+        memory = _status_mib()
+        cpu, wall = cpu1 - cpu0, t1 - t0
+        out.update(
+            cpu_s=cpu,
+            wall_s=wall,
+            cpu_us_per_op=cpu / n * 1e6,
+            ops_per_s=n / wall if wall > 0 else float("nan"),
+            rss_mib=memory["VmRSS"],
+            peak_rss_mib=memory["VmHWM"],
+            **_summary(latencies, errors),
+        )
+        if scenario == "stream":
+            good = [t for t in ttfts if t >= 0]
+            out.update(
+                chunks=chunks,
+                chunks_per_stream=chunks / max(1, len(ttfts)),
+                cpu_us_per_chunk=cpu / max(1, chunks) * 1e6,
+                ttft_p50_ms=percentile(good, 50) * 1000,
+                ttft_p99_ms=percentile(good, 99) * 1000,
+            )
+        if scenario == "embed":
+            out.update(
+                vectors=vectors,
+                texts_per_s=n / wall if wall > 0 else float("nan"),
+                cpu_us_per_text=cpu / n * 1e6,
+            )
+        if counter is not None:
+            # Releases still in flight when the loop ended are counted too.
+            await asyncio.sleep(0.2)
+            commands = counter.read()
+            out.update(
+                redis_commands=commands,
+                redis_commands_per_call=sum(commands.values()) / n,
+                redis_script_calls_per_call=counter.script_calls(commands) / n,
+            )
+            if scenario == "chat":
+                out.update(await counter.round_trips(client.chat, min(n, _ROUND_TRIP_SAMPLE)))
+    finally:
+        await client.aclose()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.run_one``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.run_one")
+    parser.add_argument("config", choices=sorted(CONFIGS))
+    parser.add_argument("--scenario", choices=SCENARIOS, default="chat")
+    parser.add_argument("--n", type=int, default=2000, help="calls, streams or texts")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--sim-url", required=True)
+    parser.add_argument("--sources", default="a,b", help="simulator sources, comma-separated")
+    parser.add_argument("--max-concurrency", type=int, default=64, help="per PolyGateway source")
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one measurement and print its JSON on the last line of stdout."""
+    args = build_parser().parse_args(argv)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    sys.addaudithook(_refuse_off_machine)
+    target = Target(
+        sim_url=args.sim_url.rstrip("/"),
+        sources=tuple(s for s in args.sources.split(",") if s),
+        scenario=args.scenario,
+        max_concurrency=args.max_concurrency,
+        redis_url=args.redis_url,
+    )
+    client = CONFIGS[args.config]()
+    result = asyncio.run(_measure(client, args, target))
+    result.update(
+        config=args.config,
+        scenario=args.scenario,
+        n=args.n,
+        concurrency=args.concurrency,
+    )
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
