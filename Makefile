@@ -33,6 +33,7 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict tests/typing
 	$(VENV)/bin/lint-imports
 
 unit: install
