@@ -27,7 +27,7 @@ from polygateway.errors import RequestRejected, StreamInterrupted
 from polygateway.middleware.attempt import AttemptContext, Served
 from polygateway.middleware.lifecycle import GovernedClient, InFlight
 from polygateway.middleware.telemetry import Emitter
-from polygateway.models import ChatChunk, ChatResponse
+from polygateway.models import AttemptRecord, ChatChunk, ChatResponse
 from polygateway.transport.http import TransientError
 from polygateway.transport.openai import (
     ParsedChat,
@@ -155,7 +155,13 @@ class ChatClient(GovernedClient):
     ) -> ChatStream:
         """A streamed completion: iterate it, or ``async with`` it and iterate inside.
 
-        Nothing is sent until iteration (or the ``async with``) begins.
+        Nothing is sent until iteration (or the ``async with``) begins; the
+        loop's errors (``AllSourcesExhausted``, ``RequestRejected``, ...) surface
+        there. After the first chunk, a failure raises ``StreamInterrupted``.
+
+        Raises:
+            RequestRejected: invalid messages (at once, before anything is sent).
+            GatewayError: the client is closed.
         """
         checked = _check_messages(messages, self._scope)
         self._life.check_open()
@@ -233,7 +239,7 @@ class ChatStream:
         return self._served.source if self._served is not None else None
 
     @property
-    def attempts(self) -> tuple[Any, ...]:
+    def attempts(self) -> tuple[AttemptRecord, ...]:
         """The attempt records of this stream so far."""
         return self._served.attempts if self._served is not None else ()
 
@@ -382,12 +388,12 @@ class ChatStream:
 
     async def _iterate_entered(self) -> AsyncGenerator[ChatChunk, None]:
         while True:
-            chunk = await self.__anext_entered()
+            chunk = await self._next_entered()
             if chunk is None:
                 return
             yield chunk
 
-    async def __anext_entered(self) -> ChatChunk | None:
+    async def _next_entered(self) -> ChatChunk | None:
         served, call = self._served, self._call
         if served is None or call is None or self._cm is None:
             return None

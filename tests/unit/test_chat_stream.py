@@ -11,7 +11,12 @@ import pytest
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.errors import AllSourcesExhausted, GatewayError, StreamInterrupted
+from polygateway.errors import (
+    AllSourcesExhausted,
+    GatewayError,
+    RequestRejected,
+    StreamInterrupted,
+)
 from polygateway.models import ChatChunk
 from polygateway.testing import (
     BoundedSleep,
@@ -205,6 +210,20 @@ class TestFailoverBeforeTheFirstChunk:
             _ = [c async for c in chat.stream(MESSAGES)]
         assert caught.value.reason == "retry_exhausted"
         assert len(transport.requests) == 3
+        assert await in_flight(backend) == 0
+
+    async def test_rejected_stream_request_raises_at_once(self) -> None:
+        """A 400 when the stream opens raises RequestRejected: one attempt, no other source."""
+        clock = FakeClock()
+        chat, transport, backend = make_chat(
+            clock,
+            {"a": [TransientError(status_code=400)], "b": [StreamScript(chat_chunk_events(["x"]))]},
+            sources=TWO_SOURCES,
+        )
+        with pytest.raises(RequestRejected):
+            async with chat.stream(MESSAGES):
+                pass
+        assert transport.sources_called() == ["a"]
         assert await in_flight(backend) == 0
 
 

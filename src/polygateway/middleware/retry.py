@@ -34,7 +34,7 @@ import logging
 import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
@@ -53,6 +53,7 @@ from polygateway.middleware.attempt import (
     shielded,
 )
 from polygateway.middleware.classify import FAILURE_TABLE, FailureRule, Verdict, verdict_for
+from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import Emitter, NullEmitter
 from polygateway.models import AttemptRecord
 from polygateway.transport.http import TransientError, scrub, secrets_in
@@ -60,7 +61,7 @@ from polygateway.transport.wire import source_headers
 
 if TYPE_CHECKING:
     from polygateway.backends.waiting import Waiter, WaitingRoom
-    from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
+    from polygateway.config import SourceConfig
 
 __all__ = [
     "FAILURE_TABLE",
@@ -137,90 +138,32 @@ def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Rand
     return ceiling / 2.0 + rng.random() * ceiling / 2.0
 
 
-# --- The numbers a loop runs by, and one call's state ------------------------
+# --- One call's state ------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LoopPolicy:
-    """The numbers one scope's loop runs by; built from settings once per client."""
-
-    stall_window_s: float = 300.0
-    max_attempts: int = 3
-    poll_interval_s: float = 0.5
-    backoff_base_s: float = 0.5
-    backoff_cap_s: float = 8.0
-    lease_grace_s: float = 30.0
-    breaker_failures: int = 5
-    breaker_cooldown_s: float = 30.0
-    breaker_cooldown_max_s: float = 300.0
-    exempt_429: bool = False
-
-    @classmethod
-    def from_settings(cls, settings: GatewaySettings, scope: ScopeConfig) -> LoopPolicy:
-        """The gateway's numbers with the scope's ``exempt_429``."""
-        return cls(
-            stall_window_s=settings.stall_window_s,
-            max_attempts=settings.max_attempts,
-            poll_interval_s=settings.poll_interval_s,
-            backoff_base_s=settings.backoff_base_s,
-            backoff_cap_s=settings.backoff_cap_s,
-            lease_grace_s=settings.lease_grace_s,
-            breaker_failures=settings.breaker_failures,
-            breaker_cooldown_s=settings.breaker_cooldown_s,
-            breaker_cooldown_max_s=settings.breaker_cooldown_max_s,
-            exempt_429=scope.exempt_429,
-        )
-
-
+@dataclass(slots=True, eq=False)
 class _Call:
-    """One call's private loop state (never shared between calls)."""
+    """One call's private loop state (never shared between calls).
 
-    __slots__ = (
-        "age",
-        "call_id",
-        "clock",
-        "consecutive_429",
-        "cost_tokens",
-        "deadline_at",
-        "fail_fast",
-        "fails",
-        "last",
-        "last_at",
-        "op_name",
-        "pick_started_at",
-        "records",
-        "streaming",
-        "tried",
-        "waiter",
-    )
+    The call's ``StallClock`` is not kept here: it is a local of the loop,
+    handed to each step that reads it, as the seed design prescribes.
+    """
 
-    def __init__(
-        self,
-        now: Callable[[], float],
-        *,
-        op_name: str,
-        cost_tokens: int,
-        fail_fast: bool,
-        deadline_s: float | None,
-        streaming: bool,
-    ) -> None:
-        self.clock = StallClock(now)
-        started = now()
-        self.call_id = os.urandom(8).hex()
-        self.op_name = op_name
-        self.cost_tokens = cost_tokens
-        self.fail_fast = fail_fast
-        self.streaming = streaming
-        self.deadline_at = None if deadline_s is None else started + deadline_s
-        self.fails = 0
-        self.consecutive_429 = 0
-        self.tried: set[str] = set()
-        self.records: list[AttemptRecord] = []
-        self.waiter: Waiter | None = None
-        self.last: AcquireResult | None = None
-        self.last_at = started
-        self.pick_started_at = started
-        self.age: float | None = None  # progress age read in this iteration, if any
+    op_name: str
+    cost_tokens: int
+    fail_fast: bool
+    streaming: bool
+    deadline_at: float | None
+    pick_started_at: float  # when the search for this attempt's permit began
+    call_id: str = field(default_factory=lambda: os.urandom(8).hex())
+    fails: int = 0
+    consecutive_429: int = 0
+    tried: set[str] = field(default_factory=set)
+    records: list[AttemptRecord] = field(default_factory=list)
+    waiter: Waiter | None = None
+    last: AcquireResult | None = None  # this call's latest acquire, for retry_after_s
+    last_at: float = 0.0
+    age: float | None = None  # progress age read in this iteration, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,30 +300,32 @@ class RetryMW:
         with the matching outcome and re-raises; one that ends without
         ``complete()`` releases as cancelled.
         """
+        clock = StallClock(self._now)  # one per call, never an attribute
+        started = self._now()
         call = _Call(
-            self._now,
             op_name=op_name,
             cost_tokens=cost_tokens,
             fail_fast=fail_fast,
-            deadline_s=deadline_s,
             streaming=streaming,
+            deadline_at=None if deadline_s is None else started + deadline_s,
+            pick_started_at=started,
         )
         room = self._backend.waiting_room(self._scope)
         try:
             while True:
                 call.age = None
                 # Chat only: 429s are not charged, so this is what bounds a saturated scope.
-                if self._policy.exempt_429 and await self._stalled(call):
+                if self._policy.exempt_429 and await self._stalled(call, clock):
                     raise await self._exhausted(call, "stalled")
                 left = self._time_left(call)
                 if left is not None and left <= _DEADLINE_EPSILON_S:
                     raise await self._exhausted(call, "deadline")
                 lease = await self._pick_runnable(call, room)
                 if lease is None:
-                    await self._on_no_runnable(call, room)
+                    await self._on_no_runnable(call, room, clock)
                     continue
-                async with call.clock.attempting():
-                    result = await self._attempt(call, lease, attempt_fn)
+                async with clock.attempting():
+                    result = await self._attempt(call, clock, lease, attempt_fn)
                     if isinstance(result, Served):
                         try:
                             yield result
@@ -403,7 +348,7 @@ class RetryMW:
         """Seconds before the call's deadline, or ``None`` without one."""
         return None if call.deadline_at is None else call.deadline_at - self._now()
 
-    async def _stalled(self, call: _Call) -> bool:
+    async def _stalled(self, call: _Call, clock: StallClock) -> bool:
         """The stall rule: this call's non-productive time AND the scope's progress age exceed it.
 
         The local measure comes first, so a call that has not waited long
@@ -411,7 +356,7 @@ class RetryMW:
         ``inf`` (never served) counts as exceeded (seed design section 3.4).
         """
         stall = self._policy.stall_window_s
-        if call.clock.stalled_s() <= stall:
+        if clock.stalled_s() <= stall:
             return False
         if call.age is None:
             call.age = await self._backend.progress_age_s(self._scope)
@@ -489,7 +434,7 @@ class RetryMW:
         if result.lease is not None:
             await self._backend.release(result.lease, AttemptOutcome("cancelled"))
 
-    async def _on_no_runnable(self, call: _Call, room: WaitingRoom) -> None:
+    async def _on_no_runnable(self, call: _Call, room: WaitingRoom, clock: StallClock) -> None:
         """Nothing runnable: fail fast, apply the stall rule, or wait our turn in the FIFO.
 
         The head polls every ``[0.5p, 1.0p]`` of ``poll_interval_s`` (jitter
@@ -500,7 +445,7 @@ class RetryMW:
         if call.fail_fast:
             # Never the stall rule: the caller asked not to wait at all.
             raise await self._exhausted(call, "no_runnable")
-        if await self._stalled(call):
+        if await self._stalled(call, clock):
             raise await self._exhausted(call, "stalled")
         if call.waiter is None:
             call.waiter = room.enter()
@@ -509,7 +454,7 @@ class RetryMW:
         if room.is_head(call.waiter):
             timeout = self._rng.uniform(0.5 * poll, poll)
         else:
-            local_left = stall - call.clock.stalled_s()
+            local_left = stall - clock.stalled_s()
             if local_left >= 0.0:
                 timeout = local_left + _STALL_TIMER_SLACK_S
             else:
@@ -523,7 +468,7 @@ class RetryMW:
         await room.wait(call.waiter, timeout, self._sleep)
 
     async def _attempt(
-        self, call: _Call, lease: Lease, attempt_fn: AttemptFn[T]
+        self, call: _Call, clock: StallClock, lease: Lease, attempt_fn: AttemptFn[T]
     ) -> Served[T] | _Failed:
         """One real request on a held permit; a failure is released and emitted here.
 
@@ -543,7 +488,7 @@ class RetryMW:
             idle_timeout_s=idle_s,
             started_at=started,
             permit_wait_s=max(0.0, started - call.pick_started_at),
-            stalled_s=call.clock.stalled_s(),
+            stalled_s=clock.stalled_s(),
         )
         try:
             value = await attempt_fn(source, ctx)
