@@ -27,11 +27,15 @@ from polygateway.testing import (
     Gate,
     Hang,
     Recorder,
+    ScriptExhausted,
     TransientError,
     chat_completion,
+    embedding_body,
     gateway_settings,
     settle,
 )
+from polygateway.transport.http import HttpRequest
+from polygateway.transport.openai import parse_embedding_response
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -282,6 +286,21 @@ class TestFailover:
         assert caught.value.reason == "retry_exhausted"
         assert len(transport.requests) == 3
 
+    async def test_back_off_grows_with_consecutive_429s(self) -> None:
+        """Exempt 429s are free but not cheap: each back-off doubles, like charged failures."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(
+            clock,
+            [TransientError(status_code=429, retry_after_s=0.01)] * 4 + [chat_completion()],
+        )
+        response = await chat.complete(MESSAGES)
+        assert [a.outcome for a in response.attempts][-1] == "success"
+        assert len(transport.requests) == 5  # four free 429s, then the answer
+        bands = [(0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0)]
+        assert len(clock.sleeps) == len(bands)
+        for slept, (low, high) in zip(clock.sleeps, bands, strict=True):
+            assert low <= slept <= high
+
     async def test_untried_sources_come_first_on_retry(self) -> None:
         """A retry goes to a source this call has not tried, even a lower tier."""
         clock = FakeClock()
@@ -482,6 +501,27 @@ class TestWaiting:
         assert 0 < single <= 10.0 / (0.5 * 0.5) + 1  # jittered polls, 0.25-0.5 s apart
         assert crowd <= single
 
+    async def test_concurrency_never_exceeds_max_concurrency(self) -> None:
+        """Ten concurrent calls on a source with max_concurrency=2: at most two in flight."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        chat, transport, backend = make_chat(
+            clock,
+            default=Delay(1.0, chat_completion()),
+            sources=({"name": "primary", "max_concurrency": 2},),
+            sleep=timers.sleep,
+            transport_sleep=timers.sleep,
+        )
+        tasks = [asyncio.create_task(chat.complete(MESSAGES)) for _ in range(10)]
+        for _ in range(100):
+            if all(t.done() for t in tasks):
+                break
+            await timers.advance(0.25)
+        assert [r.text for r in await asyncio.gather(*tasks)] == ["ok"] * 10
+        assert transport.max_in_flight == 2
+        assert len(transport.requests) == 10
+        assert await in_flight(backend) == 0
+
     async def test_a_call_that_never_waits_costs_two_backend_operations(self) -> None:
         """acquire + release, nothing else, for a call served at once."""
         clock = FakeClock()
@@ -673,3 +713,63 @@ class TestRetryMWDirectly:
         assert {r.call_id for r in served.attempts} == {seen[0].call_id}
         assert seen[0].source != seen[1].source  # the retry went to the untried source
         assert (await backend.snapshot("embed")).in_flight == 0
+
+
+# --- the test kit itself ------------------------------------------------------------------
+
+
+class TestFakeTransport:
+    """The scripted upstream behaves as documented."""
+
+    async def test_hang_moves_the_clock_by_exactly_the_timeout(self) -> None:
+        """Hang() sleeps the request's effective timeout, then raises a timeout failure."""
+        clock = FakeClock()
+        transport = FakeTransport([Hang()], clock=clock)
+        request = HttpRequest(source="s", url="http://127.0.0.1:9/x", timeout_s=7.5)
+        started = clock()
+        with pytest.raises(TransientError) as caught:
+            await transport.send(request)
+        assert caught.value.timeout
+        assert caught.value.aimd_decrease
+        assert clock() - started == 7.5
+
+    async def test_per_source_scripts_fall_back_to_the_shared_one(self) -> None:
+        """A source's own script is used first, then the shared script, then the default."""
+        transport = FakeTransport({"a": [{"n": 1}]}, default={"n": 0})
+        transport.add({"n": 2})
+        ask = HttpRequest(source="a", url="http://127.0.0.1:9/a", timeout_s=1)
+        assert [await transport.send(ask) for _ in range(3)] == [{"n": 1}, {"n": 2}, {"n": 0}]
+
+    async def test_running_out_of_script_fails_loudly(self) -> None:
+        """With no default, one request too many raises ScriptExhausted."""
+        transport = FakeTransport([])
+        with pytest.raises(ScriptExhausted):
+            await transport.send(HttpRequest(source="s", url="http://127.0.0.1:9/", timeout_s=1))
+
+    async def test_callables_and_awaitables_are_played(self) -> None:
+        """A callable outcome gets the request; its (awaited) result is played in turn."""
+
+        async def answer(request: HttpRequest) -> Any:
+            return TransientError(f"no {request.source}", status_code=503)
+
+        transport = FakeTransport([answer])
+        with pytest.raises(TransientError, match="no s"):
+            await transport.send(HttpRequest(source="s", url="http://127.0.0.1:9/", timeout_s=1))
+
+    def test_recorded_requests_never_show_headers(self) -> None:
+        """The repr of a recorded request leaves headers (credentials) and body out."""
+        request = HttpRequest(
+            source="s",
+            url="http://127.0.0.1:9/",
+            timeout_s=1,
+            headers={"Authorization": "Bearer sk-test-hidden"},
+            json={"messages": ["private"]},
+        )
+        assert "sk-test-hidden" not in repr(request)
+        assert "private" not in repr(request)
+
+    def test_embedding_body_parses_as_an_openai_answer(self) -> None:
+        """embedding_body builds what the OpenAI embeddings reader accepts."""
+        vectors, usage = parse_embedding_response(embedding_body([[0.1, 0.2], [0.3, 0.4]]), 2)
+        assert vectors == [[0.1, 0.2], [0.3, 0.4]]
+        assert usage.prompt_tokens == 2
