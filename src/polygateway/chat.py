@@ -193,7 +193,11 @@ class ChatStream:
     at context exit at the latest; a bare ``async for c in chat.stream(...)``
     releases it when iteration ends or, if the loop breaks early, when the
     event loop finalizes the iterator (a few loop turns later). A stream is
-    consumed once.
+    consumed once. ``deadline_s`` bounds the search for a stream that starts:
+    the TTFT and idle timeouts of each attempt are clipped to the time left
+    when it begins, and a stream already flowing is not cut at the deadline.
+    A consumer that stops early releases the permit as cancelled (only a
+    clean end counts as a success).
     """
 
     __slots__ = (
