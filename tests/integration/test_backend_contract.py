@@ -737,7 +737,8 @@ def _walk_machine(env: BackendEnv, loop: asyncio.AbstractEventLoop) -> type[Rule
         @precondition(lambda self: bool(self.leases))
         @rule(data=st.data(), outcome=st.sampled_from(_OUTCOMES))
         def release(self, data: st.DataObject, outcome: AttemptOutcome) -> None:
-            lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+            # Insertion order, not sorted ids: ids are opaque and their order differs by backend.
+            lease_id = data.draw(st.sampled_from(list(self.leases)))
             lease = self.leases.pop(lease_id)
             self.expiry.pop(lease_id)
             run(env.backend.release(lease, outcome))
@@ -745,7 +746,7 @@ def _walk_machine(env: BackendEnv, loop: asyncio.AbstractEventLoop) -> type[Rule
         @precondition(lambda self: bool(self.leases))
         @rule(data=st.data())
         def renew(self, data: st.DataObject) -> None:
-            lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+            lease_id = data.draw(st.sampled_from(list(self.leases)))
             lease = self.leases[lease_id]
             live = self.expiry[lease_id] > clock()
             assert run(env.backend.renew(lease)) is live
