@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: install install-demo redis-server test unit lint demo bench soak clean
 
@@ -19,8 +20,13 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 
 install: $(STAMP)
 
-install-demo: $(VENV)/bin/python
+# What the demo needs (the sim and cli extras), installed once per pyproject.toml version.
+$(DEMO_STAMP): $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install --quiet -e '.[sim,cli]'
+	rm -f $(VENV)/.demo-installed-*
+	touch $(DEMO_STAMP)
+
+install-demo: $(DEMO_STAMP)
 
 # Debian's redis-server for the real-Redis fixture; installed only when missing.
 redis-server:

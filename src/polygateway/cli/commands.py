@@ -99,7 +99,12 @@ def status(args: argparse.Namespace) -> int:
         settings.scope(name)  # an unknown scope is a ConfigError listing the known ones
     if not args.json:
         render.need_rich()
-    return asyncio.run(_status(settings, scopes, args.json, args.watch))
+    try:
+        return asyncio.run(_status(settings, scopes, args.json, args.watch))
+    except KeyboardInterrupt:
+        if args.watch is None:
+            raise
+        return 0  # Ctrl+C is how a watch ends
 
 
 async def _status(
@@ -108,14 +113,37 @@ async def _status(
     """Read the snapshots (repeatedly when watching) and print them."""
     backend = shared_backend(settings)
     try:
-        while True:
-            snaps = [await backend.snapshot(name) for name in scopes]
-            _print_status(settings, snaps, as_json)
-            if watch is None:
-                return 0
-            await asyncio.sleep(watch)
+        if as_json or watch is None or not render.console().is_terminal:
+            while True:
+                snaps = [await backend.snapshot(name) for name in scopes]
+                _print_status(settings, snaps, as_json)
+                if watch is None:
+                    return 0
+                await asyncio.sleep(watch)
+        await _watch_in_place(settings, backend, scopes, watch)
+        return 0
     finally:
         await backend.aclose()
+
+
+async def _watch_in_place(
+    settings: GatewaySettings, backend: Backend, scopes: Sequence[str], every: float
+) -> None:
+    """Redraw the status tables in place on a terminal until interrupted."""
+    from rich.console import Group
+    from rich.live import Live
+
+    out = render.console()
+    with Live(console=out, auto_refresh=False) as live:
+        while True:
+            snaps = [await backend.snapshot(name) for name in scopes]
+            tables = [
+                render.scope_status_table(snap, max_concurrency_of(settings, snap.scope))
+                for snap in snaps
+            ]
+            header = f"backend {settings.backend} at {settings.redis_url_masked}, every {every:g} s"
+            live.update(Group(header, *tables), refresh=True)
+            await asyncio.sleep(every)
 
 
 def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_json: bool) -> None:
