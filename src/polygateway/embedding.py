@@ -165,8 +165,11 @@ class EmbeddingClient(GovernedClient):
         """Vectors of ``texts`` in input order; ``params`` (dimensions, user, ...) go as given.
 
         ``deadline_s`` bounds the whole call, every batch included. ``fail_fast``
-        applies to every batch: one that finds no free permit (its siblings'
-        included) fails the call with ``no_runnable``.
+        applies to the call: the first batch asks without waiting and the call
+        fails with ``no_runnable`` when the scope cannot take it at once; the
+        other batches start once it holds a permit and then queue behind the
+        call's own permits like any batch (waiting for oneself is not "no
+        runnable source").
 
         Raises:
             RequestRejected: a non-list, an empty string or a non-string item
@@ -219,11 +222,17 @@ class EmbeddingClient(GovernedClient):
         results: list[Served[_Batch] | None] = [None] * len(spans)
         failed: list[BaseException] = []
         slots = asyncio.Semaphore(self._max_batch_tasks)
+        # fail_fast: only the first batch asks without waiting; the rest follow its admission.
+        admitted = asyncio.Event()
+        if not fail_fast:
+            admitted.set()
 
         async def one(index: int, span: tuple[int, int]) -> None:
             try:
+                if index > 0:
+                    await admitted.wait()
                 results[index] = await self._embed_batch(
-                    items, span, params, fail_fast, deadline_at
+                    items, span, params, fail_fast and index == 0, deadline_at, admitted.set
                 )
             except BaseException as exc:
                 # Not swallowed: the failure is noted (first one wins) and re-raised.
@@ -262,6 +271,7 @@ class EmbeddingClient(GovernedClient):
         params: Mapping[str, Any],
         fail_fast: bool,
         deadline_at: float | None,
+        on_admitted: Callable[[], None],
     ) -> Served[_Batch]:
         """One batch through the governance loop; a wrong vector count is a malformed answer."""
         start, stop = span
@@ -269,6 +279,7 @@ class EmbeddingClient(GovernedClient):
         transport = self._transport
 
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> _Batch:
+            on_admitted()
             request = embedding_request(source, texts, params, timeout_s=ctx.timeout_s)
             vectors, usage = parse_embedding_response(await transport.send(request), len(texts))
             ctx.usage = usage

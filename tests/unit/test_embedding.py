@@ -210,6 +210,31 @@ async def test_batches_run_concurrently_up_to_the_permit_limit_and_never_beyond(
     assert (await r.backend.snapshot(SCOPE)).in_flight == 0
 
 
+async def test_fail_fast_call_with_more_batches_than_permits_is_served() -> None:
+    """fail_fast is about the scope, not the call's own batches: they queue behind each other."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    settings = make_settings(source(max_batch_size=2, max_concurrency=2))
+    r = rig(settings=settings, default=slow_echo, clock=clock, sleep=timers.sleep)
+    result = await r.client.embed(texts(20), fail_fast=True)
+    assert result.vectors == [vector_of(t) for t in texts(20)]
+    assert len(r.transport.requests) == 10
+    assert r.transport.max_in_flight <= 2
+    assert (await r.backend.snapshot(SCOPE)).in_flight == 0
+
+
+async def test_fail_fast_call_on_a_full_scope_fails_with_no_runnable() -> None:
+    """With every permit held by someone else, a fail_fast embed fails at once, sending nothing."""
+    r = rig(default=echo, settings=make_settings(source(max_concurrency=1)))
+    spec = SourceSpec(name="emb", max_concurrency=1)
+    held = await r.backend.acquire(SCOPE, [spec], ttl_s=60.0)
+    assert held.lease is not None
+    with pytest.raises(AllSourcesExhausted) as caught:
+        await r.client.embed(texts(5), fail_fast=True)
+    assert caught.value.reason == "no_runnable"
+    assert r.transport.requests == []
+
+
 async def test_batch_tasks_are_capped_so_huge_inputs_stay_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
