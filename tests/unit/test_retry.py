@@ -265,6 +265,8 @@ class TestFailover:
         assert caught.value.reason == "retry_exhausted"
         assert len(caught.value.attempts) == 3
         assert len(transport.requests) == 3
+        # The message says what the last attempt ran into, not only that all failed.
+        assert "last: primary: HTTP 503" in str(caught.value)
 
     async def test_429_is_charged_when_the_scope_is_not_exempt(self) -> None:
         """With exempt_429=False every 429 burns the retry budget (embedding, OCR)."""

@@ -608,8 +608,13 @@ class RetryMW:
 
     async def _exhausted(self, call: _Call, reason: ExhaustedReason) -> AllSourcesExhausted:
         """The error that ends a call, with the time until the earliest source reopens."""
+        message = f"{call.op_name}: all sources exhausted: {_EXPLAINED[reason]}"
+        last = call.records[-1] if call.records else None
+        if last is not None and last.error:
+            # Already scrubbed of credentials when the record was made.
+            message += f"; last: {last.source}: {last.error}"
         return AllSourcesExhausted(
-            f"{call.op_name}: all sources exhausted: {_EXPLAINED[reason]}",
+            message,
             reason=reason,
             scope=self._scope,
             sources=self._names,
