@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+# Re-exported: the literals live in governance (the lower layer) and are named here too.
+from polygateway.governance.source_state import OutcomeKind, RejectReason
+
 if TYPE_CHECKING:
     from polygateway.backends.waiting import WaitingRoom
 
@@ -31,19 +34,6 @@ __all__ = [
     "SourceSnapshot",
     "SourceSpec",
 ]
-
-RejectReason = Literal["breaker_open", "probe_in_flight", "paced", "concurrency", "rpm", "tpm"]
-"""Why ``acquire`` passed over a candidate, checked in this order."""
-
-OutcomeKind = Literal[
-    "success",
-    "rate_limited",
-    "transient",
-    "source_misconfigured",
-    "request_rejected",
-    "cancelled",
-]
-"""What an attempt came to, as far as shared state cares (DESIGN.md section 4)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,8 +45,10 @@ __all__ = [
     "view",
 ]
 
-# The same literals as backends/base.py; repeated because governance sits below backends.
+# Defined here, the lowest layer that needs them; backends.base re-exports both.
 RejectReason = Literal["breaker_open", "probe_in_flight", "paced", "concurrency", "rpm", "tpm"]
+"""Why ``acquire`` passed over a candidate, checked in this order."""
+
 OutcomeKind = Literal[
     "success",
     "rate_limited",
@@ -55,6 +57,7 @@ OutcomeKind = Literal[
     "request_rejected",
     "cancelled",
 ]
+"""What an attempt came to, as far as shared state cares (DESIGN.md section 4)."""
 
 
 class SourceLimits(Protocol):
