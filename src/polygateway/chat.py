@@ -16,9 +16,8 @@ without a ``finish_reason`` is a failure.
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,7 +25,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from polygateway.errors import RequestRejected, StreamInterrupted
 from polygateway.middleware.attempt import AttemptContext, Served
 from polygateway.middleware.lifecycle import GovernedClient, InFlight
-from polygateway.middleware.telemetry import Emitter
 from polygateway.models import AttemptRecord, ChatChunk, ChatResponse
 from polygateway.transport.http import TransientError
 from polygateway.transport.openai import (
@@ -38,9 +36,7 @@ from polygateway.transport.openai import (
 )
 
 if TYPE_CHECKING:
-    from polygateway.backends.base import Backend
-    from polygateway.config import GatewaySettings, SourceConfig
-    from polygateway.transport.http import Transport
+    from polygateway.config import SourceConfig
 
 __all__ = ["ChatClient", "ChatStream"]
 
@@ -73,29 +69,6 @@ class ChatClient(GovernedClient):
 
     KIND: ClassVar[str] = "chat"
     DEFAULT_SCOPE: ClassVar[str] = "chat"
-
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        scope: str = "chat",
-        *,
-        backend: Backend | None = None,
-        transport: Transport | None = None,
-        now: Callable[[], float] | None = None,
-        sleep: Callable[[float], Awaitable[None]] | None = None,
-        rng: random.Random | None = None,
-        emitter: Emitter | None = None,
-    ) -> None:
-        super().__init__(
-            settings,
-            scope,
-            backend=backend,
-            transport=transport,
-            now=now,
-            sleep=sleep,
-            rng=rng,
-            emitter=emitter,
-        )
 
     async def complete(
         self,

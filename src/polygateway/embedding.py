@@ -21,14 +21,12 @@ returns a partial or misordered result.
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from polygateway.errors import GatewayError, RequestRejected
 from polygateway.middleware.lifecycle import GovernedClient
-from polygateway.middleware.telemetry import Emitter
 from polygateway.models import EmbeddingResponse, Usage
 from polygateway.transport.openai import (
     embedding_request,
@@ -37,10 +35,8 @@ from polygateway.transport.openai import (
 )
 
 if TYPE_CHECKING:
-    from polygateway.backends.base import Backend
-    from polygateway.config import GatewaySettings, SourceConfig
+    from polygateway.config import SourceConfig
     from polygateway.middleware.attempt import AttemptContext, Served
-    from polygateway.transport.http import Transport
 
 __all__ = ["EmbeddingClient", "plan_batches"]
 
@@ -116,30 +112,9 @@ class EmbeddingClient(GovernedClient):
     KIND: ClassVar[str] = "embed"
     DEFAULT_SCOPE: ClassVar[str] = "embed"
 
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        scope: str = "embed",
-        *,
-        backend: Backend | None = None,
-        transport: Transport | None = None,
-        now: Callable[[], float] | None = None,
-        sleep: Callable[[float], Awaitable[None]] | None = None,
-        rng: random.Random | None = None,
-        emitter: Emitter | None = None,
-    ) -> None:
-        super().__init__(
-            settings,
-            scope,
-            backend=backend,
-            transport=transport,
-            now=now,
-            sleep=sleep,
-            rng=rng,
-            emitter=emitter,
-        )
+    def _setup(self) -> None:
+        """Batch limits: any batch may be served by any source, so the smallest limits hold."""
         sources = self._config.sources
-        # Any batch may be served by any source: it must fit the smallest limits.
         self._max_batch_size = min(s.max_batch_size for s in sources)
         self._max_batch_tokens = min(s.max_batch_tokens for s in sources)
         self._max_batch_tasks = max(1, _TASKS_PER_PERMIT * self._config.total_concurrency)

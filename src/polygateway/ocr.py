@@ -25,25 +25,21 @@ request, as is an upload that is not an image or PDF (by magic bytes).
 
 from __future__ import annotations
 
-import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from polygateway.errors import RequestRejected
 from polygateway.middleware.lifecycle import GovernedClient
 from polygateway.middleware.retry import RetryMW
-from polygateway.middleware.telemetry import Emitter
 from polygateway.models import LayoutBlock, LayoutResult, TextResult
 from polygateway.transport import monkey_ocr, vision_ocr
 from polygateway.transport.files import FileKind, detect_kind, filename_for
 from polygateway.transport.openai import estimate_chat_tokens, parse_chat_response
 
 if TYPE_CHECKING:
-    from polygateway.backends.base import Backend
-    from polygateway.config import GatewaySettings, SourceConfig
+    from polygateway.config import SourceConfig
     from polygateway.middleware.attempt import AttemptContext, Served
-    from polygateway.transport.http import Transport
 
 __all__ = ["OcrClient", "describe_content"]
 
@@ -117,29 +113,8 @@ class OcrClient(GovernedClient):
     KIND: ClassVar[str] = "ocr"
     DEFAULT_SCOPE: ClassVar[str] = "ocr"
 
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        scope: str = "ocr",
-        *,
-        backend: Backend | None = None,
-        transport: Transport | None = None,
-        now: Callable[[], float] | None = None,
-        sleep: Callable[[float], Awaitable[None]] | None = None,
-        rng: random.Random | None = None,
-        emitter: Emitter | None = None,
-    ) -> None:
-        super().__init__(
-            settings,
-            scope,
-            backend=backend,
-            transport=transport,
-            now=now,
-            sleep=sleep,
-            rng=rng,
-            emitter=emitter,
-        )
-        self._emitter = emitter
+    def _setup(self) -> None:
+        """The lazily built loops over subsets of the scope's sources."""
         # Loops over a subset of the scope's sources (a PDF in a scope that also
         # has vision sources, say), built on first need: the same RetryMW class
         # on the same backend, scope and waiting room, only fewer candidates.

@@ -172,17 +172,20 @@ class GovernedClient:
     Explicit parts (keyword-only) are for tests and embedding; without them
     the backend is the one shared per settings object (``shared_backend``),
     the transport is built from the settings, and time is the real clock.
+    ``scope`` defaults to the subclass's ``DEFAULT_SCOPE``; a subclass with
+    state of its own builds it in ``_setup()`` rather than repeating this
+    constructor.
     """
 
     KIND: ClassVar[str] = ""
     """The scope kind a subclass serves (``chat``, ``embed`` or ``ocr``)."""
     DEFAULT_SCOPE: ClassVar[str] = ""
-    """The scope ``from_settings`` binds to when none is named."""
+    """The scope a client binds to when none is named."""
 
     def __init__(
         self,
         settings: GatewaySettings,
-        scope: str,
+        scope: str | None = None,
         *,
         backend: Backend | None = None,
         transport: Transport | None = None,
@@ -191,6 +194,7 @@ class GovernedClient:
         rng: random.Random | None = None,
         emitter: Emitter | None = None,
     ) -> None:
+        scope = scope if scope is not None else self.DEFAULT_SCOPE
         config = settings.scope(scope)
         if config.kind != self.KIND:
             raise ConfigError(
@@ -220,7 +224,12 @@ class GovernedClient:
             rng=self._rng,
             emitter=emitter,
         )
+        self._emitter = emitter
         self._life = Lifecycle(scope=scope, close_grace_s=settings.close_grace_s, sleep=self._sleep)
+        self._setup()
+
+    def _setup(self) -> None:
+        """Build a subclass's own state, once every shared part above exists."""
 
     @classmethod
     def from_settings(
@@ -242,7 +251,7 @@ class GovernedClient:
         """
         return cls(
             settings,
-            scope if scope is not None else cls.DEFAULT_SCOPE,
+            scope,
             backend=backend,
             transport=transport,
             now=now,
