@@ -136,3 +136,13 @@ def test_status_command_on_a_memory_config_points_to_the_owning_process(
     line = assert_one_line_error(run_cli("status"), 2)
     assert "lives inside one process" in line
     assert "demo --status-every" in line
+
+
+def test_demo_on_an_unreachable_redis_fails_at_once_in_one_line(run_cli: RunCli) -> None:
+    """``--backend redis`` with nothing listening: exit 1 before any traffic, password masked."""
+    ran = run_cli("demo", "--backend", "redis", "--redis-url", "redis://:pw-xyz-123@127.0.0.1:9/0")
+    line = assert_one_line_error(ran, 1)
+    assert "snapshot" in line
+    assert "redis://:***@127.0.0.1:9/0" in line
+    assert "pw-xyz-123" not in ran.output
+    assert "verdict" not in ran.stdout

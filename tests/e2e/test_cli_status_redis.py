@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -118,3 +119,35 @@ def test_status_of_an_unknown_scope_lists_the_known_ones(tmp_path: Path, run_cli
     assert ran.code == 2
     assert "no scope named 'nope'" in ran.stderr
     assert "demo-chat" in ran.stderr
+
+
+def test_status_watch_reports_every_period_and_ends_cleanly_on_ctrl_c(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """``status --watch --json``: a document per period until SIGINT, which ends it with exit 0."""
+    (tmp_path / "polygateway.toml").write_text(status_config(redis_url))
+    proc = subprocess.Popen(
+        cli_command("status", "--watch", "0.2", "--json"),
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = [proc.stdout.readline() for _ in range(3)]
+        proc.send_signal(signal.SIGINT)
+        rest, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert stderr == ""
+    docs = [json.loads(line) for line in [*first, *rest.splitlines()] if line.strip()]
+    assert len(docs) >= 3
+    for doc in docs:
+        assert [scope["scope"] for scope in doc["scopes"]] == list(SCOPES)
+        assert all(scope["progress_age_s"] is None for scope in doc["scopes"])
+        assert all(scope["sources"] == [] for scope in doc["scopes"])

@@ -26,7 +26,7 @@ from importlib import metadata
 from polygateway.cli.render import CliError, print_error
 from polygateway.errors import ConfigError, GatewayError
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILURE", "build_parser", "main"]
+__all__ = ["EXIT_CONFIG", "EXIT_FAILURE", "build_parser", "main", "positive_float", "positive_int"]
 
 EXIT_FAILURE = 1
 """A call failed, a file could not be read, or the demo did not serve every call."""
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--watch",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="refresh every SECONDS until interrupted",
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("prompt", nargs="*", help="the user message (default: read stdin)")
     chat.add_argument("--scope", default="chat", help="scope to use (default chat)")
     chat.add_argument("--system", default=None, help="a system message")
-    chat.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N")
+    chat.add_argument("--max-tokens", type=positive_int, default=256, metavar="N")
     chat.add_argument("--stream", action="store_true", help="stream the answer as it comes")
     chat.set_defaults(handler=_lazy("run_chat"))
 
@@ -178,7 +178,7 @@ def _lazy(name: str) -> Handler:
     return run
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     """An argparse type: a number > 0."""
     try:
         value = float(text)
@@ -189,7 +189,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """An argparse type: an integer > 0."""
     try:
         value = int(text)

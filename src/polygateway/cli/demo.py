@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from polygateway.cli import render
+from polygateway.cli import positive_float, render
 from polygateway.cli.demo_report import (
     CallResult,
     DemoEmitter,
@@ -52,13 +52,25 @@ if TYPE_CHECKING:
     from polygateway.ocr import OcrClient
     from polygateway.simulator import FaultProfile, SimulatedUpstream
 
-__all__ = ["SCOPES", "add_demo_parser", "demo_settings", "run_demo", "tiny_pdf", "tiny_png"]
+__all__ = [
+    "CONCURRENCY",
+    "ROLES",
+    "SCOPES",
+    "add_demo_parser",
+    "demo_settings",
+    "run_demo",
+    "tiny_pdf",
+    "tiny_png",
+]
 
 SCOPES = {"chat": "demo-chat", "embed": "demo-embed", "ocr": "demo-ocr"}
 """Client kind -> the demo's scope name."""
 
 ROLES = ("healthy", "rate_limited", "failing")
 """The three sources of every demo scope."""
+
+CONCURRENCY = {"healthy": 16, "rate_limited": 4, "failing": 4}
+"""Each role's ``max_concurrency`` (the same in every demo scope)."""
 
 _SAMPLE_EVERY_S = 0.2
 """Snapshot period of the breaker-trip sampler (a trip stays open for seconds)."""
@@ -91,14 +103,14 @@ def add_demo_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> Non
     )
     demo.add_argument(
         "--scale",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="multiply the workload (calls and arrival window; default 1 = ~300 chat calls)",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the faults and arrivals")
     demo.add_argument(
         "--status-every",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="show the backend's live state (permits, breakers, pacing, AIMD) every SECONDS",
@@ -190,7 +202,6 @@ def demo_settings(
 ) -> GatewaySettings:
     """Settings built in code for the demo's scopes: small timeouts, quick breakers and back-off."""
     key = SecretStr("demo-key")
-    concurrency = {"healthy": 16, "rate_limited": 4, "failing": 4}
     scopes: dict[str, Any] = {}
     for kind, scope in SCOPES.items():
         sources = []
@@ -202,7 +213,7 @@ def demo_settings(
                 "base_url": sim.base_url(sim_name, "monkey_ocr" if kind == "ocr" else "openai"),
                 "model": f"sim-{kind}",
                 "api_key": key,
-                "max_concurrency": concurrency[role],
+                "max_concurrency": CONCURRENCY[role],
                 "timeout_s": 2.0,
                 "ttft_timeout_s": 1.0,
                 "stream_idle_timeout_s": 1.0,
@@ -406,23 +417,17 @@ async def _sample(run: _Run, status_every: float | None, show: Callable[[Any], N
         if next_status is not None and status_every is not None and at >= next_status:
             next_status += status_every
             run.samples.append(
-                {"t_s": round(at, 2), "scopes": [render.snapshot_json(s, _caps()) for s in snaps]}
+                {
+                    "t_s": round(at, 2),
+                    "scopes": [render.snapshot_json(s, CONCURRENCY) for s in snaps],
+                }
             )
             show(snaps)
         await asyncio.sleep(_SAMPLE_EVERY_S)
 
 
-def _caps() -> dict[str, int]:
-    """Configured max_concurrency per role (same in every demo scope)."""
-    return {"healthy": 16, "rate_limited": 4, "failing": 4}
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """The ``demo`` sub-command."""
-    if args.scale <= 0:
-        raise render.CliError("--scale must be > 0")
-    if args.status_every is not None and args.status_every <= 0:
-        raise render.CliError("--status-every must be > 0")
     try:
         import polygateway.simulator  # noqa: F401
     except ImportError:
@@ -489,7 +494,7 @@ async def _with_progress(
             return
         out.print(f"live state at {run.elapsed():.1f} s:")
         for snap in snaps:
-            out.print(render.scope_status_table(snap, _caps()))
+            out.print(render.scope_status_table(snap, CONCURRENCY))
 
     sampler = asyncio.create_task(_sample(run, args.status_every, show_status))
     calls = [asyncio.create_task(_one(run, call)) for call in plan]
@@ -575,7 +580,7 @@ def _report(
                 ],
                 "sources": sources,
                 "simulator": stats,
-                "status": [render.snapshot_json(s, _caps()) for s in final],
+                "status": [render.snapshot_json(s, CONCURRENCY) for s in final],
                 "status_samples": run.samples,
             }
         )
@@ -589,7 +594,7 @@ def _report(
     owner = "this process owns the memory backend" if args.backend == "memory" else "Redis"
     out.print(f"governance state at the end ({owner}):")
     for snap in final:
-        out.print(render.scope_status_table(snap, _caps()))
+        out.print(render.scope_status_table(snap, CONCURRENCY))
     for r in failed[:20]:
         out.print(f"[red]failed[/red] {escape(f'{r.label}: {r.error}: {r.message}')}")
     if len(failed) > 20:
