@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from cli_run import RunCli, assert_one_line_error, cli_command, cli_env
 
-from polygateway.cli.demo import tiny_pdf, tiny_png
+from polygateway.cli.samples import tiny_pdf, tiny_png
 
 KEY = "sk-sim-e2e-secret-key-42"
 

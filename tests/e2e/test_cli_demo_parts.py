@@ -8,8 +8,8 @@ import zlib
 from typing import Literal
 
 from polygateway.backends.base import ScopeSnapshot, SourceSnapshot
-from polygateway.cli.demo import tiny_pdf, tiny_png
 from polygateway.cli.demo_report import TripCounter, percentile
+from polygateway.cli.samples import tiny_pdf, tiny_png
 from polygateway.transport.files import detect_kind
 
 Breaker = Literal["closed", "open", "half_open"]

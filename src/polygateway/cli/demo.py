@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import struct
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +38,7 @@ from polygateway.cli.demo_report import (
     sources_json,
     sources_table,
 )
+from polygateway.cli.samples import tiny_pdf, tiny_png
 from polygateway.config import GatewaySettings
 from polygateway.errors import GatewayError
 
@@ -116,53 +115,6 @@ def add_demo_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> Non
         help="show the backend's live state (permits, breakers, pacing, AIMD) every SECONDS",
     )
     demo.set_defaults(handler=run_demo)
-
-
-# -- sample files --------------------------------------------------------------------------
-
-
-def tiny_png(width: int = 16, height: int = 8) -> bytes:
-    """A valid RGB PNG, built by hand (zlib + struct): no image library needed."""
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(tag + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", crc)
-
-    row = b"\x00" + b"\xff\xff\xff" * width  # filter byte 0, then white pixels
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(row * height))
-        + chunk(b"IEND", b"")
-    )
-
-
-def tiny_pdf(text: str = "PolyGateway demo page") -> bytes:
-    """A valid one-page PDF with one line of text, its cross-reference table computed."""
-    stream = f"BT /F1 12 Tf 20 50 Td ({text}) Tj ET".encode("latin-1")
-    objects = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 300 100] /Contents 4 0 R "
-        b"/Resources << /Font << /F1 5 0 R >> >> >>",
-        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref_at = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    for offset in offsets:
-        out += b"%010d 00000 n \n" % offset
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref_at,
-    )
-    return bytes(out)
 
 
 # -- the upstream and the settings ------------------------------------------------------------
@@ -352,6 +304,7 @@ class _Run:
         self.started = time.monotonic()  # edge: the demo is a program, not policy code
 
     def elapsed(self) -> float:
+        """Seconds since the workload started."""
         return time.monotonic() - self.started  # edge
 
     def done(self, kind: str) -> tuple[int, int]:
@@ -375,6 +328,7 @@ class _Run:
         )
 
     async def snapshots(self) -> list[ScopeSnapshot]:
+        """The backend's state of every demo scope, now."""
         return [await self.backend.snapshot(scope) for scope in SCOPES.values()]
 
 
@@ -406,7 +360,9 @@ async def _one(run: _Run, call: _Planned) -> None:
     )
 
 
-async def _sample(run: _Run, status_every: float | None, show: Callable[[Any], None]) -> None:
+async def _sample(
+    run: _Run, status_every: float | None, show: Callable[[Sequence[ScopeSnapshot]], None]
+) -> None:
     """Sample the backend for breaker trips; every ``status_every`` s keep (and show) the state."""
     next_status = status_every
     while True:
@@ -505,6 +461,9 @@ async def _with_progress(
             await _live_bars(run, calls, out)
         else:
             await _plain_progress(run, calls, out)
+        # Every call is done; a call that raised something other than a GatewayError is a
+        # bug, not a verdict: re-raise it instead of reporting a half-empty table.
+        await asyncio.gather(*calls)
     finally:
         sampler.cancel()
         for task in calls:
