@@ -212,6 +212,8 @@ class _Planned:
 
 @dataclass(frozen=True, slots=True)
 class _Clients:
+    """The three clients the workload calls through, sharing one backend."""
+
     chat: ChatClient
     embed: EmbeddingClient
     ocr: OcrClient
