@@ -24,12 +24,10 @@ Event streams are parsed by ``transport/sse.py`` (see there why).
 from __future__ import annotations
 
 import asyncio
-import ssl
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 try:
     import aiohttp
@@ -38,31 +36,30 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "the aiohttp transport needs aiohttp: pip install polygateway[aiohttp]"
     ) from exc
 
+from polygateway.transport.exchange import (
+    EventStream,
+    answer_error,
+    check_opened,
+    connect_limit,
+    connect_timed_out,
+    phase_timed_out,
+    unusable_url,
+)
 from polygateway.transport.http import (
-    STREAM_END,
     HttpRequest,
     TransientError,
-    is_event_stream,
-    malformed,
     network_error,
-    parse_event_data,
     parse_json_body,
     secrets_in,
-    status_error,
     timeout_error,
-    truncated_stream,
 )
+from polygateway.transport.pool import ClientPools, PoolKey, check_pool_size, ssl_verify
 from polygateway.transport.sse import SSEParser
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
 __all__ = ["AiohttpSessionFactory", "AiohttpTransport"]
-
-_ClientKey = tuple[bool | str, str]
-"""(verify, proxy): sources that agree on both share one pooled session."""
-
-_DEFAULT_KEY: _ClientKey = (True, "")
 
 
 class AiohttpSessionFactory(Protocol):
@@ -73,10 +70,9 @@ class AiohttpSessionFactory(Protocol):
 
 def default_session(*, verify: bool | str, max_connections: int) -> aiohttp.ClientSession:
     """A pooled session; the environment (proxies, .netrc) is ignored, configuration says all."""
-    ssl_arg: bool | ssl.SSLContext = (
-        ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
+    connector = aiohttp.TCPConnector(
+        limit=max_connections, limit_per_host=0, ssl=ssl_verify(verify)
     )
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ssl=ssl_arg)
     # No session-wide timeout: every request carries its own, and asyncio
     # deadlines bound totals, TTFT and idle gaps.
     return aiohttp.ClientSession(
@@ -84,16 +80,13 @@ def default_session(*, verify: bool | str, max_connections: int) -> aiohttp.Clie
     )
 
 
-def _translate(
-    exc: aiohttp.ClientError, request: HttpRequest, secrets: Sequence[str]
-) -> TransientError:
+def _translate(exc: Exception, request: HttpRequest, secrets: Sequence[str]) -> TransientError:
     """The one mapping of an aiohttp exception to a classified failure."""
     source = request.source
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        connect = request.connect_timeout_s or request.timeout_s
-        return timeout_error("connect timed out", source, connect)
+        return connect_timed_out(request)
     if isinstance(exc, aiohttp.ServerTimeoutError):
-        return timeout_error(f"timed out ({type(exc).__name__})", source, request.timeout_s)
+        return phase_timed_out(request, exc)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return network_error("connect error", source, exc, secrets)
     if isinstance(exc, aiohttp.ServerDisconnectedError):
@@ -101,10 +94,7 @@ def _translate(
     if isinstance(exc, aiohttp.ClientOSError | aiohttp.ClientPayloadError):
         return network_error("connection broken", source, exc, secrets)
     if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
-        # The URL comes from the source's configuration: every retry there fails alike.
-        return TransientError(
-            f"unusable URL for {source}: {type(exc).__name__}", failure="source_misconfigured"
-        )
+        return unusable_url(request, exc)
     if isinstance(exc, aiohttp.ClientResponseError):
         # Raised by aiohttp itself for an unparseable answer; a status from the
         # upstream never arrives here (raise_for_status is off).
@@ -125,7 +115,7 @@ class AiohttpTransport:
             aiohttp requires.
     """
 
-    __slots__ = ("_closed", "_factory", "_keys", "_max_connections", "_sessions")
+    __slots__ = ("_pools",)
 
     def __init__(
         self,
@@ -134,30 +124,23 @@ class AiohttpTransport:
         max_connections: int,
         client_factory: AiohttpSessionFactory | None = None,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
-        self._max_connections = max_connections
-        self._factory: AiohttpSessionFactory = client_factory or default_session
-        self._keys: dict[str, _ClientKey] = {s.name: (s.verify, s.proxy or "") for s in sources}
-        self._sessions: dict[_ClientKey, aiohttp.ClientSession] = {}
-        self._closed = False
+        check_pool_size(max_connections)
+        factory: AiohttpSessionFactory = client_factory or default_session
+
+        def build(key: PoolKey) -> aiohttp.ClientSession:
+            # The proxy is not the session's: aiohttp takes it per request.
+            return factory(verify=key[0], max_connections=max_connections)
+
+        self._pools = ClientPools(sources, build=build, close=aiohttp.ClientSession.close)
 
     def _session(self, source: str) -> tuple[aiohttp.ClientSession, str | None]:
         """The pooled session of a source and the proxy its requests go through."""
-        if self._closed:
-            raise RuntimeError("transport is closed")
-        key = self._keys.get(source, _DEFAULT_KEY)
-        session = self._sessions.get(key)
-        if session is None:
-            verify, _ = key
-            session = self._factory(verify=verify, max_connections=self._max_connections)
-            self._sessions[key] = session
-        return session, key[1] or None
+        session, (_, proxy) = self._pools.get(source)
+        return session, proxy or None
 
     @staticmethod
     def _options(request: HttpRequest, proxy: str | None, *, stream: bool) -> dict[str, Any]:
         """Keyword arguments of ``session.request`` for one request."""
-        connect = request.connect_timeout_s or request.timeout_s
         headers = dict(request.headers)
         if stream:
             headers["Accept"] = "text/event-stream"
@@ -169,7 +152,7 @@ class AiohttpTransport:
             # the key to another host, and a 3xx is an answer to classify.
             "allow_redirects": False,
             # Only connect has its own bound: asyncio deadlines govern the rest.
-            "timeout": aiohttp.ClientTimeout(total=None, sock_connect=connect),
+            "timeout": aiohttp.ClientTimeout(total=None, sock_connect=connect_limit(request)),
         }
         if request.params is not None:
             options["params"] = dict(request.params)
@@ -202,14 +185,7 @@ class AiohttpTransport:
         except TimeoutError as exc:
             raise timeout_error("request timed out", request.source, request.timeout_s) from exc
         if not 200 <= status < 300:
-            raise status_error(
-                status,
-                headers,
-                body,
-                source=request.source,
-                secrets=secrets,
-                now_wall=time.time(),  # edge: Retry-After dates are wall-clock
-            )
+            raise answer_error(status, headers, body, request, secrets)
         return parse_json_body(body, request.source)
 
     @asynccontextmanager
@@ -238,55 +214,26 @@ class AiohttpTransport:
                     # Runs before the context manager's release: an unfinished body
                     # must close its connection, not go back to the pool.
                     stack.callback(response.close)
-                    await self._check_opened(response, request, secrets)
+                    await check_opened(
+                        response.status, response.headers, response.read, request, secrets
+                    )
             except aiohttp.ClientError as exc:
                 raise _translate(exc, request, secrets) from exc
             except TimeoutError as exc:
                 raise timeout_error("no first event", request.source, request.timeout_s) from exc
             yield _AiohttpEvents(response, request, secrets, loop, first_deadline)
 
-    @staticmethod
-    async def _check_opened(
-        response: aiohttp.ClientResponse, request: HttpRequest, secrets: Sequence[str]
-    ) -> None:
-        """Raise the classified error of a stream that did not open as an event stream."""
-        if not 200 <= response.status < 300:
-            body = await response.read()
-            raise status_error(
-                response.status,
-                response.headers,
-                body,
-                source=request.source,
-                secrets=secrets,
-                now_wall=time.time(),  # edge: Retry-After dates are wall-clock
-            )
-        content_type = response.headers.get("Content-Type")
-        if not is_event_stream(content_type):
-            raise malformed(request.source, f"expected an event stream, got {content_type!r}")
-
     async def aclose(self) -> None:
         """Close every pooled session; idempotent."""
-        self._closed = True
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            await session.close()
+        await self._pools.aclose()
 
 
-class _AiohttpEvents:
-    """Parsed ``data:`` events of one stream, with the TTFT and idle deadlines enforced."""
+class _AiohttpEvents(EventStream):
+    """The events of one aiohttp response, parsed by ``SSEParser`` (see ``EventStream``)."""
 
-    __slots__ = (
-        "_eof",
-        "_finished",
-        "_first_deadline",
-        "_loop",
-        "_parser",
-        "_ready",
-        "_request",
-        "_response",
-        "_secrets",
-        "_seen",
-    )
+    __slots__ = ("_eof", "_parser", "_ready", "_response")
+
+    _FAILURES: ClassVar[tuple[type[Exception], ...]] = (aiohttp.ClientError,)
 
     def __init__(
         self,
@@ -296,27 +243,16 @@ class _AiohttpEvents:
         loop: asyncio.AbstractEventLoop,
         first_deadline: float,
     ) -> None:
+        super().__init__(request, secrets, loop, first_deadline)
         self._response = response
-        self._request = request
-        self._secrets = secrets
-        self._loop = loop
-        self._first_deadline = first_deadline
         self._parser = SSEParser()
         self._ready: deque[str] = deque()
         self._eof = False
-        self._seen = False
-        self._finished = False
-
-    def __aiter__(self) -> _AiohttpEvents:
-        return self
 
     async def _next_data(self) -> str | None:
-        """The data of the next event that has any, or ``None`` at end of stream."""
         while True:
             while self._ready:
                 data = self._ready.popleft()
-                # Events without data (a named ping, an id-only event) are not
-                # chunks: they neither count as the first event nor reset idle.
                 if data:
                     return data
             if self._eof:
@@ -328,30 +264,5 @@ class _AiohttpEvents:
                 self._eof = True
                 self._parser.close()
 
-    async def __anext__(self) -> Any:
-        if self._finished:
-            raise StopAsyncIteration
-        request = self._request
-        idle = request.idle_timeout_s or request.timeout_s
-        if self._seen:
-            what, limit = "stream idle", idle
-            deadline = self._loop.time() + idle  # edge: the loop clock asyncio.timeout_at uses
-        else:
-            what, limit, deadline = "no first event", request.timeout_s, self._first_deadline
-        # Any way out but an event ends the stream.
-        self._finished = True
-        try:
-            async with asyncio.timeout_at(deadline):
-                data = await self._next_data()
-        except aiohttp.ClientError as exc:
-            raise _translate(exc, request, self._secrets) from exc
-        except TimeoutError as exc:
-            raise timeout_error(what, request.source, limit) from exc
-        if data is None:
-            raise truncated_stream(request.source)
-        parsed = parse_event_data(data, request.source)
-        if parsed is STREAM_END:
-            raise StopAsyncIteration
-        self._seen = True
-        self._finished = False
-        return parsed
+    def _translate(self, exc: Exception) -> TransientError:
+        return _translate(exc, self._request, self._secrets)

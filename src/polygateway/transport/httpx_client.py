@@ -20,39 +20,37 @@ on the way out and leaks no connection.
 from __future__ import annotations
 
 import asyncio
-import ssl
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import httpx
-from httpx_sse import EventSource, ServerSentEvent, aconnect_sse
+from httpx_sse import ServerSentEvent, aconnect_sse
 
+from polygateway.transport.exchange import (
+    EventStream,
+    answer_error,
+    check_opened,
+    connect_limit,
+    connect_timed_out,
+    phase_timed_out,
+    unusable_url,
+)
 from polygateway.transport.http import (
-    STREAM_END,
     HttpRequest,
     TransientError,
-    is_event_stream,
     malformed,
     network_error,
-    parse_event_data,
     parse_json_body,
     secrets_in,
-    status_error,
     timeout_error,
-    truncated_stream,
 )
+from polygateway.transport.pool import ClientPools, PoolKey, check_pool_size, ssl_verify
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
 __all__ = ["HttpxClientFactory", "HttpxTransport"]
-
-_ClientKey = tuple[bool | str, str]
-"""(verify, proxy): sources that agree on both share one pooled client."""
-
-_DEFAULT_KEY: _ClientKey = (True, "")
 
 
 class HttpxClientFactory(Protocol):
@@ -63,19 +61,13 @@ class HttpxClientFactory(Protocol):
     ) -> httpx.AsyncClient: ...
 
 
-def _ssl_verify(verify: bool | str) -> bool | ssl.SSLContext:
-    """httpx's ``verify``: a CA bundle path becomes a context (a bare path is deprecated)."""
-    if isinstance(verify, str):
-        return ssl.create_default_context(cafile=verify)
-    return verify
-
-
 def default_client(*, verify: bool | str, proxy: str, limits: httpx.Limits) -> httpx.AsyncClient:
     """A pooled client; the environment (proxies, .netrc) is ignored, configuration says all."""
     # trust_env=False: a .netrc could add an Authorization header and an
     # HTTP_PROXY variable could reroute traffic, neither visible in the config.
     return httpx.AsyncClient(
-        verify=_ssl_verify(verify),
+        # A CA bundle path becomes a context: httpx deprecates a bare path.
+        verify=ssl_verify(verify),
         proxy=proxy or None,
         limits=limits,
         trust_env=False,
@@ -95,10 +87,9 @@ def _translate(exc: Exception, request: HttpRequest, secrets: Sequence[str]) -> 
     """The one mapping of an httpx exception to a classified failure."""
     source = request.source
     if isinstance(exc, httpx.ConnectTimeout):
-        connect = request.connect_timeout_s or request.timeout_s
-        return timeout_error("connect timed out", source, connect)
+        return connect_timed_out(request)
     if isinstance(exc, httpx.TimeoutException):
-        return timeout_error(f"timed out ({type(exc).__name__})", source, request.timeout_s)
+        return phase_timed_out(request, exc)
     if isinstance(exc, httpx.ConnectError):
         return network_error("connect error", source, exc, secrets)
     if isinstance(exc, httpx.RemoteProtocolError):
@@ -108,10 +99,7 @@ def _translate(exc: Exception, request: HttpRequest, secrets: Sequence[str]) -> 
     if isinstance(exc, httpx.DecodingError):
         return malformed(source, "undecodable content encoding")
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
-        # The URL comes from the source's configuration: every retry there fails alike.
-        return TransientError(
-            f"unusable URL for {source}: {type(exc).__name__}", failure="source_misconfigured"
-        )
+        return unusable_url(request, exc)
     return network_error("transport error", source, exc, secrets)
 
 
@@ -133,7 +121,7 @@ class HttpxTransport:
             through (tests), so the real code path runs over ``MockTransport``.
     """
 
-    __slots__ = ("_clients", "_closed", "_factory", "_keys", "_limits")
+    __slots__ = ("_pools",)
 
     def __init__(
         self,
@@ -143,31 +131,25 @@ class HttpxTransport:
         client_factory: HttpxClientFactory | None = None,
         mock_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        check_pool_size(max_connections)
         if client_factory is not None and mock_transport is not None:
             raise ValueError("pass client_factory or mock_transport, not both")
-        self._limits = httpx.Limits(
+        limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
         )
         if mock_transport is not None:
             client_factory = _mock_factory(mock_transport)
-        self._factory: HttpxClientFactory = client_factory or default_client
-        self._keys: dict[str, _ClientKey] = {s.name: (s.verify, s.proxy or "") for s in sources}
-        self._clients: dict[_ClientKey, httpx.AsyncClient] = {}
-        self._closed = False
+        factory: HttpxClientFactory = client_factory or default_client
+
+        def build(key: PoolKey) -> httpx.AsyncClient:
+            verify, proxy = key
+            return factory(verify=verify, proxy=proxy, limits=limits)
+
+        self._pools = ClientPools(sources, build=build, close=httpx.AsyncClient.aclose)
 
     def _client(self, source: str) -> httpx.AsyncClient:
         """The pooled client of a source, built on first use."""
-        if self._closed:
-            raise RuntimeError("transport is closed")
-        key = self._keys.get(source, _DEFAULT_KEY)
-        client = self._clients.get(key)
-        if client is None:
-            verify, proxy = key
-            client = self._factory(verify=verify, proxy=proxy, limits=self._limits)
-            self._clients[key] = client
-        return client
+        return self._pools.get(source)[0]
 
     @staticmethod
     def _body(request: HttpRequest) -> dict[str, Any]:
@@ -187,7 +169,6 @@ class HttpxTransport:
         """Send one request and return the JSON of a 2xx answer; every failure is classified."""
         client = self._client(request.source)
         secrets = secrets_in(request.headers)
-        connect = request.connect_timeout_s or request.timeout_s
         try:
             # httpx's timeouts bound each phase; asyncio.timeout bounds the whole
             # exchange, as timeout_s promises (a trickling body cannot outlive it).
@@ -196,7 +177,7 @@ class HttpxTransport:
                     request.method,
                     request.url,
                     headers=dict(request.headers),
-                    timeout=httpx.Timeout(request.timeout_s, connect=connect),
+                    timeout=httpx.Timeout(request.timeout_s, connect=connect_limit(request)),
                     **self._body(request),
                 )
         except TimeoutError as exc:
@@ -204,13 +185,8 @@ class HttpxTransport:
         except _HTTPX_FAILURES as exc:
             raise _translate(exc, request, secrets) from exc
         if not response.is_success:
-            raise status_error(
-                response.status_code,
-                response.headers,
-                response.content,
-                source=request.source,
-                secrets=secrets,
-                now_wall=time.time(),  # edge: Retry-After dates are wall-clock
+            raise answer_error(
+                response.status_code, response.headers, response.content, request, secrets
             )
         return parse_json_body(response.content, request.source)
 
@@ -239,13 +215,14 @@ class HttpxTransport:
                             headers=dict(request.headers),
                             # Only connect has its own bound: the asyncio deadlines
                             # (TTFT, idle) govern everything after it.
-                            timeout=httpx.Timeout(
-                                None, connect=request.connect_timeout_s or request.timeout_s
-                            ),
+                            timeout=httpx.Timeout(None, connect=connect_limit(request)),
                             **self._body(request),
                         )
                     )
-                    await self._check_opened(source, request, secrets)
+                    response = source.response
+                    await check_opened(
+                        response.status_code, response.headers, response.aread, request, secrets
+                    )
             except TimeoutError as exc:
                 raise timeout_error("no first event", request.source, request.timeout_s) from exc
             except _HTTPX_FAILURES as exc:
@@ -255,38 +232,17 @@ class HttpxTransport:
             stack.push_async_callback(sse.aclose)
             yield _HttpxEvents(sse, request, secrets, loop, first_deadline)
 
-    @staticmethod
-    async def _check_opened(
-        source: EventSource, request: HttpRequest, secrets: Sequence[str]
-    ) -> None:
-        """Raise the classified error of a stream that did not open as an event stream."""
-        response = source.response
-        if not response.is_success:
-            body = await response.aread()
-            raise status_error(
-                response.status_code,
-                response.headers,
-                body,
-                source=request.source,
-                secrets=secrets,
-                now_wall=time.time(),  # edge: Retry-After dates are wall-clock
-            )
-        content_type = response.headers.get("content-type")
-        if not is_event_stream(content_type):
-            raise malformed(request.source, f"expected an event stream, got {content_type!r}")
-
     async def aclose(self) -> None:
         """Close every pooled client; idempotent."""
-        self._closed = True
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.aclose()
+        await self._pools.aclose()
 
 
-class _HttpxEvents:
-    """Parsed ``data:`` events of one stream, with the TTFT and idle deadlines enforced."""
+class _HttpxEvents(EventStream):
+    """The events of one httpx-sse stream (see ``EventStream``)."""
 
-    __slots__ = ("_finished", "_first_deadline", "_loop", "_request", "_secrets", "_seen", "_sse")
+    __slots__ = ("_sse",)
+
+    _FAILURES: ClassVar[tuple[type[Exception], ...]] = _HTTPX_FAILURES
 
     def __init__(
         self,
@@ -296,45 +252,14 @@ class _HttpxEvents:
         loop: asyncio.AbstractEventLoop,
         first_deadline: float,
     ) -> None:
+        super().__init__(request, secrets, loop, first_deadline)
         self._sse = sse
-        self._request = request
-        self._secrets = secrets
-        self._loop = loop
-        self._first_deadline = first_deadline
-        self._seen = False
-        self._finished = False
 
-    def __aiter__(self) -> _HttpxEvents:
-        return self
+    async def _next_data(self) -> str | None:
+        event = await anext(self._sse, None)
+        while event is not None and not event.data:
+            event = await anext(self._sse, None)
+        return None if event is None else event.data
 
-    async def __anext__(self) -> Any:
-        if self._finished:
-            raise StopAsyncIteration
-        request = self._request
-        idle = request.idle_timeout_s or request.timeout_s
-        if self._seen:
-            what, limit = "stream idle", idle
-            deadline = self._loop.time() + idle  # edge: the loop clock asyncio.timeout_at uses
-        else:
-            what, limit, deadline = "no first event", request.timeout_s, self._first_deadline
-        # Any way out but an event ends the stream: the generator is spent.
-        self._finished = True
-        try:
-            async with asyncio.timeout_at(deadline):
-                event = await anext(self._sse)
-                # Events without data (a named ping, an id-only event) are not
-                # chunks: they neither count as the first event nor reset idle.
-                while not event.data:
-                    event = await anext(self._sse)
-        except StopAsyncIteration:
-            raise truncated_stream(request.source) from None
-        except TimeoutError as exc:
-            raise timeout_error(what, request.source, limit) from exc
-        except _HTTPX_FAILURES as exc:
-            raise _translate(exc, request, self._secrets) from exc
-        parsed = parse_event_data(event.data, request.source)
-        if parsed is STREAM_END:
-            raise StopAsyncIteration
-        self._seen = True
-        self._finished = False
-        return parsed
+    def _translate(self, exc: Exception) -> TransientError:
+        return _translate(exc, self._request, self._secrets)
