@@ -1,0 +1,185 @@
+"""Reading a settings file and turning what goes wrong into one ``ConfigError``.
+
+- ``read_toml`` / ``file_layer``: the TOML file, its ``[gateway]`` and
+  ``[scopes.*]`` tables flattened into settings values, secrets refused.
+- ``resolve_api_keys``: each source's key from the variable ``api_key_env``
+  names, in the process environment first, then the ``.env`` file.
+- ``config_error``: the one translation of pydantic's validation errors.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+from pydantic_settings import BaseSettings, DotEnvSettingsSource
+
+from polygateway.config.masking import SECRET_HEADER_PARTS, looks_secret
+from polygateway.config.models import ScopeConfig, SourceConfig
+from polygateway.errors import ConfigError
+
+__all__ = ["config_error", "file_layer", "read_toml", "resolve_api_keys"]
+
+
+def read_toml(path: Path, shown: str) -> dict[str, Any]:
+    """The parsed TOML file; ``ConfigError`` naming it when it is missing, unreadable or invalid."""
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError("settings file not found", path=shown) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"settings file is not valid TOML: {exc}", path=shown) from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read settings file: {exc.strerror}", path=shown) from exc
+
+
+def file_layer(raw: dict[str, Any], shown: str) -> dict[str, Any]:
+    """Flatten ``[gateway]`` and ``[scopes.*]`` into settings values; refuse secrets in the file."""
+    for section in raw:
+        if section not in ("gateway", "scopes"):
+            raise ConfigError(
+                f"unknown key {section!r} at the top of the file "
+                "(expected a [gateway] table and [scopes.<name>] tables)",
+                field=section,
+                path=shown,
+            )
+    gateway = raw.get("gateway", {})
+    if not isinstance(gateway, dict):
+        raise ConfigError("[gateway] must be a table", field="gateway", path=shown)
+    if "scopes" in gateway:
+        raise ConfigError(
+            "scopes are tables of their own ([scopes.<name>]), not a [gateway] key",
+            field="gateway.scopes",
+            path=shown,
+        )
+    layer = dict(gateway)
+    if "scopes" in raw:
+        scopes = raw["scopes"]
+        _refuse_file_secrets(scopes, shown)
+        layer["scopes"] = scopes
+    return layer
+
+
+def _refuse_file_secrets(scopes: object, shown: str) -> None:
+    """Refuse ``api_key`` and credential headers in a file: secrets come from the environment."""
+    if not isinstance(scopes, dict):
+        return  # the shape error is reported by validation
+    for scope_name, scope in scopes.items():
+        sources = scope.get("sources") if isinstance(scope, dict) else None
+        if not isinstance(sources, list):
+            continue
+        for index, source in enumerate(sources):
+            if not isinstance(source, dict):
+                continue
+            headers = source.get("headers")
+            offending = (["api_key"] if "api_key" in source else []) + [
+                f"headers.{h}"
+                for h in (headers if isinstance(headers, dict) else ())
+                if looks_secret(str(h), SECRET_HEADER_PARTS)
+            ]
+            if offending:
+                key = offending[0]
+                raise ConfigError(
+                    f"{key} looks like a secret and must not be written in a settings file; put "
+                    "it in an environment variable (or .env) and name it with api_key_env",
+                    field=f"scopes.{scope_name}.sources[{index}].{key}",
+                    path=shown,
+                    scope=str(scope_name),
+                )
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    """``('scopes', 'chat', 'sources', 0, 'rpm')`` → ``scopes.chat.sources[0].rpm``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def config_error(exc: ValidationError, path: str | None) -> ConfigError:
+    """The one translation of pydantic's errors: first location as the field, every error listed."""
+    problems: list[tuple[str, str]] = []
+    first_scope: str | None = None
+    for index, error in enumerate(exc.errors(include_url=False, include_input=False)):
+        loc = tuple(error["loc"])
+        field = _dotted(loc)
+        context = error.get("ctx") or {}
+        at = context.get("at")
+        if isinstance(at, str):
+            field += at
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif error["type"] == "missing":
+            message = "required key is missing"
+        else:
+            message = error["msg"]
+        problems.append((field, message))
+        if index == 0 and len(loc) > 1 and loc[0] == "scopes":
+            first_scope = str(loc[1])
+    field, message = problems[0]
+    if len(problems) > 1:
+        listed = "; ".join(f"{f}: {m}" for f, m in problems)
+        message = f"{len(problems)} invalid settings: {listed}"
+    else:
+        message = f"invalid setting: {message}"
+    return ConfigError(message, field=field, path=path, scope=first_scope)
+
+
+def resolve_api_keys(
+    scopes: dict[str, ScopeConfig],
+    env_file: Any,
+    path: str | None,
+    *,
+    settings_cls: type[BaseSettings],
+) -> dict[str, ScopeConfig]:
+    """Fill ``api_key`` from the variable named by ``api_key_env``: the environment, then ``.env``.
+
+    Returns ``scopes`` itself when nothing needed resolving. A missing or empty
+    variable is a ``ConfigError`` naming the variable and the source, never a value.
+    """
+    dotenv: Mapping[str, str | None] | None = None
+    changed = False
+    resolved: dict[str, ScopeConfig] = {}
+    for scope_name, scope in scopes.items():
+        new_sources: list[SourceConfig] = []
+        for index, source in enumerate(scope.sources):
+            name = source.api_key_env
+            if source.api_key is not None or name is None:
+                new_sources.append(source)
+                continue
+            value = os.environ.get(name)
+            if not value:
+                if dotenv is None:
+                    dotenv = _read_dotenv(env_file, settings_cls)
+                value = dotenv.get(name)
+            if not value:
+                shown_env = isinstance(env_file, str | os.PathLike)
+                where = f" nor in {os.fspath(env_file)}" if shown_env else ""
+                raise ConfigError(
+                    f"environment variable {name!r} (api_key_env of source {source.name!r}) "
+                    f"is not set in the environment{where}",
+                    field=f"scopes.{scope_name}.sources[{index}].api_key_env",
+                    path=path,
+                    scope=scope_name,
+                    sources=(source.name,),
+                )
+            new_sources.append(source.model_copy(update={"api_key": SecretStr(value)}))
+            changed = True
+        resolved[scope_name] = scope.model_copy(update={"sources": tuple(new_sources)})
+    return resolved if changed else scopes
+
+
+def _read_dotenv(env_file: Any, settings_cls: type[BaseSettings]) -> Mapping[str, str | None]:
+    """Every variable of the ``.env`` file(s), names as written (not only POLYGATEWAY_* ones)."""
+    if env_file is None:
+        return {}
+    source = DotEnvSettingsSource(settings_cls, env_file=env_file, case_sensitive=True)
+    return source.env_vars

@@ -1,0 +1,234 @@
+"""The scopes and their sources: ``ScopeConfig`` and ``SourceConfig``, with their validators.
+
+Validators raise ``config_problem``; ``GatewaySettings`` turns every problem
+into one ``ConfigError`` naming the field (``config/loading.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from polygateway.config.masking import mask_headers, mask_url
+
+__all__ = [
+    "NAME_RE",
+    "ScopeConfig",
+    "ScopeKind",
+    "SourceConfig",
+    "SourceProtocol",
+    "config_problem",
+]
+
+SourceProtocol = Literal["openai", "monkey_ocr", "vision_ocr"]
+ScopeKind = Literal["chat", "embed", "ocr"]
+
+_PROTOCOLS_BY_KIND: dict[str, tuple[str, ...]] = {
+    "chat": ("openai",),
+    "embed": ("openai",),
+    "ocr": ("monkey_ocr", "vision_ocr"),
+}
+
+# Scope and source names become parts of backend keys (`pgw:{scope}:src:<source>`):
+# braces or colons in them would break the Redis hash tag or the key layout.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def config_problem(message: str, *, at: str = "") -> PydanticCustomError:
+    """A validation problem; ``at`` extends the error's location (e.g. ``[1].protocol``)."""
+    return PydanticCustomError("polygateway_config", message, {"at": at} if at else None)
+
+
+class SourceConfig(BaseModel):
+    """One upstream endpoint: where it is, how to talk to it, and the limits it must be held to."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    protocol: SourceProtocol
+    base_url: str
+    model: str = ""
+    api_key_env: str | None = None
+    api_key: SecretStr | None = None
+    max_concurrency: PositiveInt = 8
+    rpm: PositiveFloat | None = None
+    rpm_burst: PositiveFloat | None = None
+    tpm: PositiveFloat | None = None
+    tpm_burst: PositiveFloat | None = None
+    timeout_s: PositiveFloat = 60.0
+    ttft_timeout_s: PositiveFloat = 10.0
+    stream_idle_timeout_s: PositiveFloat = 30.0
+    connect_timeout_s: PositiveFloat = 5.0
+    priority: int = 0
+    weight: PositiveFloat = 1.0
+    headers: dict[str, str] = Field(default_factory=dict)
+    verify: bool | str = True
+    proxy: str = ""
+    max_batch_size: PositiveInt = 64
+    max_batch_tokens: PositiveInt = 8000
+    max_upload_bytes: PositiveInt = 20_000_000
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        """Source names end up in backend keys, so they are kept to a safe alphabet."""
+        if not NAME_RE.match(value):
+            raise config_problem(
+                "a source name is 1-64 characters of letters, digits, '_', '-' and '.', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_base_url(cls, value: str) -> str:
+        """Only HTTP(S) upstreams exist; anything else is a typo caught now rather than per call."""
+        if not value.startswith(("http://", "https://")):
+            raise config_problem("base_url must start with http:// or https://")
+        return value
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _check_api_key_env(cls, value: str | None) -> str | None:
+        """A variable name, not a key: the value is not echoed in case a key was pasted here."""
+        if value is not None and not _ENV_NAME_RE.match(value):
+            raise config_problem(
+                "api_key_env must be the NAME of an environment variable "
+                "(letters, digits and '_'), not the key itself"
+            )
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _check_headers(cls, value: dict[str, str]) -> dict[str, str]:
+        """The transport sends ``Authorization`` from ``api_key``; a second one would clash."""
+        for header in value:
+            if header.strip().lower() in ("authorization", "proxy-authorization"):
+                raise config_problem(
+                    "an Authorization header is not accepted: name the variable holding the key "
+                    "with api_key_env",
+                    at=f".{header}",
+                )
+        return value
+
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _check_verify(cls, value: object) -> object:
+        """One clear message instead of one error per member of ``bool | str``."""
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value:
+            return value
+        raise config_problem("verify must be true, false or the path of a CA bundle")
+
+    @field_validator("proxy")
+    @classmethod
+    def _check_proxy(cls, value: str) -> str:
+        """An empty proxy means none; otherwise it must be a URL the HTTP clients understand."""
+        if value and not value.startswith(("http://", "https://", "socks5://", "socks5h://")):
+            raise config_problem("proxy must be empty or start with http://, https:// or socks5://")
+        return value
+
+    @model_validator(mode="after")
+    def _check_bursts(self) -> Self:
+        """A burst without its rate limits nothing: most likely the rate was forgotten."""
+        if self.rpm_burst is not None and self.rpm is None:
+            raise config_problem("rpm_burst is set without rpm", at=".rpm_burst")
+        if self.tpm_burst is not None and self.tpm is None:
+            raise config_problem("tpm_burst is set without tpm", at=".tpm_burst")
+        return self
+
+    @field_serializer("headers")
+    def _dump_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """Dumps are for display and logs: credential-looking headers are masked."""
+        return mask_headers(headers)
+
+    @field_serializer("base_url", "proxy")
+    def _dump_url(self, url: str) -> str:
+        """Dumps are for display and logs: URL credentials are masked."""
+        return mask_url(url) if url else url
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """The repr masks what the dump masks (the API key is a ``SecretStr`` already)."""
+        for name, value in super().__repr_args__():
+            if name == "headers":
+                yield name, mask_headers(value)
+            elif name in ("base_url", "proxy") and value:
+                yield name, mask_url(value)
+            else:
+                yield name, value
+
+
+class ScopeConfig(BaseModel):
+    """A named pool of interchangeable sources for one capability, with its 429 policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: ScopeKind
+    # Resolved from `kind` before validation when not given (True for chat, False for
+    # embed and ocr, DESIGN §5), so the stored value is always a bool.
+    exempt_429: bool = True
+    sources: tuple[SourceConfig, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_exempt_429(cls, data: Any) -> Any:
+        """Chat does not charge 429s to the retry budget; embedding and OCR do (seed §5.4)."""
+        if isinstance(data, Mapping) and data.get("exempt_429") is None:
+            kind = data.get("kind")
+            if kind in _PROTOCOLS_BY_KIND:
+                return {**data, "exempt_429": kind == "chat"}
+        return data
+
+    @field_validator("sources")
+    @classmethod
+    def _check_sources(
+        cls, sources: tuple[SourceConfig, ...], info: ValidationInfo
+    ) -> tuple[SourceConfig, ...]:
+        """A scope needs at least one source, unique names, and protocols that serve its kind."""
+        if not sources:
+            raise config_problem("a scope needs at least one source")
+        seen: set[str] = set()
+        for index, source in enumerate(sources):
+            if source.name in seen:
+                raise config_problem(
+                    f"duplicate source name {source.name!r} in this scope", at=f"[{index}].name"
+                )
+            seen.add(source.name)
+        kind = info.data.get("kind")
+        allowed = _PROTOCOLS_BY_KIND.get(kind) if isinstance(kind, str) else None
+        if allowed is not None:
+            for index, source in enumerate(sources):
+                if source.protocol not in allowed:
+                    raise config_problem(
+                        f"protocol {source.protocol!r} of source {source.name!r} does not fit "
+                        f"scope kind {kind!r} (use {' or '.join(allowed)})",
+                        at=f"[{index}].protocol",
+                    )
+        return sources
+
+    @property
+    def exempt_429_effective(self) -> bool:
+        """Whether a 429 is free of the retry budget in this scope (always resolved)."""
+        return self.exempt_429
+
+    @property
+    def total_concurrency(self) -> int:
+        """Sum of the sources' ``max_concurrency``: the most attempts this scope runs at once."""
+        return sum(source.max_concurrency for source in self.sources)
