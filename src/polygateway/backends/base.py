@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-# Re-exported: the literals live in governance (the lower layer) and are named here too.
-from polygateway.governance.source_state import OutcomeKind, RejectReason
+# Re-exported: these live in governance (the lower layer) and are named here too.
+from polygateway.governance.source_state import OutcomeKind, RejectReason, SourceSnapshot
 
 if TYPE_CHECKING:
     from polygateway.backends.waiting import WaitingRoom
@@ -125,22 +125,6 @@ class AttemptOutcome:
     aimd_decrease: bool = False
     retry_after_s: float | None = None
     tokens_used: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SourceSnapshot:
-    """One source's live state, for ``polygateway status`` and tests."""
-
-    name: str
-    in_flight: int
-    limit: float
-    breaker: Literal["closed", "open", "half_open"]
-    consecutive_failures: int
-    trips: int
-    reopen_in_s: float | None
-    paced_for_s: float | None
-    rpm_tokens: float | None
-    tpm_tokens: float | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ from polygateway.backends.base import (
     Lease,
     Rejection,
     ScopeSnapshot,
-    SourceSnapshot,
     SourceSpec,
 )
 from polygateway.backends.waiting import WaitingRoom
@@ -162,24 +161,11 @@ class MemoryBackend:
         if sc is None:
             return ScopeSnapshot(scope=scope, progress_age_s=math.inf)
         age = math.inf if sc.progress_at is None else max(0.0, now - sc.progress_at)
-        sources = []
-        for name, src in sc.sources.items():
-            v = source_state.view(src.state, src.spec, now)
-            sources.append(
-                SourceSnapshot(
-                    name=name,
-                    in_flight=v.in_flight,
-                    limit=v.limit,
-                    breaker=v.breaker,
-                    consecutive_failures=v.consecutive_failures,
-                    trips=v.trips,
-                    reopen_in_s=v.reopen_in_s,
-                    paced_for_s=v.paced_for_s,
-                    rpm_tokens=v.rpm_tokens,
-                    tpm_tokens=v.tpm_tokens,
-                )
-            )
-        return ScopeSnapshot(scope=scope, progress_age_s=age, sources=tuple(sources))
+        sources = tuple(
+            source_state.view(src.state, src.spec, now, name=name)
+            for name, src in sc.sources.items()
+        )
+        return ScopeSnapshot(scope=scope, progress_age_s=age, sources=sources)
 
     def waiting_room(self, scope: str) -> WaitingRoom:
         """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""

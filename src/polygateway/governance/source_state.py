@@ -13,7 +13,8 @@ passed in. A backend makes each operation atomic around these functions.
 - ``apply_outcome`` is release: remove the lease, then breaker, AIMD, pacer
   and tpm reconciliation. The caller records scope progress on success.
 - ``renew`` extends a live lease (and the probe slot it may hold).
-- ``view`` is the read-only, relative-time picture for snapshots.
+- ``view`` is the read-only, relative-time picture for snapshots
+  (``SourceSnapshot``, which ``backends.base`` re-exports).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ __all__ = [
     "Refusal",
     "RejectReason",
     "SourceLimits",
+    "SourceSnapshot",
     "SourceState",
-    "SourceView",
     "admit",
     "apply_outcome",
     "commit",
@@ -118,9 +119,10 @@ class SourceState:
 
 
 @dataclass(frozen=True, slots=True)
-class SourceView:
-    """A source's state as of ``now``, every time relative; what a snapshot reports."""
+class SourceSnapshot:
+    """One source's live state, for ``polygateway status`` and tests; every time relative."""
 
+    name: str
     in_flight: int
     limit: float
     breaker: BreakerState
@@ -282,8 +284,8 @@ def renew(state: SourceState, lease_id: str, now: float) -> bool:
     return True
 
 
-def view(state: SourceState, limits: SourceLimits, now: float) -> SourceView:
-    """The source as the next acquire would see it, without changing anything."""
+def view(state: SourceState, limits: SourceLimits, now: float, *, name: str) -> SourceSnapshot:
+    """The source ``name`` as the next acquire would see it, without changing anything."""
     b = state.breaker
     effective = breaker.effective_state(b, now)
     rpm_tokens: float | None = None
@@ -300,7 +302,8 @@ def view(state: SourceState, limits: SourceLimits, now: float) -> SourceView:
             if state.tpm is not None
             else limits.tpm_capacity
         )
-    return SourceView(
+    return SourceSnapshot(
+        name=name,
         in_flight=sum(1 for entry in state.leases.values() if entry.expiry > now),
         limit=state.aimd.limit,
         breaker=effective,
