@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = [
     "FAULTS",
@@ -26,15 +26,7 @@ __all__ = [
 Fault = Literal["429", "5xx", "hang", "reset", "malformed", "error_body", "truncate"]
 """A random fault a request can draw (``truncate`` only changes streams)."""
 
-FAULTS: tuple[Fault, ...] = (
-    "429",
-    "5xx",
-    "hang",
-    "reset",
-    "malformed",
-    "error_body",
-    "truncate",
-)
+FAULTS: tuple[Fault, ...] = get_args(Fault)
 
 RetryAfterStyle = Literal["seconds", "http-date"]
 

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = [
     "OUTCOMES",
@@ -36,18 +36,7 @@ Outcome = Literal[
 ]
 """How one request ended, as the simulator played it."""
 
-OUTCOMES: tuple[Outcome, ...] = (
-    "ok",
-    "429",
-    "5xx",
-    "hang",
-    "reset",
-    "malformed",
-    "error_body",
-    "truncated",
-    "bad_request",
-    "shutdown",
-)
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 
 @dataclass(frozen=True, slots=True)
