@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Self, TypedDict, Unpack
 
 from polygateway.backends.factory import shared_backend
 from polygateway.errors import ConfigError, GatewayError
@@ -34,9 +34,20 @@ if TYPE_CHECKING:
     from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
     from polygateway.transport.http import Transport
 
-__all__ = ["GovernedClient", "InFlight", "Lifecycle"]
+__all__ = ["ClientParts", "GovernedClient", "InFlight", "Lifecycle"]
 
 Sleep = Callable[[float], Awaitable[None]]
+
+
+class ClientParts(TypedDict, total=False):
+    """The explicit parts of a client (keyword-only), typed once for ``from_settings``."""
+
+    backend: Backend | None
+    transport: Transport | None
+    now: Callable[[], float] | None
+    sleep: Sleep | None
+    rng: random.Random | None
+    emitter: Emitter | None
 
 
 class InFlight:
@@ -233,32 +244,14 @@ class GovernedClient:
 
     @classmethod
     def from_settings(
-        cls,
-        settings: GatewaySettings,
-        scope: str | None = None,
-        *,
-        backend: Backend | None = None,
-        transport: Transport | None = None,
-        now: Callable[[], float] | None = None,
-        sleep: Sleep | None = None,
-        rng: random.Random | None = None,
-        emitter: Emitter | None = None,
+        cls, settings: GatewaySettings, scope: str | None = None, **parts: Unpack[ClientParts]
     ) -> Self:
         """A client of ``scope`` (default: the client's own kind of scope).
 
         Clients built from one settings object share one backend, so two
         clients of one scope in one process never double their limits.
         """
-        return cls(
-            settings,
-            scope,
-            backend=backend,
-            transport=transport,
-            now=now,
-            sleep=sleep,
-            rng=rng,
-            emitter=emitter,
-        )
+        return cls(settings, scope, **parts)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scope={self._scope!r}, sources={list(self._mw.sources)!r})"
