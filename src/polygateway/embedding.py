@@ -43,9 +43,6 @@ __all__ = ["EmbeddingClient", "plan_batches"]
 _TASKS_PER_PERMIT: Final = 2
 """Batch tasks alive at once per permit of the scope: enough to keep every permit busy."""
 
-_FLOAT_FORMATS: Final = frozenset({None, "float"})
-"""``encoding_format`` values whose answer is a JSON array of floats (what the reader parses)."""
-
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
@@ -99,9 +96,10 @@ def _check_texts(texts: object, scope: str) -> list[str]:
 def _check_params(params: Mapping[str, Any], scope: str) -> None:
     """Refuse provider parameters whose answer this client could not read back."""
     fmt = params.get("encoding_format")
-    if fmt not in _FLOAT_FORMATS:
+    # Not a set lookup: a caller's list or dict here must be refused, not crash on hashing.
+    if fmt is not None and not (isinstance(fmt, str) and fmt == "float"):
         raise RequestRejected(
-            f"encoding_format={fmt!r} is not supported: vectors are read as float arrays",
+            f"encoding_format={fmt!r:.80} is not supported: vectors are read as float arrays",
             scope=scope,
         )
 

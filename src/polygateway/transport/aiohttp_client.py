@@ -42,6 +42,7 @@ from polygateway.transport.exchange import (
     check_opened,
     connect_limit,
     connect_timed_out,
+    json_content,
     phase_timed_out,
     unusable_url,
 )
@@ -164,7 +165,9 @@ class AiohttpTransport:
                 form.add_field(name, content, filename=filename, content_type=content_type)
             options["data"] = form
         elif request.json is not None:
-            options["json"] = request.json
+            # Encoded by us, not by aiohttp: a body JSON cannot carry is refused alike on
+            # both transports (the wire formats always set the JSON Content-Type header).
+            options["data"] = json_content(request)
         return options
 
     async def send(self, request: HttpRequest) -> Any:

@@ -6,6 +6,9 @@
   module's exception table says for the failures both libraries share, so
   the two transports word them alike.
 - ``check_opened``: a stream must answer 2xx with ``text/event-stream``.
+- ``json_content``: a request's JSON body encoded once, here, so a body JSON
+  cannot carry (bytes, a set, NaN, a lone surrogate) is refused before
+  anything is sent, alike on both transports.
 - ``EventStream``: the parsed ``data:`` events of one stream with the TTFT and
   idle deadlines enforced. A client module subclasses it with its library's
   read (``_next_data``) and its exception boundary (``_FAILURES``, ``_translate``).
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
@@ -22,6 +26,7 @@ from polygateway.transport.http import (
     STREAM_END,
     HttpRequest,
     TransientError,
+    excerpt,
     is_event_stream,
     malformed,
     parse_event_data,
@@ -36,6 +41,7 @@ __all__ = [
     "check_opened",
     "connect_limit",
     "connect_timed_out",
+    "json_content",
     "phase_timed_out",
     "unusable_url",
 ]
@@ -62,6 +68,25 @@ def unusable_url(request: HttpRequest, exc: Exception) -> TransientError:
         f"unusable URL for {request.source}: {type(exc).__name__}",
         failure="source_misconfigured",
     )
+
+
+def json_content(request: HttpRequest) -> bytes:
+    """The request's JSON body as UTF-8, strict JSON (no NaN); refused as the request's fault.
+
+    A body JSON cannot carry is the caller's input, not an outage: the loop
+    raises ``RequestRejected`` at once and tries no other source.
+    """
+    try:
+        text = json.dumps(request.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        # TypeError: a value JSON has no type for; ValueError: NaN or infinity, a circular
+        # reference, or (UnicodeEncodeError) a lone surrogate that UTF-8 cannot encode.
+        raise TransientError(
+            f"the request to {request.source} was not sent: its body is not valid JSON: "
+            f"{excerpt(str(exc))}",
+            failure="request_rejected",
+        ) from exc
 
 
 def answer_error(

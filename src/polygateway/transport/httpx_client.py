@@ -33,6 +33,7 @@ from polygateway.transport.exchange import (
     check_opened,
     connect_limit,
     connect_timed_out,
+    json_content,
     phase_timed_out,
     unusable_url,
 )
@@ -156,7 +157,9 @@ class HttpxTransport:
         """The keyword arguments that carry a request's body and query."""
         kwargs: dict[str, Any] = {}
         if request.json is not None:
-            kwargs["json"] = request.json
+            # Encoded by us, not by httpx: a body JSON cannot carry is refused alike on both
+            # transports (the wire formats always set the JSON Content-Type header).
+            kwargs["content"] = json_content(request)
         if request.files is not None:
             kwargs["files"] = dict(request.files)
         if request.data is not None:
