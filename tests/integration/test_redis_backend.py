@@ -229,7 +229,12 @@ async def test_redis_down_fails_closed_without_leaking_the_password(
 async def test_frozen_redis_fails_closed_within_the_socket_timeout(
     make_redis_server: Callable[..., Any],
 ) -> None:
-    """A server that accepts but never answers (SIGSTOP) fails every operation by the timeout."""
+    """A server that accepts but never answers (SIGSTOP) fails every operation by the timeout.
+
+    What the server received meanwhile it runs on waking, and the backend still
+    reads those replies: the timed-out release frees the permit after all, and
+    the same backend serves again.
+    """
     server = make_redis_server()
     backend = RedisBackend(server.url, socket_timeout_s=0.3)
     try:
@@ -239,9 +244,43 @@ async def test_frozen_redis_fails_closed_within_the_socket_timeout(
             await _assert_fails_closed(backend, lease, within_s=0.3 + 1.0)
         finally:
             server.resume()
-        assert await backend.renew(lease) is True
-        await backend.release(lease, SUCCESS)
+        assert await _until_free(backend) == 0
+        assert await backend.renew(lease) is False
+        await backend.release(await _grant(backend), SUCCESS)
         assert (await backend.snapshot(SCOPE)).in_flight == 0
+    finally:
+        await backend.aclose()
+
+
+async def _until_free(backend: RedisBackend, within_s: float = 3.0) -> int:
+    """Permits in use once they are all free, or after ``within_s`` (what was left behind runs)."""
+    deadline = time.monotonic() + within_s
+    while (in_flight := (await backend.snapshot(SCOPE)).in_flight) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return in_flight
+
+
+async def test_acquire_timed_out_on_a_frozen_server_gives_its_late_grant_back(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """A frozen server runs a timed-out acquire on waking: its grant is released, not held."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=0.3)
+    try:
+        # Script loaded and connection open: the EVALSHA reaches the frozen server, which runs it.
+        await backend.release(await _grant(backend), SUCCESS)
+        server.pause()
+        try:
+            with pytest.raises(GovernanceBackendError) as caught:
+                await backend.acquire(SCOPE, [ONE], ttl_s=600)
+        finally:
+            server.resume()
+        assert await _until_free(backend) == 0
+        assert "no reply within 0.3 s" in str(caught.value)
+        with _sync(server.url) as client:
+            # The script did run (it registered the source) and its lease is gone.
+            assert client.zscore("pgw:{chat}:sources", "a") is not None
+            assert client.zcard("pgw:{chat}:leases:a") == 0
     finally:
         await backend.aclose()
 

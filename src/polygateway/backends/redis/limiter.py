@@ -17,10 +17,14 @@ the one boundary where redis exceptions are translated); no request goes
 upstream ungoverned. The password of the URL never appears in a message or
 repr.
 
-Cancellation: ``acquire`` and ``release`` run their script shielded. A caller
-cancelled while its acquire is in flight gets its lease, if one was granted,
-released at once in the background; a caller cancelled while releasing still
-has its permit returned. Neither waits for the lease to expire.
+Late replies: every operation runs as its own task, shielded, and its caller
+waits for it at most ``socket_timeout_s``. A caller that stops waiting (its
+timeout, or its own cancellation) leaves the task behind: the script may
+already be on the server, which runs it whenever it can (a frozen server, on
+waking), so the reply is still read, for up to ``_LATE_REPLY_S``. An acquire
+granted after its caller left is released at once; a release still frees its
+permit and wakes this process's waiters. Nothing waits for a lease to expire
+unless the server stays silent longer than that.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import itertools
 import logging
 import math
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -80,6 +84,26 @@ _STATE_TTL_S = 86400
 A source nobody has touched for a day has no cool-down or pacing left worth
 keeping (both are far shorter); dropping it keeps a fleet whose config
 changed from accumulating keys. Lease keys empty themselves as leases end.
+"""
+
+_LATE_REPLY_S = 60.0
+"""How long a reply is still read after its caller stopped waiting for it.
+
+This is the pool's socket read timeout; callers are bounded by
+``socket_timeout_s`` on their own side. Without it a timed-out acquire that a
+frozen server runs on waking would hold its permit, unseen, until its lease
+expired (``timeout_s + lease_grace_s``), for every connection that had one in
+flight when the server froze.
+"""
+
+_MAX_LEFT_BEHIND = 256
+"""Timed-out operations whose reply is still read, at most; past it one is abandoned.
+
+Each holds a connection while it waits. The loop asks Redis about once per
+socket timeout per scope while Redis is silent (only the head of a waiting
+room asks), so this is rarely reached; it keeps a long freeze under heavy
+``fail_fast`` traffic from piling up sockets. An abandoned acquire that the
+server runs later holds its permit until its lease expires, as a crash would.
 """
 
 _MAX_SPEC_CACHE = 1024
@@ -170,11 +194,13 @@ class RedisBackend:
 
     Args:
         url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``, ``unix://``).
-        socket_timeout_s: longest wait for Redis on connect and on each reply;
-            past it the operation fails closed.
+        socket_timeout_s: longest wait of a caller for Redis (connect and reply);
+            past it the operation fails closed, while its reply is still read in
+            the background (see the module docstring).
         now: tests only: a clock passed to every script instead of the server's TIME.
         client: an existing ``redis.asyncio.Redis`` to use instead of opening a
-            pool (its owner closes it; ``url`` then only names it in messages).
+            pool (its owner closes it; ``url`` then only names it in messages;
+            its own socket timeout bounds how long a late reply is read).
     """
 
     __slots__ = (
@@ -187,6 +213,7 @@ class RedisBackend:
         "_secrets",
         "_serial",
         "_spec_args",
+        "_timeout_s",
         "_url",
     )
 
@@ -209,7 +236,9 @@ class RedisBackend:
             try:
                 client = aioredis.Redis.from_url(
                     url,
-                    socket_timeout=socket_timeout_s,
+                    # Callers wait socket_timeout_s (``_bounded``); the connection itself
+                    # waits longer, so a late reply is read and acted on, not lost.
+                    socket_timeout=max(socket_timeout_s, _LATE_REPLY_S),
                     socket_connect_timeout=socket_timeout_s,
                     # No client-side retry: one failed attempt fails closed at once,
                     # within the timeout; the governance loop decides what comes next.
@@ -223,6 +252,7 @@ class RedisBackend:
         else:
             self._owns_client = False
         self._client = client
+        self._timeout_s = socket_timeout_s
         self._now = now
         self._scripts = {
             "acquire": client.register_script(scripts.ACQUIRE),
@@ -233,7 +263,7 @@ class RedisBackend:
         }
         self._rooms: dict[str, WaitingRoom] = {}
         self._spec_args: dict[SourceSpec, tuple[str, ...]] = {}
-        # Shielded work a cancelled caller left behind; kept referenced until done.
+        # Work a caller stopped waiting for (timeout, cancellation); referenced until done.
         self._background: set[asyncio.Future[Any]] = set()
         self._serial = itertools.count(1)
 
@@ -269,7 +299,7 @@ class RedisBackend:
             # A reply our parser cannot read: a script out of step with this code.
             raise self._failure(operation, scope, "unexpected script reply", exc) from exc
 
-    async def _call(
+    async def _run(
         self,
         operation: Operation,
         scope: str,
@@ -280,6 +310,46 @@ class RedisBackend:
         """Run one script (one round trip) and parse its reply, inside the boundary."""
         with self._boundary(operation, scope):
             return parse(await self._scripts[operation](keys=keys, args=args))
+
+    async def _bounded(
+        self,
+        operation: Operation,
+        scope: str,
+        work: Awaitable[T],
+        late: Callable[[asyncio.Future[T]], Awaitable[None]] | None = None,
+    ) -> T:
+        """Await ``work`` (its own task, shielded) for at most ``socket_timeout_s``.
+
+        Past the timeout the caller fails closed; the task goes on, since its
+        script may run on the server anyway, and is left behind with ``late``
+        (when given) to act on its result: an acquire gives a late grant back.
+        A cancelled caller leaves it behind the same way.
+        """
+        task = asyncio.ensure_future(work)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await asyncio.shield(task)
+        except TimeoutError as exc:
+            # Only our own timeout: inside the task every error is already translated.
+            if len(self._background) >= _MAX_LEFT_BEHIND:
+                task.cancel()  # closes its connection; see _MAX_LEFT_BEHIND
+            self._adopt(task if late is None else asyncio.ensure_future(late(task)))
+            detail = f"TimeoutError: no reply within {self._timeout_s:g} s"
+            raise self._failure(operation, scope, detail, exc) from exc
+        except asyncio.CancelledError:
+            self._adopt(task if late is None else asyncio.ensure_future(late(task)))
+            raise
+
+    async def _call(
+        self,
+        operation: Operation,
+        scope: str,
+        keys: Sequence[str],
+        args: Sequence[str],
+        parse: Callable[[Any], T],
+    ) -> T:
+        """One script, bounded by the socket timeout; see ``_bounded``."""
+        return await self._bounded(operation, scope, self._run(operation, scope, keys, args, parse))
 
     def _now_arg(self) -> str:
         return "" if self._now is None else repr(float(self._now()))
@@ -359,16 +429,16 @@ class RedisBackend:
             )
             return AcquireResult(lease, rejections)
 
-        task = asyncio.ensure_future(self._call("acquire", scope, keys, args, parse))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The script may grant a lease this caller will never see: give it back.
-            self._adopt(asyncio.ensure_future(self._give_back(task)))
-            raise
+        # The script may grant a lease its caller never sees (timed out, cancelled): give it back.
+        return await self._bounded(
+            "acquire",
+            scope,
+            self._run("acquire", scope, keys, args, parse),
+            late=self._give_back,
+        )
 
     async def _give_back(self, acquiring: asyncio.Future[AcquireResult]) -> None:
-        """Release what an acquire whose caller was cancelled is granted, as soon as it is."""
+        """Release what an acquire whose caller stopped waiting is granted, as soon as it is."""
         lease = (await acquiring).lease
         if lease is not None:
             await self.release(lease, _CANCELLED)
@@ -394,23 +464,18 @@ class RedisBackend:
             str(_PROGRESS_TTL_S),
             str(_STATE_TTL_S),
         )
-        task = asyncio.ensure_future(self._release(scope, keys, args))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The release goes on without its caller; keep it referenced until done.
-            self._adopt(task)
-            raise
+        # A caller that stops waiting leaves the release running: it still frees the permit.
+        await self._bounded("release", scope, self._release(scope, keys, args))
 
     async def _release(self, scope: str, keys: Sequence[str], args: Sequence[str]) -> None:
-        freed = await self._call("release", scope, keys, args, _is_one)
+        freed = await self._run("release", scope, keys, args, _is_one)
         if freed:
             room = self._rooms.get(scope)
             if room is not None:
                 room.notify()
 
     def _adopt(self, task: asyncio.Future[Any]) -> None:
-        """Keep work a cancelled caller left behind referenced; log a failure nobody awaits."""
+        """Keep work a caller stopped waiting for referenced; log a failure nobody awaits."""
         self._background.add(task)
         task.add_done_callback(self._forget)
 
@@ -418,7 +483,7 @@ class RedisBackend:
         self._background.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.warning(
-                "work left behind by a cancelled call failed; any permit it holds frees "
+                "work a caller stopped waiting for failed; any permit it holds frees "
                 "itself when its lease expires: %s",
                 exc,
             )
@@ -441,7 +506,10 @@ class RedisBackend:
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         """Every source seen in the scope, in order of first sight (two round trips)."""
-        args = (self._now_arg(),)
+        return await self._bounded("snapshot", scope, self._snapshot(scope, self._now_arg()))
+
+    async def _snapshot(self, scope: str, now_arg: str) -> ScopeSnapshot:
+        args = (now_arg,)
         with self._boundary("snapshot", scope):
             names = [_text(n) for n in await self._client.zrange(_key(scope, "sources"), 0, -1)]
         keys = [_key(scope, "progress")]
@@ -473,7 +541,7 @@ class RedisBackend:
                 )
             return ScopeSnapshot(scope=scope, progress_age_s=_age(reply[0]), sources=tuple(sources))
 
-        return await self._call("snapshot", scope, keys, args, parse)
+        return await self._run("snapshot", scope, keys, args, parse)
 
     def waiting_room(self, scope: str) -> WaitingRoom:
         """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""
@@ -483,8 +551,18 @@ class RedisBackend:
         return room
 
     async def aclose(self) -> None:
-        """Finish the releases cancelled callers left behind, then close the pool (if ours)."""
-        while self._background:
+        """Finish the work callers left behind, then close the pool (if ours).
+
+        That work gets one more socket timeout: a server still silent by then
+        will not answer a closing backend, and what it runs later frees itself
+        at lease expiry.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._timeout_s):
+                while self._background:
+                    await asyncio.gather(*self._background, return_exceptions=True)
+        if self._background:
+            # The timeout cancelled them through gather; let them unwind.
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()
