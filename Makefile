@@ -56,7 +56,7 @@ demo: install-demo
 	$(PY) -m polygateway demo
 
 # Benchmarks run from their own venv: openai and litellm (the `bench` extra) never enter the
-# dev venv or the runtime dependencies. BENCH_N (chat calls, default 2000) and BENCH_ROUNDS
+# dev venv or the runtime dependencies. BENCH_N (chat calls, default 1000) and BENCH_ROUNDS
 # (default 3) size the run; the page goes to research-wiki/BENCHMARKS.md.
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python

@@ -137,8 +137,9 @@ class RawHttpx(Client):
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
+                # Read on to the end of the body: a response left unread loses its connection.
                 if payload == "[DONE]":
-                    break
+                    continue
                 if _content_of(json.loads(payload)):
                     if ttft < 0:
                         ttft = time.perf_counter() - started
@@ -200,8 +201,9 @@ class RawAiohttp(Client):
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
+                # Read on to the end of the body: a response left unread loses its connection.
                 if payload == "[DONE]":
-                    break
+                    continue
                 if _content_of(json.loads(payload)):
                     if ttft < 0:
                         ttft = time.perf_counter() - started
@@ -309,6 +311,36 @@ class LiteLLMRouterDefault(LiteLLMRouter):
     router_kwargs: ClassVar[dict[str, Any]] = {}
 
 
+class _InstantTransport:
+    """A transport that answers every request at once with a canned completion.
+
+    With it, a PolyGateway call costs only the governance loop (and the
+    backend's round trips): what PolyGateway adds on top of any HTTP client.
+    """
+
+    _ANSWER: ClassVar[dict[str, Any]] = {
+        "id": "chatcmpl-instant",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello, benchmark."},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
+
+    async def send(self, request: Any) -> dict[str, Any]:
+        """The canned answer, whatever was asked."""
+        return self._ANSWER
+
+    async def aclose(self) -> None:
+        """Nothing to close."""
+
+
 class PolyGateway(Client):
     """PolyGateway's ``ChatClient`` / ``EmbeddingClient`` on one backend and one transport."""
 
@@ -317,6 +349,8 @@ class PolyGateway(Client):
     governed = True
     backend: ClassVar[str] = "memory"
     transport: ClassVar[str] = "httpx"
+    instant: ClassVar[bool] = False
+    """Replace the HTTP transport by ``_InstantTransport`` (the governance loop alone)."""
 
     async def start(self, target: Target) -> None:
         from pydantic import SecretStr
@@ -359,7 +393,8 @@ class PolyGateway(Client):
         else:
             from polygateway.chat import ChatClient
 
-            self._chat = ChatClient.from_settings(settings, "bench")
+            transport: Any = _InstantTransport() if self.instant else None
+            self._chat = ChatClient.from_settings(settings, "bench", transport=transport)
             self._client = self._chat
 
     async def chat(self) -> None:
@@ -421,6 +456,22 @@ class PgwRedisAiohttp(PolyGateway):
     transport = "aiohttp"
 
 
+class PgwMemoryInstant(PolyGateway):
+    """PolyGateway, memory backend, no network: the governance loop's own cost."""
+
+    name = "pgw_memory_instant"
+    instant = True
+
+
+class PgwRedisInstant(PolyGateway):
+    """PolyGateway, Redis backend, no upstream: the loop plus its two Redis round trips."""
+
+    name = "pgw_redis_instant"
+    modules = ("polygateway", "redis")
+    backend = "redis"
+    instant = True
+
+
 CONFIGS: dict[str, type[Client]] = {
     c.name: c
     for c in (
@@ -433,6 +484,8 @@ CONFIGS: dict[str, type[Client]] = {
         PgwMemoryAiohttp,
         PgwRedisHttpx,
         PgwRedisAiohttp,
+        PgwMemoryInstant,
+        PgwRedisInstant,
     )
 }
 """Every configuration, by name."""

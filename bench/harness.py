@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.clients import CONFIGS, missing_modules
@@ -27,6 +28,7 @@ __all__ = [
     "make_plan",
     "reduce_runs",
     "run_rounds",
+    "source_revision",
 ]
 
 SCENARIO_CONFIGS: dict[str, tuple[str, ...]] = {
@@ -40,7 +42,9 @@ SCENARIO_CONFIGS: dict[str, tuple[str, ...]] = {
         "pgw_redis_httpx",
         "pgw_redis_aiohttp",
     ),
-    "stream": ("raw_httpx", "raw_aiohttp", "openai_sdk", "pgw_memory_httpx", "pgw_memory_aiohttp"),
+    # PolyGateway over a transport that answers at once: what the governance loop itself costs.
+    "loop": ("pgw_memory_instant", "pgw_redis_instant"),
+    "stream": ("raw_httpx", "raw_aiohttp", "pgw_memory_httpx", "pgw_memory_aiohttp"),
     # aiohttp only: httpx's own per-call cost grows with open connections and would hide ours.
     "scale": ("raw_aiohttp", "pgw_memory_aiohttp"),
     "embed": ("raw_httpx", "raw_aiohttp", "pgw_memory_httpx", "pgw_memory_aiohttp"),
@@ -50,7 +54,6 @@ SCENARIO_CONFIGS: dict[str, tuple[str, ...]] = {
         "litellm_router_default",
         "litellm_router",
         "pgw_memory_httpx",
-        "pgw_memory_aiohttp",
     ),
 }
 """Which configurations each scenario compares, in table order."""
@@ -58,8 +61,22 @@ SCENARIO_CONFIGS: dict[str, tuple[str, ...]] = {
 IMPORT_MODULES = ("-", "polygateway", "polygateway.chat", "httpx", "aiohttp", "openai", "litellm")
 """Modules whose import cost is measured (``-`` is bare Python)."""
 
-_SCENARIO_SOURCES = {"chat": "a,b", "stream": "s", "scale": "a", "embed": "a", "storm": "x,y"}
-_SCENARIO_MAX_CONCURRENCY = {"chat": 64, "stream": 64, "scale": 100, "embed": 8, "storm": 64}
+_SCENARIO_SOURCES = {
+    "chat": "a,b",
+    "loop": "a,b",
+    "stream": "s",
+    "scale": "a",
+    "embed": "a",
+    "storm": "x,y",
+}
+_SCENARIO_MAX_CONCURRENCY = {
+    "chat": 64,
+    "loop": 64,
+    "stream": 64,
+    "scale": 100,
+    "embed": 8,
+    "storm": 64,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +136,7 @@ class Plan:
 class Sizes:
     """How big each scenario is."""
 
-    chat_n: int = 2000
+    chat_n: int = 1000
     concurrencies: tuple[int, ...] = (1, 64)
     stream_n: int = 500
     stream_concurrency: int = 1
@@ -161,8 +178,8 @@ def make_plan(
         for name in SCENARIO_CONFIGS[scenario]:
             if not usable(name):
                 continue
-            if scenario == "chat":
-                plan.jobs += [Job("chat", name, sizes.chat_n, c) for c in sizes.concurrencies]
+            if scenario in ("chat", "loop"):
+                plan.jobs += [Job(scenario, name, sizes.chat_n, c) for c in sizes.concurrencies]
             elif scenario == "stream":
                 plan.jobs.append(Job("stream", name, sizes.stream_n, sizes.stream_concurrency))
             elif scenario == "scale":
@@ -205,6 +222,12 @@ def run_job(job: Job, python: str, services: Services, timeout_s: float) -> dict
     except json.JSONDecodeError:
         return {"failed": f"no JSON on the last line: {lines[-1][:200]!r}"}
     result["process_s"] = time.perf_counter() - started
+    errors = int(result.get("errors", 0))
+    if errors and job.scenario != "storm":
+        # Outside the storm every call must succeed: figures of failed calls are not a
+        # measurement of the configuration, so the round is reported and left out.
+        top = next(iter(result.get("error_kinds") or {}), "")
+        result["failed"] = f"{errors} of {job.n} calls failed: {top[:200]}"
     return result
 
 
@@ -232,6 +255,30 @@ def run_rounds(
                 what = result.get("failed") or _headline(result)
                 log(f"[{done}/{total}] round {r + 1} {job.key}: {what}")
     return out
+
+
+def source_revision(root: Path) -> str:
+    """The commit measured, and whether ``src/`` differed from it (a developer's tree)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"{head} with uncommitted changes in src/" if dirty else f"{head} (clean src/)"
 
 
 def _headline(result: dict[str, Any]) -> str:

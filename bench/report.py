@@ -1,27 +1,35 @@
 """Turn a run's results into ``research-wiki/BENCHMARKS.md`` (template: ``bench/template.md``).
 
-Every figure on the page is a median over the rounds of one run; every ratio
-is between two medians of that same run. Targets are checked here and each
-one says met or missed; a missed target links to its explanation in
-``bench/notes.md`` (written by hand, kept next to the harness).
+``python -m bench`` renders the page at the end of a run; ``python -m
+bench.report bench/results/latest.json`` renders it again from a saved run
+(after editing ``bench/notes.md`` or the template). Every figure on the page
+is a median over the rounds of one run; every ratio is between two medians
+of that same run. Targets are checked here and each one says met or missed;
+a missed target links to its explanation in ``bench/notes.md`` (written by
+hand, kept next to the harness).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from typing import Any
 
-from bench.harness import SCENARIO_CONFIGS
+from bench.harness import IMPORT_MODULES, SCENARIO_CONFIGS
 
-__all__ = ["Check", "evaluate_targets", "load_notes", "render"]
+__all__ = ["Check", "evaluate_targets", "load_notes", "main", "render"]
 
 _HERE = Path(__file__).parent
 _LABELS = {
+    "pgw_memory_instant": "PolyGateway, memory, instant transport",
+    "pgw_redis_instant": "PolyGateway, Redis, instant transport",
     "raw_httpx": "raw httpx",
     "raw_aiohttp": "raw aiohttp",
     "openai_sdk": "openai SDK",
@@ -138,6 +146,43 @@ def _chat_tables(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> st
         ]
         out.append(f"**Concurrency {c}** ({n:,} calls per run)\n\n" + _table(header, rows))
     return "\n\n".join(out)
+
+
+def _loop_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> str:
+    """The governance loop alone, beside the overhead the 1.3x targets allow per transport."""
+    rows = []
+    for name in SCENARIO_CONFIGS["loop"]:
+        for c in concurrencies:
+            key = f"loop/{name}/n{n}/c{c}"
+            if key not in medians:
+                continue
+            allowed = [
+                _get(medians, f"chat/raw_{t}/n{n}/c{c}", "cpu_us_per_op")
+                for t in ("httpx", "aiohttp")
+            ]
+            rt = _get(medians, key, "redis_round_trips_per_call")
+            rows.append(
+                [
+                    _LABELS[name],
+                    str(c),
+                    f"**{_fmt(_get(medians, key, 'cpu_us_per_op'))}**",
+                    _fmt(_get(medians, key, "ops_per_s")),
+                    *("—" if a is None else _fmt(0.3 * a) for a in allowed),
+                    "—" if rt is None else f"{rt:.2f}",
+                    str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
+                ]
+            )
+    header = [
+        "configuration",
+        "concurrency",
+        "client CPU µs/call",
+        "calls/s",
+        f"overhead allowed on httpx (0.3 {X} raw httpx)",
+        f"overhead allowed on aiohttp (0.3 {X} raw aiohttp)",
+        "Redis round trips/call",
+        "errors",
+    ]
+    return _table(header, rows)
 
 
 def _stream_table(medians: Medians, n: int, c: int) -> str:
@@ -286,10 +331,11 @@ def _storm_table(medians: Medians, n: int) -> str:
 def _import_table(medians: Medians) -> str:
     """Import cost of each module measured."""
     rows = []
-    for key, reduced in medians.items():
-        if not key.startswith("import/"):
+    for module in IMPORT_MODULES:
+        key = f"import/{module}"
+        if key not in medians:
             continue
-        module = key.removeprefix("import/")
+        reduced = medians[key]
         extras = reduced.get("extras_loaded") or []
         seconds = _get(medians, key, "import_s")
         rows.append(
@@ -443,18 +489,23 @@ def evaluate_targets(medians: Medians, meta: dict[str, Any]) -> list[Check]:
         )
     )
     storm_n = sizes["storm_n"]
-    for transport in ("httpx", "aiohttp"):
-        storm = medians.get(f"storm/pgw_memory_{transport}/n{storm_n}/c{storm_n}")
+    for name in SCENARIO_CONFIGS["storm"]:
+        if not name.startswith("pgw_"):
+            continue
+        storm = medians.get(f"storm/{name}/n{storm_n}/c{storm_n}")
         failed = None if storm is None else storm.get("errors_total")
         served = None if storm is None else storm.get("ok_total")
         checks.append(
             Check(
-                f"storm-{transport}",
-                f"429 storm (25% 429, Retry-After 1, two sources), {transport}: every call served",
+                "storm",
+                "429 storm (25% of answers 429 with Retry-After 1, two sources): "
+                f"every call served ({_LABELS[name]})",
                 "not measured"
                 if failed is None
                 else f"{int(served or 0)} served, {int(failed)} failed",
-                None if failed is None else failed == 0 and not storm.get("failures"),
+                None
+                if storm is None or failed is None
+                else failed == 0 and not storm.get("failures"),
             )
         )
     return checks
@@ -546,6 +597,7 @@ def render(results: dict[str, Any], template: Path = _HERE / "template.md") -> s
         "date": lambda: meta["date"],
         "command": lambda: meta["command"],
         "inner_command": lambda: meta["inner_command"],
+        "revision": lambda: meta.get("revision", "unknown"),
         "duration": lambda: f"{meta['duration_s'] / 60:.1f} min",
         "rounds": lambda: str(meta["rounds"]),
         "machine": lambda: _machine(meta),
@@ -561,6 +613,7 @@ def render(results: dict[str, Any], template: Path = _HERE / "template.md") -> s
         "chat_tables": lambda: _chat_tables(
             medians, sizes["chat_n"], tuple(sizes["concurrencies"])
         ),
+        "loop_table": lambda: _loop_table(medians, sizes["chat_n"], tuple(sizes["concurrencies"])),
         "stream_n": lambda: f"{sizes['stream_n']:,}",
         "stream_concurrency": lambda: str(sizes["stream_concurrency"]),
         "stream_table": lambda: _stream_table(
@@ -576,3 +629,18 @@ def render(results: dict[str, Any], template: Path = _HERE / "template.md") -> s
     }
     page = Template(template.read_text(encoding="utf-8"))
     return page.substitute({k: f() for k, f in values.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Render the page from a saved results file."""
+    parser = argparse.ArgumentParser(prog="python -m bench.report")
+    parser.add_argument("results", type=Path, help="a results JSON written by python -m bench")
+    parser.add_argument("--out", type=Path, default=Path("research-wiki/BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text(encoding="utf-8"))
+    args.out.write_text(render(results), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

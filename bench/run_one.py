@@ -26,7 +26,7 @@ from bench.clients import CONFIGS, Client, Target
 
 __all__ = ["main", "percentile"]
 
-SCENARIOS = ("chat", "stream", "scale", "embed", "storm")
+SCENARIOS = ("chat", "loop", "stream", "scale", "embed", "storm")
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost", None})
 _SCALE_LIMIT = 100
 """The scale scenario's concurrency bound: PolyGateway's max_concurrency, raw clients' semaphore."""
@@ -255,7 +255,7 @@ async def _measure(client: Client, args: argparse.Namespace, target: Target) -> 
     try:
         bound = None if client.governed else _SCALE_LIMIT
         texts: list[str] = []
-        if scenario == "chat":
+        if scenario in ("chat", "loop"):
             warm = max(concurrency, min(200, n // 10))
             await _run_calls(client.chat, warm, concurrency)
         elif scenario == "stream":
@@ -277,7 +277,7 @@ async def _measure(client: Client, args: argparse.Namespace, target: Target) -> 
         chunks = 0
         vectors = 0
         cpu0, t0 = _cpu_s(), time.perf_counter()
-        if scenario == "chat":
+        if scenario in ("chat", "loop"):
             latencies, errors = await _run_calls(client.chat, n, concurrency)
         elif scenario == "stream":
 
@@ -331,7 +331,7 @@ async def _measure(client: Client, args: argparse.Namespace, target: Target) -> 
                 redis_commands_per_call=sum(commands.values()) / n,
                 redis_script_calls_per_call=counter.script_calls(commands) / n,
             )
-            if scenario == "chat":
+            if scenario in ("chat", "loop"):
                 out.update(await counter.round_trips(client.chat, min(n, _ROUND_TRIP_SAMPLE)))
     finally:
         await client.aclose()

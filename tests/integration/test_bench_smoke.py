@@ -22,13 +22,15 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = (
+CHAT_CONFIGS = (
     "raw_httpx",
     "raw_aiohttp",
     "pgw_memory_httpx",
     "pgw_memory_aiohttp",
     "pgw_redis_aiohttp",
 )
+LOOP_CONFIGS = ("pgw_memory_instant", "pgw_redis_instant")
+CONFIGS = CHAT_CONFIGS + LOOP_CONFIGS
 N, STREAM_N, SCALE_NS, EMBED_N, STORM_N = 20, 4, (20, 40), 300, 4
 
 
@@ -97,7 +99,7 @@ def _assert_figures(run: dict[str, Any], n: int) -> None:
     assert run["n"] == n
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CHAT_CONFIGS)
 @pytest.mark.parametrize("concurrency", [1, 64])
 def test_chat_job_reports_cpu_latency_and_memory(
     smoke_run: dict[str, Any], config: str, concurrency: int
@@ -106,6 +108,18 @@ def test_chat_job_reports_cpu_latency_and_memory(
     run = _only_run(smoke_run, f"chat/{config}/n{N}/c{concurrency}")
     _assert_figures(run, N)
     assert (run["ok"], run["errors"]) == (N, 0)
+
+
+@pytest.mark.parametrize("config", LOOP_CONFIGS)
+def test_governance_loop_job_runs_without_an_upstream(
+    smoke_run: dict[str, Any], config: str
+) -> None:
+    """The instant-transport jobs measure PolyGateway's own cost; Redis still does 2 round trips."""
+    run = _only_run(smoke_run, f"loop/{config}/n{N}/c1")
+    _assert_figures(run, N)
+    assert (run["ok"], run["errors"]) == (N, 0)
+    if "redis" in config:
+        assert run["redis_round_trips_per_call"] == 2.0
 
 
 @pytest.mark.parametrize("concurrency", [1, 64])
@@ -171,8 +185,14 @@ def test_page_names_machine_versions_command_and_every_configuration(
     assert "- CPU: " in page
     assert "| polygateway | " in page
     assert "not installed" in page  # openai and litellm are absent from the dev venv
-    for label in ("raw httpx", "raw aiohttp", "PolyGateway, memory, httpx"):
-        assert f"| {label} |" in page
+    labels = (
+        "raw httpx",
+        "raw aiohttp",
+        "PolyGateway, memory, httpx",
+        "PolyGateway, memory, instant",
+    )
+    for label in labels:
+        assert f"| {label}" in page
     assert "$" not in page.split("## Summary")[1].split("## Machine")[0]
 
 
