@@ -9,6 +9,7 @@ rotated by ``r`` places, so no configuration always runs first or last
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -277,7 +278,8 @@ def source_revision(root: Path) -> str:
             timeout=30,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
+        # An exported tree (git archive) says what it is through the environment.
+        return os.environ.get("BENCH_REVISION") or "unknown (not a git checkout)"
     return f"{head} with uncommitted changes in src/" if dirty else f"{head} (clean src/)"
 
 

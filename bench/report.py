@@ -598,6 +598,7 @@ def render(results: dict[str, Any], template: Path = _HERE / "template.md") -> s
         "command": lambda: meta["command"],
         "inner_command": lambda: meta["inner_command"],
         "revision": lambda: meta.get("revision", "unknown"),
+        "polygateway_path": lambda: meta.get("polygateway_path", "unknown"),
         "duration": lambda: f"{meta['duration_s'] / 60:.1f} min",
         "rounds": lambda: str(meta["rounds"]),
         "machine": lambda: _machine(meta),
