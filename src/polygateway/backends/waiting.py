@@ -47,11 +47,15 @@ class Waiter:
 class WaitingRoom:
     """FIFO of waiting calls for one scope in this process."""
 
-    __slots__ = ("_queue", "wakeups")
+    __slots__ = ("_queue", "asking", "wakeups")
 
     def __init__(self) -> None:
         self._queue: deque[Waiter] = deque()
         self.wakeups = 0  # releases that found a head to wake; for tests and telemetry
+        # Acquires in flight for this scope in this process (kept by the loop). Past a
+        # bound a new call queues instead of asking too: a burst reaches the backend
+        # through the head of the queue, not as thousands of concurrent acquires.
+        self.asking = 0
 
     def __len__(self) -> int:
         return len(self._queue)

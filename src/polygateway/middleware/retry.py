@@ -86,6 +86,15 @@ _log = logging.getLogger("polygateway.retry")
 _DEADLINE_EPSILON_S: Final = 1e-3
 """No attempt starts with less time left than this: it could only time out."""
 
+_MAX_ASKING: Final = 16
+"""Acquires one scope runs at once in one process before new calls queue instead of asking.
+
+A burst of calls all find the waiting room empty; without a bound each would
+ask the backend at once, and a shared backend fails closed under thousands
+of concurrent acquires (Redis: its connection pool is exhausted, replies time
+out). Past the bound, calls queue and the room's head asks for them in turn.
+"""
+
 _STALL_TIMER_SLACK_S: Final = 1e-3
 """A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
 
@@ -390,11 +399,13 @@ class RetryMW:
 
         One ``acquire`` over every source in selection order, this call's
         untried ones first: a busy or closed tier spills over to the next at
-        no extra cost. Fast path: with nobody waiting a call asks at once;
-        when others wait it joins the tail of the FIFO and only the head asks.
-        ``fail_fast`` calls never queue: they ask once.
+        no extra cost. Fast path: with nobody waiting (and fewer than
+        ``_MAX_ASKING`` acquires in flight) a call asks at once; otherwise it
+        joins the tail of the FIFO and only the head asks. ``fail_fast`` calls
+        never queue: they ask once.
         """
-        if call.waiter is None and not call.fail_fast and not room.empty:
+        busy = not room.empty or room.asking >= _MAX_ASKING
+        if call.waiter is None and not call.fail_fast and busy:
             call.waiter = room.enter()
         if call.waiter is not None and not room.is_head(call.waiter):
             return None
@@ -413,12 +424,15 @@ class RetryMW:
                 ttl_s=self._ttl(call, candidates),
             )
         )
+        room.asking += 1
         try:
             result = await asyncio.shield(acquiring)
         except asyncio.CancelledError:
             # The backend may grant the lease after we have gone: give it straight back.
             keep_until_done(asyncio.ensure_future(self._release_late(acquiring)))
             raise
+        finally:
+            room.asking -= 1
         call.last = result
         call.last_at = self._now()
         if result.lease is None:

@@ -106,6 +106,14 @@ room asks), so this is rarely reached; it keeps a long freeze under heavy
 server runs later holds its permit until its lease expires, as a crash would.
 """
 
+_MAX_CONNECTIONS = 64
+"""Connections of the pool a backend opens; past it, operations wait for a free one.
+
+Each operation holds a connection for one round trip, and the loop keeps a
+process's concurrent acquires per scope bounded, so a few dozen serve any
+number of permits; more would only load the server.
+"""
+
 _MAX_SPEC_CACHE = 1024
 """Specs whose ARGV strings are kept; configs hold a few dozen, so this only bounds misuse."""
 
@@ -234,8 +242,13 @@ class RedisBackend:
             )
         if client is None:
             try:
-                client = aioredis.Redis.from_url(
+                # A blocking pool: an operation finding every connection busy waits for
+                # one (its caller still bounded by ``_bounded``) instead of failing at once;
+                # a burst of releases larger than the pool must not leave permits held.
+                pool = aioredis.BlockingConnectionPool.from_url(
                     url,
+                    max_connections=_MAX_CONNECTIONS,
+                    timeout=_LATE_REPLY_S,
                     # Callers wait socket_timeout_s (``_bounded``); the connection itself
                     # waits longer, so a late reply is read and acted on, not lost.
                     socket_timeout=max(socket_timeout_s, _LATE_REPLY_S),
@@ -244,6 +257,7 @@ class RedisBackend:
                     # within the timeout; the governance loop decides what comes next.
                     retry=Retry(NoBackoff(), 0),
                 )
+                client = aioredis.Redis(connection_pool=pool)
             except ValueError as exc:
                 raise ConfigError(
                     f"invalid redis url {self._url}: {self._scrub(str(exc))}", field="redis_url"
@@ -566,3 +580,5 @@ class RedisBackend:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()
+            # Built with our own pool, which the client does not close for us.
+            await self._client.connection_pool.disconnect()

@@ -1,0 +1,341 @@
+"""Redis faults under live traffic: killed and restarted, frozen, scripts flushed; pool exhaustion.
+
+A pool of workers keeps calling one chat scope (four permits, an rpm limit)
+through a real ``RedisBackend`` against the real ``redis-server`` of
+``tests/conftest.py``, while the fault is played underneath. What must hold:
+while Redis cannot answer, every call fails closed with
+``GovernanceBackendError`` within the socket timeout and nothing reaches the
+upstream ungoverned; once Redis is back, the same client serves again
+without a restart, and the limits hold from then on (never more than the
+permits in flight at the upstream, the rpm bucket respected, no permit held
+once traffic stops).
+
+The last tests put more operations in flight at once than one client's
+connection pool holds: a burst of calls that all find the waiting room
+empty, and an outage failing hundreds of attempts in the same instant. Each
+must be served, or released, as if the pool were endless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from polygateway.backends.redis import RedisBackend
+from polygateway.chat import ChatClient
+from polygateway.errors import AllSourcesExhausted, GatewayError, GovernanceBackendError
+from polygateway.simulator import FaultProfile, SimulatedUpstream
+from polygateway.testing import gateway_settings
+from polygateway.transport.http import HttpRequest, TransientError
+
+PERMITS = 4
+RPM = 600.0  # 10 per second
+RPM_BURST = 5.0
+SOCKET_TIMEOUT_S = 0.3
+WORKERS = 12
+# A caller that got GovernanceBackendError requeues its work a little later, as callers should.
+REQUEUE_S = 0.02
+BOUND_S = 60.0
+SETTLE_S = 0.3
+
+
+@dataclass
+class Outcome:
+    """One call as a worker saw it."""
+
+    started: float
+    ended: float
+    kind: str  # "ok" or the error's class name
+
+
+@dataclass
+class Traffic:
+    """Workers calling the scope in a loop until told to stop."""
+
+    chat: ChatClient
+    outcomes: list[Outcome] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _worker(self, n: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            i += 1
+            started = time.monotonic()
+            try:
+                await self.chat.complete([{"role": "user", "content": f"w{n} c{i}"}], max_tokens=4)
+                kind = "ok"
+            except GatewayError as exc:
+                kind = type(exc).__name__
+            self.outcomes.append(Outcome(started, time.monotonic(), kind))
+            if kind != "ok":
+                await asyncio.sleep(REQUEUE_S)
+
+    async def run(self) -> None:
+        """Run the workers until ``stop`` is set; any exception but a GatewayError fails here."""
+        await asyncio.gather(*(self._worker(n) for n in range(WORKERS)))
+
+    def between(self, start: float, end: float) -> list[Outcome]:
+        """Calls that started and ended inside [start, end]."""
+        return [o for o in self.outcomes if o.started >= start and o.ended <= end]
+
+
+@dataclass
+class Rig:
+    """The simulator, a Redis backend on the session server, and a chat client over both."""
+
+    sim: SimulatedUpstream
+    backend: RedisBackend
+    chat: ChatClient
+
+    async def in_flight(self) -> int:
+        """Permits the backend holds in the scope."""
+        return (await self.backend.snapshot("chat")).in_flight
+
+
+@pytest.fixture
+async def rig(redis_url: str, redis_server: Any) -> AsyncIterator[Rig]:
+    """One source ``a`` (20 ms latency) governed through Redis; the server is left running."""
+    async with SimulatedUpstream({"a": FaultProfile(latency_s=0.02)}) as sim:
+        settings = gateway_settings(
+            {
+                "name": "a",
+                "base_url": sim.base_url("a"),
+                "max_concurrency": PERMITS,
+                "rpm": RPM,
+                "rpm_burst": RPM_BURST,
+                "timeout_s": 5,
+            },
+            redis_socket_timeout_s=SOCKET_TIMEOUT_S,
+            poll_interval_s=0.05,
+            # Long leases: a permit freed only by expiry would still be held when checked.
+            lease_grace_s=60.0,
+        )
+        backend = RedisBackend(redis_url, socket_timeout_s=SOCKET_TIMEOUT_S)
+        chat = ChatClient(settings, "chat", backend=backend)
+        try:
+            yield Rig(sim, backend, chat)
+        finally:
+            redis_server.ensure_running()
+            await chat.aclose()
+            await backend.aclose()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> bool:
+    """Wait (really) for a condition."""
+    deadline = time.monotonic() + within_s
+    while not await check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def check_outage(rig: Rig, traffic: Traffic, outage: Callable[[], Awaitable[None]]) -> None:
+    """During ``outage``: calls fail closed (the first within the socket timeout), none upstream.
+
+    Only the head of the waiting room asks the backend, so waiters fail one
+    after another, each when its turn to ask comes (while Redis is frozen, one
+    socket timeout apart); none of them ever reaches the upstream.
+    """
+    # Calls holding a permit from before the fault finish within the upstream's latency.
+    await asyncio.sleep(SETTLE_S)
+    seen, started = rig.sim.stats("a").requests, time.monotonic()
+    await outage()
+    ended = time.monotonic()
+    during = [o for o in traffic.outcomes if started <= o.ended <= ended]
+    assert during, "no call ended during the outage"
+    assert {o.kind for o in during} == {GovernanceBackendError.__name__}
+    assert min(o.ended for o in during) - started < SOCKET_TIMEOUT_S * 2
+    assert rig.sim.stats("a").requests == seen, "a call reached the upstream ungoverned"
+
+
+async def check_recovery(rig: Rig, traffic: Traffic, run_s: float = 1.5) -> None:
+    """After the fault: the same client serves again, and the limits hold."""
+    rig.sim.reset_stats()
+    recovered_at = time.monotonic()
+
+    async def serving() -> bool:
+        return any(o.kind == "ok" for o in traffic.outcomes if o.started >= recovered_at)
+
+    assert await eventually(serving), "the client did not recover without a restart"
+    await asyncio.sleep(run_s)
+    window_s = time.monotonic() - recovered_at
+    served = [o for o in traffic.between(recovered_at + 0.5, time.monotonic()) if o.kind == "ok"]
+    failed = [o for o in traffic.between(recovered_at + 0.5, time.monotonic()) if o.kind != "ok"]
+    assert served
+    assert not failed, {o.kind for o in failed}
+    stats = rig.sim.stats("a")
+    assert stats.max_concurrent <= PERMITS
+    # The rpm bucket: admissions <= rate x t + burst (one more for the window's edges).
+    assert stats.requests <= RPM / 60.0 * window_s + RPM_BURST + 1, (stats.requests, window_s)
+
+
+async def finish(rig: Rig, traffic: Traffic, running: asyncio.Task[None]) -> None:
+    """Stop the workers and check that no permit is left held."""
+    traffic.stop.set()
+    async with asyncio.timeout(BOUND_S):
+        await running
+
+    async def released() -> bool:
+        return await rig.in_flight() == 0
+
+    assert await eventually(released), await rig.backend.snapshot("chat")
+
+
+@pytest.mark.timeout(BOUND_S)
+async def test_redis_killed_mid_run_fails_closed_then_recovers_on_restart(
+    rig: Rig, redis_server: Any
+) -> None:
+    """Kill redis-server under traffic: calls fail closed; restart it: the same client serves."""
+    traffic = Traffic(rig.chat)
+    running = asyncio.create_task(traffic.run())
+    await asyncio.sleep(0.5)
+    assert any(o.kind == "ok" for o in traffic.outcomes)
+
+    await asyncio.to_thread(redis_server.stop)
+
+    async def outage() -> None:
+        await asyncio.sleep(1.0)
+
+    await check_outage(rig, traffic, outage)
+    await asyncio.to_thread(redis_server.start)
+    await check_recovery(rig, traffic)
+    await finish(rig, traffic, running)
+
+
+@pytest.mark.timeout(BOUND_S)
+async def test_redis_frozen_past_the_socket_timeout_fails_closed_then_recovers(
+    rig: Rig, redis_server: Any
+) -> None:
+    """SIGSTOP redis-server longer than the socket timeout: fail closed, then serve after SIGCONT.
+
+    Acquires sent into the frozen server run when it wakes; their callers are
+    long gone. Those grants must not hold permits until their leases expire
+    (a minute here): the scope serves right after the thaw and holds no permit
+    once traffic stops.
+    """
+    traffic = Traffic(rig.chat)
+    running = asyncio.create_task(traffic.run())
+    await asyncio.sleep(0.5)
+    assert any(o.kind == "ok" for o in traffic.outcomes)
+
+    async def frozen() -> None:
+        redis_server.pause()
+        try:
+            await asyncio.sleep(1.5)  # five socket timeouts
+        finally:
+            redis_server.resume()
+
+    await check_outage(rig, traffic, frozen)
+    await check_recovery(rig, traffic)
+    await finish(rig, traffic, running)
+
+
+@pytest.mark.timeout(BOUND_S)
+async def test_script_flush_mid_run_is_survived_without_a_failed_call(
+    rig: Rig, redis_server: Any
+) -> None:
+    """SCRIPT FLUSH under traffic: scripts reload on NOSCRIPT, no call fails, limits hold."""
+    traffic = Traffic(rig.chat)
+    rig.sim.reset_stats()
+    started = time.monotonic()
+    running = asyncio.create_task(traffic.run())
+    with redis_server.client() as admin:
+        for _ in range(10):
+            await asyncio.sleep(0.15)
+            admin.script_flush()
+            assert admin.script_exists("0" * 40) == [False]
+    await asyncio.sleep(0.2)
+    await finish(rig, traffic, running)
+    window_s = time.monotonic() - started
+    assert {o.kind for o in traffic.outcomes} == {"ok"}
+    stats = rig.sim.stats("a")
+    assert stats.max_concurrent <= PERMITS
+    assert stats.requests <= RPM / 60.0 * window_s + RPM_BURST + 1
+
+
+# -- more operations at once than the client's connection pool holds ---------------------
+
+
+class _Outage:
+    """An upstream that holds every request until told, then fails them all at once (503)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.requests = 0
+
+    async def send(self, request: HttpRequest) -> Any:
+        self.requests += 1
+        await self.gate.wait()
+        raise TransientError("upstream down", status_code=503)
+
+    def stream(self, request: HttpRequest) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.timeout(BOUND_S)
+async def test_an_outage_of_a_large_scope_records_every_release(redis_url: str) -> None:
+    """400 attempts failing at once (more than the Redis pool's connections): all released."""
+    permits = 400
+    settings = gateway_settings({"name": "a", "max_concurrency": permits}, max_attempts=1)
+    backend = RedisBackend(redis_url)
+    upstream = _Outage()
+    try:
+        async with ChatClient(settings, "chat", backend=backend, transport=upstream) as chat:
+            calls = [
+                asyncio.create_task(chat.complete([{"role": "user", "content": f"{i}"}]))
+                for i in range(permits)
+            ]
+
+            async def all_in_flight() -> bool:
+                return upstream.requests == permits
+
+            assert await eventually(all_in_flight, within_s=BOUND_S / 2)
+            assert (await backend.snapshot("chat")).in_flight == permits
+            upstream.gate.set()
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, AllSourcesExhausted) for r in results), set(map(type, results))
+        # Every release reached Redis: no permit is left for lease expiry to free.
+        state = await backend.snapshot("chat")
+        assert state.in_flight == 0, state
+        source = state.source("a")
+        assert source is not None
+        assert source.breaker == "open"
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.timeout(BOUND_S)
+async def test_a_burst_larger_than_the_connection_pool_is_served(redis_url: str) -> None:
+    """500 calls at once on one RedisBackend (default socket timeout): all served, none refused."""
+    calls = 500
+    async with SimulatedUpstream({"a": FaultProfile(latency_s=0.05)}) as sim:
+        settings = gateway_settings(
+            {"name": "a", "base_url": sim.base_url("a"), "max_concurrency": 50, "timeout_s": 10},
+            poll_interval_s=0.05,
+        )
+        backend = RedisBackend(redis_url)
+        try:
+            async with ChatClient(settings, "chat", backend=backend) as chat:
+                async with asyncio.timeout(BOUND_S / 2):
+                    results = await asyncio.gather(
+                        *(
+                            chat.complete([{"role": "user", "content": f"{i}"}])
+                            for i in range(calls)
+                        ),
+                        return_exceptions=True,
+                    )
+            failures = [r for r in results if isinstance(r, BaseException)]
+            assert not failures, {str(f) for f in failures}
+            assert sim.stats("a").max_concurrent <= 50
+            assert (await backend.snapshot("chat")).in_flight == 0
+        finally:
+            await backend.aclose()
