@@ -121,10 +121,12 @@ async def run_load(upstream: SimProcess, transport: str, calls: int, bound_s: fl
     assert all(isinstance(e, AllSourcesExhausted) for e in failed), kinds
     assert {e.reason for e in failed if isinstance(e, AllSourcesExhausted)} <= {"retry_exhausted"}
 
-    # The server never saw more than the scope's permits at once, and it saw them all used.
+    # The server never saw more than the scope's permits at once. It did see real overlap:
+    # the first calls of the burst ask the backend together (up to the loop's bound of
+    # concurrent acquires, 16) and all hold permits while their requests are in flight.
     stats = await upstream.stats("a")
     assert stats["max_concurrent"] <= PERMITS, stats
-    assert stats["max_concurrent"] >= PERMITS * 0.8, stats
+    assert stats["max_concurrent"] >= 16, stats
     assert stats["requests"] >= calls, stats
     faults = sum(v for k, v in stats["by_outcome"].items() if k != "ok")
     assert faults >= stats["requests"] * 0.03, stats  # the faults were really played
