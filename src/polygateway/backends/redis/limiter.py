@@ -96,14 +96,16 @@ expired (``timeout_s + lease_grace_s``), for every connection that had one in
 flight when the server froze.
 """
 
-_MAX_LEFT_BEHIND = 256
-"""Timed-out operations whose reply is still read, at most; past it one is abandoned.
+_MAX_LEFT_BEHIND = 32
+"""Operations left behind (their reply still read) at most; past it a timed-out one is abandoned.
 
-Each holds a connection while it waits. The loop asks Redis about once per
-socket timeout per scope while Redis is silent (only the head of a waiting
-room asks), so this is rarely reached; it keeps a long freeze under heavy
-``fail_fast`` traffic from piling up sockets. An abandoned acquire that the
-server runs later holds its permit until its lease expires, as a crash would.
+Each holds a pool connection while it waits, and the pool is finite (redis-py's
+default: 100): most of it must stay free for new operations, or a server that
+never answers (a blackholed address after a failover) would starve the pool
+for ``_LATE_REPLY_S``. The loop asks Redis about once per socket timeout per
+scope while Redis is silent (only the head of a waiting room asks), so this is
+rarely reached. An abandoned acquire that the server runs later holds its
+permit until its lease expires, as a crash would.
 """
 
 _MAX_CONNECTIONS = 64
