@@ -96,24 +96,23 @@ expired (``timeout_s + lease_grace_s``), for every connection that had one in
 flight when the server froze.
 """
 
-_MAX_LEFT_BEHIND = 32
-"""Operations left behind (their reply still read) at most; past it a timed-out one is abandoned.
-
-Each holds a pool connection while it waits, and the pool is finite (redis-py's
-default: 100): most of it must stay free for new operations, or a server that
-never answers (a blackholed address after a failover) would starve the pool
-for ``_LATE_REPLY_S``. The loop asks Redis about once per socket timeout per
-scope while Redis is silent (only the head of a waiting room asks), so this is
-rarely reached. An abandoned acquire that the server runs later holds its
-permit until its lease expires, as a crash would.
-"""
-
 _MAX_CONNECTIONS = 64
 """Connections of the pool a backend opens; past it, operations wait for a free one.
 
 Each operation holds a connection for one round trip, and the loop keeps a
 process's concurrent acquires per scope bounded, so a few dozen serve any
 number of permits; more would only load the server.
+"""
+
+_MAX_LEFT_BEHIND = _MAX_CONNECTIONS // 2
+"""Operations left behind (their reply still read) at most; past it a timed-out one is abandoned.
+
+Each holds a pool connection while it waits: half the pool stays for new
+operations, so a server that never answers (a blackholed address after a
+failover) cannot keep the pool busy for ``_LATE_REPLY_S``. The loop asks Redis
+about once per socket timeout per scope while Redis is silent (only the head of
+a waiting room asks), so this is rarely reached. An abandoned acquire that the
+server runs later holds its permit until its lease expires, as a crash would.
 """
 
 _MAX_SPEC_CACHE = 1024
