@@ -19,7 +19,9 @@ must be served, or released, as if the pool were endless.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +43,9 @@ WORKERS = 12
 # A caller that got GovernanceBackendError requeues its work a little later, as callers should.
 REQUEUE_S = 0.02
 BOUND_S = 60.0
-SETTLE_S = 0.3
+# Calls admitted just before a fault end within the upstream's latency plus a release that
+# times out; after that, every call that ends must have failed closed.
+GRACE_S = SOCKET_TIMEOUT_S + 0.2
 
 
 @dataclass
@@ -78,10 +82,6 @@ class Traffic:
     async def run(self) -> None:
         """Run the workers until ``stop`` is set; any exception but a GatewayError fails here."""
         await asyncio.gather(*(self._worker(n) for n in range(WORKERS)))
-
-    def between(self, start: float, end: float) -> list[Outcome]:
-        """Calls that started and ended inside [start, end]."""
-        return [o for o in self.outcomes if o.started >= start and o.ended <= end]
 
 
 @dataclass
@@ -138,19 +138,24 @@ async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0
 async def check_outage(rig: Rig, traffic: Traffic, outage: Callable[[], Awaitable[None]]) -> None:
     """During ``outage``: calls fail closed (the first within the socket timeout), none upstream.
 
-    Only the head of the waiting room asks the backend, so waiters fail one
-    after another, each when its turn to ask comes (while Redis is frozen, one
-    socket timeout apart); none of them ever reaches the upstream.
+    A call admitted just before the fault still gets its answer: the upstream
+    replies within its latency, and the failed release (bounded by the socket
+    timeout) never loses an answer. Past that grace, every call that ends
+    fails closed. Only the head of the waiting room asks the backend, so
+    waiters fail one after another as their turn to ask comes (while Redis is
+    frozen, one socket timeout apart); none of them reaches the upstream.
     """
-    # Calls holding a permit from before the fault finish within the upstream's latency.
-    await asyncio.sleep(SETTLE_S)
-    seen, started = rig.sim.stats("a").requests, time.monotonic()
-    await outage()
+    fault_at = time.monotonic()
+    running = asyncio.create_task(outage())
+    await asyncio.sleep(GRACE_S)
+    seen, settled_at = rig.sim.stats("a").requests, time.monotonic()
+    await running
     ended = time.monotonic()
-    during = [o for o in traffic.outcomes if started <= o.ended <= ended]
+    during = [o for o in traffic.outcomes if settled_at <= o.ended <= ended]
     assert during, "no call ended during the outage"
     assert {o.kind for o in during} == {GovernanceBackendError.__name__}
-    assert min(o.ended for o in during) - started < SOCKET_TIMEOUT_S * 2
+    failures = [o.ended for o in traffic.outcomes if o.ended >= fault_at and o.kind != "ok"]
+    assert min(failures) - fault_at < SOCKET_TIMEOUT_S * 2
     assert rig.sim.stats("a").requests == seen, "a call reached the upstream ungoverned"
 
 
@@ -160,15 +165,16 @@ async def check_recovery(rig: Rig, traffic: Traffic, run_s: float = 1.5) -> None
     recovered_at = time.monotonic()
 
     async def serving() -> bool:
-        return any(o.kind == "ok" for o in traffic.outcomes if o.started >= recovered_at)
+        return any(o.kind == "ok" for o in traffic.outcomes if o.ended >= recovered_at)
 
     assert await eventually(serving), "the client did not recover without a restart"
+    serving_at = time.monotonic()
     await asyncio.sleep(run_s)
     window_s = time.monotonic() - recovered_at
-    served = [o for o in traffic.between(recovered_at + 0.5, time.monotonic()) if o.kind == "ok"]
-    failed = [o for o in traffic.between(recovered_at + 0.5, time.monotonic()) if o.kind != "ok"]
-    assert served
-    assert not failed, {o.kind for o in failed}
+    # From the first answer on, every call that ends is served.
+    after = [o for o in traffic.outcomes if o.ended >= serving_at]
+    assert after
+    assert {o.kind for o in after} == {"ok"}
     stats = rig.sim.stats("a")
     assert stats.max_concurrent <= PERMITS
     # The rpm bucket: admissions <= rate x t + burst (one more for the window's edges).
@@ -197,10 +203,9 @@ async def test_redis_killed_mid_run_fails_closed_then_recovers_on_restart(
     await asyncio.sleep(0.5)
     assert any(o.kind == "ok" for o in traffic.outcomes)
 
-    await asyncio.to_thread(redis_server.stop)
-
     async def outage() -> None:
-        await asyncio.sleep(1.0)
+        await asyncio.to_thread(redis_server.stop)
+        await asyncio.sleep(1.5)
 
     await check_outage(rig, traffic, outage)
     await asyncio.to_thread(redis_server.start)
@@ -257,6 +262,55 @@ async def test_script_flush_mid_run_is_survived_without_a_failed_call(
     stats = rig.sim.stats("a")
     assert stats.max_concurrent <= PERMITS
     assert stats.requests <= RPM / 60.0 * window_s + RPM_BURST + 1
+
+
+SOAK_S = 180.0
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(SOAK_S + 120)
+async def test_redis_chaos_for_minutes_fails_closed_and_recovers_every_time(
+    rig: Rig, redis_server: Any
+) -> None:
+    """Soak: kill, freeze and flush Redis in turn for three minutes; every cycle holds."""
+    traffic = Traffic(rig.chat)
+    running = asyncio.create_task(traffic.run())
+    rng = random.Random(5)
+    cycles: Counter[str] = Counter()
+    deadline = time.monotonic() + SOAK_S
+    while time.monotonic() < deadline:
+        fault = rng.choice(["kill", "freeze", "flush"])
+        cycles[fault] += 1
+        if fault == "flush":
+            flushed_at = time.monotonic()
+            with redis_server.client() as admin:
+                admin.script_flush()
+            await asyncio.sleep(1.0)
+            after = [o for o in traffic.outcomes if o.ended >= flushed_at]
+            assert after, "no call ended after the flush"
+            assert {o.kind for o in after} == {"ok"}
+            continue
+        if fault == "kill":
+
+            async def down() -> None:
+                await asyncio.to_thread(redis_server.stop)
+                await asyncio.sleep(rng.uniform(1.0, 2.5))
+
+            await check_outage(rig, traffic, down)
+            await asyncio.to_thread(redis_server.start)
+        else:
+
+            async def frozen() -> None:
+                redis_server.pause()
+                try:
+                    await asyncio.sleep(rng.uniform(1.0, 2.5))
+                finally:
+                    redis_server.resume()
+
+            await check_outage(rig, traffic, frozen)
+        await check_recovery(rig, traffic, run_s=rng.uniform(0.5, 2.0))
+    await finish(rig, traffic, running)
+    assert min(cycles.values()) >= 3, cycles
 
 
 # -- more operations at once than the client's connection pool holds ---------------------
