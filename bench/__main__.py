@@ -81,8 +81,9 @@ def _command_lines(argv: list[str]) -> tuple[str, str]:
         python = sys.executable
     inner = shlex.join([python, "-m", "bench", *argv])
     if "MAKELEVEL" in os.environ:
-        knobs = [f"{k}={os.environ[k]}" for k in ("BENCH_N", "BENCH_ROUNDS") if os.environ.get(k)]
-        return shlex.join(["make", "bench", *knobs]), inner
+        names = ("PYTHONPATH", "BENCH_REVISION", "BENCH_N", "BENCH_ROUNDS")
+        knobs = [f"{k}={os.environ[k]}" for k in names if os.environ.get(k)]
+        return shlex.join([*knobs, "make", "bench"]), inner
     return inner, inner
 
 
