@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         storm_n=args.storm_n,
     )
     started = time.monotonic()
+    # Before the harness pins itself to one CPU below: the machine as the run found it.
+    machine = describe_machine()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     command, inner = _command_lines(args_list)
     # The polygateway measured is the one this interpreter imports (an editable install here).
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 "storm_n": sizes.storm_n,
             },
             "layout": layout,
-            "machine": describe_machine(),
+            "machine": machine,
             "versions": package_versions(),
             "skipped": plan.skipped,
             "jobs": job_table(plan.jobs),
