@@ -43,7 +43,7 @@ LOAD_PROFILE = {
     "rate_malformed": 0.005,
     "rate_error_body": 0.005,
 }
-# Hard bound of one load run; it takes ~30 s with httpx and ~10 s with aiohttp on two cores.
+# Hard bound of one load run; it takes ~26 s with httpx and ~9 s with aiohttp on two cores.
 RUN_BOUND_S = 150.0
 SETTLE_BOUND_S = 5.0
 
