@@ -446,6 +446,10 @@ class CountingBackend:
 
     __slots__ = ("calls", "hold_acquire", "hold_release", "inner")
 
+    # A held gate suspends the operation without any shield of its own: the
+    # loop must protect it, as it would any backend that is not cancel-safe.
+    cancel_safe = False
+
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.calls: dict[str, int] = {}

@@ -574,6 +574,45 @@ class TestBackendFailures:
             await chat.complete(MESSAGES)
         assert transport.requests == []
 
+    async def test_cancel_safe_backend_runs_in_the_callers_task(self) -> None:
+        """A cancel-safe backend is awaited directly: no task per acquire and release."""
+        clock = FakeClock()
+        seen: list[asyncio.Task[Any] | None] = []
+
+        class Spy(MemoryBackend):
+            __slots__ = ()
+
+            async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+                seen.append(asyncio.current_task())
+                return await super().acquire(*args, **kwargs)
+
+            async def release(self, *args: Any, **kwargs: Any) -> None:
+                seen.append(asyncio.current_task())
+                await super().release(*args, **kwargs)
+
+        chat, _, _ = make_chat(clock, [chat_completion()], backend=Spy(now=clock))
+        caller = asyncio.create_task(chat.complete(MESSAGES))
+        await caller
+        assert seen == [caller, caller]
+
+    async def test_backend_that_is_not_cancel_safe_is_shielded_in_tasks_of_its_own(self) -> None:
+        """A backend without cancel_safe runs each operation in a shielded task of its own."""
+        clock = FakeClock()
+        seen: list[asyncio.Task[Any] | None] = []
+
+        class Spy(CountingBackend):
+            __slots__ = ()
+
+            async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+                seen.append(asyncio.current_task())
+                return await super().acquire(*args, **kwargs)
+
+        chat, _, _ = make_chat(clock, [chat_completion()], backend=Spy(MemoryBackend(now=clock)))
+        caller = asyncio.create_task(chat.complete(MESSAGES))
+        await caller
+        assert len(seen) == 1
+        assert seen[0] is not caller
+
 
 # --- cancellation at every await ----------------------------------------------------------
 

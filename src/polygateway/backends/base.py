@@ -154,7 +154,19 @@ NEVER = math.inf
 
 @runtime_checkable
 class Backend(Protocol):
-    """Shared governance state. Every method is one atomic operation."""
+    """Shared governance state. Every method is one atomic operation.
+
+    ``cancel_safe``: ``True`` when ``acquire`` and ``release`` finish what they
+    started even if their caller is cancelled (a cancelled ``acquire`` gives
+    back any lease it grants; a cancelled ``release`` still frees the permit).
+    The loop then awaits them directly; otherwise it runs each in a shielded
+    task of its own, which costs a task per operation.
+    """
+
+    @property
+    def cancel_safe(self) -> bool:
+        """Whether acquire and release finish what they started despite a cancelled caller."""
+        ...
 
     async def acquire(
         self,

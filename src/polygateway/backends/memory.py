@@ -52,6 +52,9 @@ class MemoryBackend:
 
     __slots__ = ("_ids", "_now", "_rooms", "_scopes")
 
+    # No operation ever suspends, so a cancellation cannot cut one short.
+    cancel_safe = True
+
     def __init__(self, *, now: Callable[[], float] | None = None) -> None:
         self._now: Callable[[], float] = (
             now if now is not None else time.monotonic

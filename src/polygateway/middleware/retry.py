@@ -416,21 +416,24 @@ class RetryMW:
             rng=self._rng,
         )
         candidates = untried_first(ordered, call.tried)
-        acquiring = asyncio.ensure_future(
-            self._backend.acquire(
-                self._scope,
-                [self._specs[s.name] for s in candidates],
-                cost_tokens=call.cost_tokens,
-                ttl_s=self._ttl(call, candidates),
-            )
+        acquire = self._backend.acquire(
+            self._scope,
+            [self._specs[s.name] for s in candidates],
+            cost_tokens=call.cost_tokens,
+            ttl_s=self._ttl(call, candidates),
         )
         room.asking += 1
         try:
-            result = await asyncio.shield(acquiring)
-        except asyncio.CancelledError:
-            # The backend may grant the lease after we have gone: give it straight back.
-            keep_until_done(asyncio.ensure_future(self._release_late(acquiring)))
-            raise
+            if self._backend.cancel_safe:
+                result = await acquire
+            else:
+                acquiring = asyncio.ensure_future(acquire)
+                try:
+                    result = await asyncio.shield(acquiring)
+                except asyncio.CancelledError:
+                    # The backend may grant the lease after we have gone: give it back.
+                    keep_until_done(asyncio.ensure_future(self._release_late(acquiring)))
+                    raise
         finally:
             room.asking -= 1
         call.last = result
@@ -581,7 +584,8 @@ class RetryMW:
         hiccup would be worse than a permit the lease's expiry frees anyway.
         """
         try:
-            await shielded(self._backend.release(lease, outcome))
+            release = self._backend.release(lease, outcome)
+            await (release if self._backend.cancel_safe else shielded(release))
         except GovernanceBackendError as exc:
             _log.warning(
                 "release of a %s lease at %s failed (its expiry frees the permit): %s",

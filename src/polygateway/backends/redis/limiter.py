@@ -201,6 +201,9 @@ def _secrets_of(url: str) -> tuple[str, ...]:
 class RedisBackend:
     """Governance state shared by every process that points at one Redis; implements ``Backend``.
 
+    ``cancel_safe``: every operation runs shielded in a task of its own and a
+    late grant of an abandoned acquire is given back (see "Late replies").
+
     Args:
         url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``, ``unix://``).
         socket_timeout_s: longest wait of a caller for Redis (connect and reply);
@@ -225,6 +228,8 @@ class RedisBackend:
         "_timeout_s",
         "_url",
     )
+
+    cancel_safe = True
 
     def __init__(
         self,
