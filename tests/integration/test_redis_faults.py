@@ -141,9 +141,9 @@ async def check_outage(rig: Rig, traffic: Traffic, outage: Callable[[], Awaitabl
     A call admitted just before the fault still gets its answer: the upstream
     replies within its latency, and the failed release (bounded by the socket
     timeout) never loses an answer. Past that grace, every call that ends
-    fails closed. Only the head of the waiting room asks the backend, so
-    waiters fail one after another as their turn to ask comes (while Redis is
-    frozen, one socket timeout apart); none of them reaches the upstream.
+    fails closed. Only the head of the waiting room asks the backend; when
+    its ask fails, the calls queued behind it fail closed with it; none of
+    them reaches the upstream.
     """
     fault_at = time.monotonic()
     running = asyncio.create_task(outage())

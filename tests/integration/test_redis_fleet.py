@@ -466,8 +466,9 @@ async def test_calls_fail_closed_while_redis_is_down_and_serve_again_after(
         assert arrivals_between(sim, "a", marks[down] + 0.1, marks[up]) == 0
     # No hang. Each ask of Redis fails within the socket timeout. Only the head of the
     # process's waiting room asks (at once when promoted, or at its next poll while the
-    # permits are held), so a queued call asks once the call ahead of it has failed:
-    # failures come one socket timeout (+ a poll) after another at the latest.
+    # permits are held); when its ask fails, every call queued behind it fails closed
+    # with it, so no failure comes later than a poll plus one socket timeout after the
+    # call started or after the failure before it, whichever is later.
     failures = sorted((r for r in records if not r["ok"]), key=lambda r: r["ended"])
     for previous, r in itertools.pairwise([{"ended": -math.inf}, *failures]):
         waited = r["ended"] - max(r["started"], previous["ended"])

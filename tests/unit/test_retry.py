@@ -574,6 +574,54 @@ class TestBackendFailures:
             await chat.complete(MESSAGES)
         assert transport.requests == []
 
+    async def test_backend_failure_fails_every_queued_call_at_once(self) -> None:
+        """When the head's acquire fails, the calls queued behind it fail closed too, at once.
+
+        Otherwise each would become head in turn and wait out the backend's
+        timeout on its own: the last of N would fail N timeouts late.
+        """
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+
+        class GoesDown(MemoryBackend):
+            __slots__ = ("acquires", "down")
+
+            def __init__(self, *, now: Any) -> None:
+                super().__init__(now=now)
+                self.down = False
+                self.acquires = 0
+
+            async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+                self.acquires += 1
+                if self.down:
+                    raise GovernanceBackendError("redis went away", operation="acquire")
+                return await super().acquire(*args, **kwargs)
+
+        backend = GoesDown(now=clock)
+        chat, transport, _ = make_chat(
+            clock,
+            [],
+            sources=({"name": "primary", "max_concurrency": 1},),
+            backend=backend,
+            sleep=timers.sleep,
+        )
+        await hold_permit(backend)
+        tasks = [asyncio.create_task(chat.complete(MESSAGES)) for _ in range(4)]
+        await settle()
+        assert len(backend.waiting_room("chat")) == 4
+        backend.down = True
+        asked = backend.acquires
+        started = clock()
+        await timers.advance(1.0)  # the head's next poll meets the failure
+        await settle()
+        assert all(t.done() for t in tasks)
+        for task in tasks:
+            assert isinstance(task.exception(), GovernanceBackendError)
+        assert backend.acquires == asked + 1  # only the head asked; the others failed with it
+        assert clock() - started <= 1.0
+        assert backend.waiting_room("chat").empty
+        assert transport.requests == []
+
     async def test_cancel_safe_backend_runs_in_the_callers_task(self) -> None:
         """A cancel-safe backend is awaited directly: no task per acquire and release."""
         clock = FakeClock()

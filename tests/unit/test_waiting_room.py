@@ -100,3 +100,17 @@ async def test_wait_leaves_no_task_behind() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
     assert len(asyncio.all_tasks()) == before
+
+
+async def test_fail_all_wakes_every_waiter_but_the_one_that_failed() -> None:
+    """A backend failure marks and wakes every queued call except the head that met it."""
+    room = WaitingRoom()
+    head, a, b = room.enter(), room.enter(), room.enter()
+    tasks = [asyncio.create_task(room.wait(w, 60.0, _never)) for w in (a, b)]
+    await asyncio.sleep(0)
+    failure = RuntimeError("backend down")
+    room.fail_all(failure, but=head)
+    await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+    assert a.failure is failure
+    assert b.failure is failure
+    assert head.failure is None

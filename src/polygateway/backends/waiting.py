@@ -28,12 +28,14 @@ Sleep = Callable[[float], Awaitable[None]]
 class Waiter:
     """One call's place in the queue."""
 
-    __slots__ = ("_pending", "_signal", "left")
+    __slots__ = ("_pending", "_signal", "failure", "left")
 
     def __init__(self) -> None:
         self._signal: asyncio.Future[None] | None = None
         self._pending = False
         self.left = False
+        # Set when the backend failed for a call ahead: this one must fail closed too.
+        self.failure: BaseException | None = None
 
     def _fire(self) -> None:
         if self._signal is not None and not self._signal.done():
@@ -87,6 +89,17 @@ class WaitingRoom:
             # The new head must ask at once: the permit that served the old head
             # may not have been the last one free.
             self._queue[0]._fire()
+
+    def fail_all(self, failure: BaseException, *, but: Waiter | None = None) -> None:
+        """The backend failed: wake every waiter (but ``but``) to fail closed at once.
+
+        Without this, each queued call would become head in turn and wait out
+        the backend's timeout on its own: the last of N would fail N timeouts late.
+        """
+        for waiter in self._queue:
+            if waiter is not but:
+                waiter.failure = failure
+                waiter._fire()
 
     def notify(self) -> None:
         """A permit was released in this process: wake the head only."""

@@ -434,6 +434,11 @@ class RetryMW:
                     # The backend may grant the lease after we have gone: give it back.
                     keep_until_done(asyncio.ensure_future(self._release_late(acquiring)))
                     raise
+        except GovernanceBackendError as exc:
+            # Fail closed together: the calls queued behind this one would each
+            # wait out the backend's timeout in turn otherwise.
+            room.fail_all(exc, but=call.waiter)
+            raise
         finally:
             room.asking -= 1
         call.last = result
@@ -483,6 +488,14 @@ class RetryMW:
         if left is not None:
             timeout = min(timeout, max(left, 0.0))
         await room.wait(call.waiter, timeout, self._sleep)
+        failure = call.waiter.failure
+        if failure is not None:
+            raise GovernanceBackendError(
+                f"the backend failed for a call ahead of this one in the queue: {failure}",
+                operation=getattr(failure, "operation", "acquire"),
+                scope=self._scope,
+                sources=self._names,
+            ) from failure
 
     async def _attempt(
         self, call: _Call, clock: StallClock, lease: Lease, attempt_fn: AttemptFn[T]
