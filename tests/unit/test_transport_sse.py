@@ -115,3 +115,20 @@ def test_parser_agrees_with_httpx_sse(lines: list[tuple[str, str]], cuts: list[i
     ]
     expected = [d for d in _httpx_sse([c for c in text_chunks if c]) if d]
     assert [d for d in _parse(*byte_chunks) if d] == expected
+
+
+def test_line_split_over_many_chunks_is_joined_once() -> None:
+    """A line cut into single characters, with CR and CRLF ends, parses as if whole."""
+    raw = b"\xef\xbb\xbfdata: abc\r\ndata: d\r\r: c\rdata:  e\n\r\n"
+    assert _parse(*(raw[i : i + 1] for i in range(len(raw)))) == ["abc\nd", " e"]
+    assert _parse(raw) == ["abc\nd", " e"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_line, _newline), max_size=20), st.integers(min_value=1, max_value=5))
+def test_any_fixed_chunk_size_gives_the_same_events(
+    lines: list[tuple[str, str]], size: int
+) -> None:
+    """Feeding the stream in chunks of any size (down to one byte) changes no event."""
+    raw = "".join(line + newline for line, newline in lines).encode()
+    assert _parse(*(raw[i : i + size] for i in range(0, len(raw), size))) == _parse(raw)

@@ -45,45 +45,61 @@ class SSEParser:
         return self.feed(self._decoder.decode(chunk))
 
     def feed(self, text: str) -> list[str]:
-        """Parse more text; returns the data of every event it completed, in order."""
-        if not self._started and text:
+        """Parse more text; returns the data of every event it completed, in order.
+
+        Line-wise: line ends are found by C-level ``str`` methods, never by a
+        Python loop over characters (a chunk event is hundreds of characters).
+        """
+        if not text:
+            return []
+        if not self._started:
             self._started = True
             if text.startswith(_BOM):
                 text = text[1:]
-        events: list[str] = []
-        start = 0
-        for i, char in enumerate(text):
-            if char == "\n" and self._skip_lf and i == start:
-                # The LF of a CRLF whose CR ended the previous line.
-                start = i + 1
-                self._skip_lf = False
-                continue
+                if not text:
+                    return []
+        if self._skip_lf:
             self._skip_lf = False
-            if char in "\r\n":
-                self._line.append(text[start:i])
-                self._end_line(events)
-                start = i + 1
-                self._skip_lf = char == "\r"
-        if start < len(text):
-            self._line.append(text[start:])
+            if text[0] == "\n":
+                # The LF of a CRLF whose CR ended the previous chunk's last line.
+                text = text[1:]
+                if not text:
+                    return []
+        if "\r" in text:
+            # A CR at the very end may be the first half of a CRLF split across chunks.
+            self._skip_lf = text[-1] == "\r"
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        lines = text.split("\n")
+        # The last piece is a line not yet ended (empty when the text ended with one).
+        tail = lines.pop()
+        events: list[str] = []
+        if lines:
+            if self._line:
+                self._line.append(lines[0])
+                lines[0] = "".join(self._line)
+                self._line.clear()
+            for line in lines:
+                self._end_line(line, events)
+        if tail:
+            self._line.append(tail)
         return events
 
-    def _end_line(self, events: list[str]) -> None:
-        line = "".join(self._line)
-        self._line.clear()
+    def _end_line(self, line: str, events: list[str]) -> None:
         if not line:
             if self._data is not None:
                 events.append("\n".join(self._data))
             self._data = None
             return
-        if line.startswith(":"):
+        if line[0] == ":":
             return
         name, colon, value = line.partition(":")
+        if name != "data":
+            return
         if colon and value.startswith(" "):
             value = value[1:]
-        if name == "data":
-            if self._data is None:
-                self._data = []
+        if self._data is None:
+            self._data = [value]
+        else:
             self._data.append(value)
 
     def close(self) -> None:
