@@ -382,6 +382,30 @@ def test_embedding_from_json_text_with_nan_is_malformed() -> None:
         parse_embedding_response(body, 1)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [[1.0, None], [1.0, [2.0]], [1.0, False], [float("inf"), 1.0], [-float("inf")], [10**400]],
+)
+def test_any_non_finite_or_non_number_element_is_malformed(bad: list[Any]) -> None:
+    """None, a nested list, a bool, an infinity or an int no float can hold: malformed."""
+    body = {"data": [{"index": 0, "embedding": bad}]}
+    with pytest.raises(TransientError, match="non-numeric value"):
+        parse_embedding_response(body, 1)
+
+
+def test_integer_elements_come_back_as_floats_and_values_are_kept() -> None:
+    """Ints in a vector become floats; a vector of floats keeps every value as sent."""
+    body = {
+        "data": [
+            {"index": 0, "embedding": [1, 2.5, -3]},
+            {"index": 1, "embedding": [1e308, -1e308, 5e-324]},
+        ]
+    }
+    vectors, _ = parse_embedding_response(body, 2)
+    assert vectors == [[1.0, 2.5, -3.0], [1e308, -1e308, 5e-324]]
+    assert [type(x) for x in vectors[0]] == [float, float, float]
+
+
 # --- Token estimates ---
 
 

@@ -257,17 +257,30 @@ def embedding_request(
     )
 
 
+_FLOATS = frozenset({float})
+_NUMBERS = frozenset({float, int})
+
+
 def _vector(value: Any, what: str) -> list[float]:
-    """One embedding: a non-empty array of finite numbers."""
+    """One embedding: a non-empty array of finite numbers (``bool`` is not one), as floats.
+
+    Every element is still checked, but in C-level passes (``set(map(type,
+    ...))``, ``all(map(math.isfinite, ...))``) rather than a Python loop per
+    element: real vectors have 768-3,072. A vector of floats, what
+    ``json.loads`` gives, is returned as is, not copied.
+    """
     items = req_list(value, what)
     if not items:
         raise malformed_body(f"{what} is empty")
-    vector = []
-    for x in items:
-        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-            raise malformed_body(f"{what} holds a non-numeric value")
-        vector.append(float(x))
-    return vector
+    types = set(map(type, items))
+    try:
+        # Exact types: bool, str, None and containers are refused, int and float kept.
+        numeric = types <= _NUMBERS and all(map(math.isfinite, items))
+    except OverflowError:  # an int too large for a float
+        numeric = False
+    if not numeric:
+        raise malformed_body(f"{what} holds a non-numeric value")
+    return items if types == _FLOATS else list(map(float, items))
 
 
 def parse_embedding_response(body: Any, expected: int) -> tuple[list[list[float]], Usage]:
