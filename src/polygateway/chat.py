@@ -15,7 +15,6 @@ without a ``finish_reason`` is a failure.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -265,13 +264,13 @@ class ChatStream:
                     opened.ended = True
                     break
                 raise
-            chunk = parse_chat_chunk(event)
+            chunk = parse_chat_chunk(event, source)
             if chunk.usage is not None:
                 ctx.usage = chunk.usage
             if chunk.finish_reason is not None:
                 opened.finish_seen = True
             if _deliverable(chunk):
-                opened.buffered.append(dataclasses.replace(chunk, source=source))
+                opened.buffered.append(chunk)
 
     async def _read(self, served: Served[_Opened]) -> ChatChunk | None:
         """The next chunk, or ``None`` after a clean end (which marks the attempt a success)."""

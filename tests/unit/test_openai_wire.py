@@ -283,6 +283,17 @@ def test_final_chunks_carry_finish_reason_and_usage() -> None:
     assert (usage.text, usage.usage) == ("", Usage(9, 4, 13))
 
 
+def test_chunks_are_built_with_their_source() -> None:
+    """The source given to the parser is on every chunk, the usage-only one too; default empty."""
+    text = parse_chat_chunk({"choices": [{"delta": {"content": "a"}}]}, "primary")
+    usage = parse_chat_chunk(
+        {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
+        "primary",
+    )
+    assert (text.source, text.text, usage.source) == ("primary", "a", "primary")
+    assert parse_chat_chunk({"choices": [{"delta": {"content": "a"}}]}).source == ""
+
+
 @pytest.mark.parametrize(
     "event",
     [

@@ -194,9 +194,11 @@ def parse_chat_response(body: Any) -> ParsedChat:
     )
 
 
-def parse_chat_chunk(event: Any) -> ChatChunk:
+def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     """Read one streamed chunk: text delta, tool-call deltas, finish reason, usage if present.
 
+    ``source`` is set on the chunk as it is built: copying every chunk
+    afterwards to add it (``dataclasses.replace``) was a per-chunk cost.
     The usage-only chunk that ``include_usage`` adds has empty ``choices``.
     An in-band error event is a transient failure.
     """
@@ -206,7 +208,7 @@ def parse_chat_chunk(event: Any) -> ChatChunk:
     usage = _usage(chunk["usage"]) if chunk.get("usage") is not None else None
     choices = _choices(chunk)
     if not choices:
-        return ChatChunk(usage=usage)
+        return ChatChunk(source=source, usage=usage)
     choice = req_obj(choices[0], "choices[0]")
     delta = req_obj(choice.get("delta") or {}, "choices[0].delta")
     deltas = []
@@ -232,6 +234,7 @@ def parse_chat_chunk(event: Any) -> ChatChunk:
         text=_content_text(delta.get("content"), "delta.content"),
         tool_calls=tuple(deltas),
         finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason"),
+        source=source,
         usage=usage,
     )
 
