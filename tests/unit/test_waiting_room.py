@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -114,3 +115,70 @@ async def test_fail_all_wakes_every_waiter_but_the_one_that_failed() -> None:
     assert a.failure is failure
     assert b.failure is failure
     assert head.failure is None
+
+
+class _RecordingLoop:
+    """Records the ``call_later`` of the real-sleep path instead of letting time pass."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.calls: list[tuple[float, asyncio.TimerHandle]] = []
+        self._call_later = self.loop.call_later
+        monkeypatch.setattr(self.loop, "call_later", self._record)
+
+    def _record(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        handle = self._call_later(3600.0, callback, *args)
+        self.calls.append((delay, handle))
+        return handle
+
+
+async def test_real_sleep_deadline_is_a_timer_handle_not_a_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With asyncio.sleep the deadline is one call_later handle; firing it ends the wait."""
+    recording = _RecordingLoop(monkeypatch)
+    room = WaitingRoom()
+    head = room.enter()
+    before = len(asyncio.all_tasks())
+    task = asyncio.create_task(room.wait(head, 2.5, asyncio.sleep))
+    await asyncio.sleep(0)
+    assert len(asyncio.all_tasks()) == before + 1  # the waiting call's own task only
+    [(delay, handle)] = recording.calls
+    assert delay == 2.5
+    handle._run()  # the deadline passes
+    await asyncio.wait_for(task, 1.0)
+    assert room.is_head(head)  # a deadline ends the wait, it does not leave the queue
+
+
+async def test_real_sleep_wake_up_cancels_the_timer_handle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wake-up ends a real-sleep wait at once and cancels its deadline handle."""
+    recording = _RecordingLoop(monkeypatch)
+    room = WaitingRoom()
+    head = room.enter()
+    task = asyncio.create_task(room.wait(head, 60.0, asyncio.sleep))
+    await asyncio.sleep(0)
+    [(_, handle)] = recording.calls
+    room.notify()
+    await asyncio.wait_for(task, 1.0)
+    assert handle.cancelled()
+    assert not head._pending
+
+
+async def test_real_sleep_wait_cancelled_passes_through_and_cancels_the_handle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelling a real-sleep wait raises CancelledError and leaves no live timer."""
+    recording = _RecordingLoop(monkeypatch)
+    room = WaitingRoom()
+    head = room.enter()
+    task = asyncio.create_task(room.wait(head, 60.0, asyncio.sleep))
+    await asyncio.sleep(0)
+    [(_, handle)] = recording.calls
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert handle.cancelled()
+    room.notify()  # a wake-up after the wait is kept for the next one, not lost
+    assert head._pending

@@ -9,8 +9,15 @@ interval per process, whatever the number of waiters.
 
 Waiters are futures in a deque, as in aiolimiter; a waiter that leaves (done,
 failed or cancelled) is removed at once and, if it was the head, the next one
-is promoted. Timers use the injected ``sleep`` so tests drive them with a fake
-clock.
+is promoted.
+
+A waiter's stall-deadline timer has two paths. With the real ``asyncio.sleep``
+(the default) it is a ``loop.call_later`` handle that resolves the wake-up
+future: no second Task per waiting call, which with thousands of calls queued
+is memory and garbage-collector work. With any other ``sleep`` (a fake clock in
+tests, an application's own) the timer must run that coroutine, so it is a Task
+raced against the wake-up future; the handle path cannot serve it because a
+fake clock does not drive the event loop's timers.
 """
 
 from __future__ import annotations
@@ -23,6 +30,12 @@ from collections.abc import Awaitable, Callable
 __all__ = ["Waiter", "WaitingRoom"]
 
 Sleep = Callable[[float], Awaitable[None]]
+
+
+def _resolve(signal: asyncio.Future[None]) -> None:
+    """The deadline passed: end the wait (unless a wake-up already did)."""
+    if not signal.done():
+        signal.set_result(None)
 
 
 class Waiter:
@@ -118,7 +131,18 @@ class WaitingRoom:
         loop = asyncio.get_running_loop()
         signal: asyncio.Future[None] = loop.create_future()
         waiter._signal = signal
-        timer = asyncio.ensure_future(sleep(max(0.0, timeout_s)))
+        delay = max(0.0, timeout_s)
+        if sleep is asyncio.sleep:
+            # The real clock: a timer handle on the loop, no Task (see the module doc).
+            handle = loop.call_later(delay, _resolve, signal)
+            try:
+                await signal
+            finally:
+                waiter._signal = None
+                waiter._pending = False
+                handle.cancel()
+            return
+        timer = asyncio.ensure_future(sleep(delay))
         try:
             await asyncio.wait((signal, timer), return_when=asyncio.FIRST_COMPLETED)
         finally:
