@@ -27,7 +27,14 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.backends.redis import RedisBackend
 from polygateway.chat import ChatClient
 from polygateway.models import ChatResponse
-from polygateway.testing import Recorder, gateway_settings
+from polygateway.testing import (
+    CountingBackend,
+    FakeTransport,
+    Recorder,
+    chat_completion,
+    gateway_settings,
+    settle,
+)
 from polygateway.transport.factory import make_transport
 from polygateway.transport.http import HttpRequest, Transport
 
@@ -66,6 +73,7 @@ class Saboteur:
         self.inner = inner
         self.rng = rng
         self.plan: dict[asyncio.Task[Any], Phase] = {}
+        self.requests = 0
 
     def _doomed(self, phase: Phase) -> asyncio.Task[Any] | None:
         task = asyncio.current_task()
@@ -75,6 +83,7 @@ class Saboteur:
         return task
 
     async def send(self, request: HttpRequest) -> Any:
+        self.requests += 1
         task = self._doomed("attempt")
         if task is not None:
             delay = self.rng.uniform(0.0, LATENCY_S)
@@ -83,6 +92,7 @@ class Saboteur:
 
     @asynccontextmanager
     async def stream(self, request: HttpRequest) -> AsyncIterator[AsyncIterator[Any]]:
+        self.requests += 1
         task = self._doomed("stream")
         after = self.rng.randint(3, STREAM_CHUNKS) if task is not None else None
         async with self.inner.stream(request) as events:
@@ -183,68 +193,96 @@ async def test_cancelling_half_of_two_thousand_calls_leaks_no_permit(
                     finishes.append(chunk.finish_reason)
         return finishes
 
-    loop = asyncio.get_running_loop()
-    tasks = [
-        asyncio.create_task(stream(i) if i % 2 else complete(i), name=f"call-{i}")
-        for i in range(CALLS)
-    ]
-    doomed = rng.sample(range(CALLS), int(CALLS * CANCEL_SHARE))
-    phases: dict[int, Phase] = {}
-    for i in doomed:
-        phase: Phase = rng.choice(
-            ["waiting", "attempt", "stream"] if i % 2 else ["waiting", "attempt"]
-        )
-        phases[i] = phase
-        if phase == "waiting":
-            loop.call_later(rng.uniform(0.0, WAITING_WINDOW_S), tasks[i].cancel)
-        else:
-            saboteur.plan[tasks[i]] = phase
-
-    async with asyncio.timeout(RUN_BOUND_S):
-        await asyncio.wait(tasks)
-
-    cancelled = [i for i, t in enumerate(tasks) if t.cancelled()]
-    # A cancellation passes through as CancelledError: none was swallowed or converted.
-    assert set(cancelled) <= set(doomed)
-    assert len(cancelled) >= len(doomed) * 0.8, "the storm should hit calls still in flight"
-    # Every call that was not cancelled completed: a whole answer, plain or streamed.
-    for i, task in enumerate(tasks):
-        if task.cancelled():
-            continue
-        result = task.result()
-        if i % 2:
-            assert result == ["stop"], (i, result)
-        else:
-            assert isinstance(result, ChatResponse)
-            assert result.finish_reason == "stop"
-
-    # The storm hit every phase: waiting, on the wire, between two chunks of a stream.
-    by_phase = {p: sum(1 for i in cancelled if phases[i] == p) for p in ("waiting", "attempt")}
-    mid_stream = [i for i in cancelled if phases[i] == "stream"]
-    assert by_phase["waiting"] >= 200, by_phase
-    assert by_phase["attempt"] >= 100, by_phase
-    assert len(mid_stream) >= 100
-    # Each was cut after some chunks had reached its caller (the first event only announces).
-    assert all(chunks_seen[i] >= 1 for i in mid_stream), [chunks_seen[i] for i in mid_stream]
-    in_attempt = sum(1 for r in recorder.records if r.outcome == "cancelled")
-    assert in_attempt >= by_phase["attempt"] + len(mid_stream)
-
-    # No permit is held: released by the cancelled calls themselves, not by lease expiry.
     async def no_permit_held() -> bool:
         return (await backend.snapshot("chat")).in_flight == 0
-
-    assert await eventually(no_permit_held), await backend.snapshot("chat")
-    assert len(backend.waiting_room("chat")) == 0
 
     async def upstream_idle() -> bool:
         return int((await upstream.stats("a"))["current_concurrent"]) == 0
 
-    assert await eventually(upstream_idle)
-    stats = await upstream.stats("a")
-    assert stats["max_concurrent"] <= PERMITS
+    try:
+        loop = asyncio.get_running_loop()
+        tasks = [
+            asyncio.create_task(stream(i) if i % 2 else complete(i), name=f"call-{i}")
+            for i in range(CALLS)
+        ]
+        doomed = rng.sample(range(CALLS), int(CALLS * CANCEL_SHARE))
+        phases: dict[int, Phase] = {}
+        for i in doomed:
+            phase: Phase = rng.choice(
+                ["waiting", "attempt", "stream"] if i % 2 else ["waiting", "attempt"]
+            )
+            phases[i] = phase
+            if phase == "waiting":
+                loop.call_later(rng.uniform(0.0, WAITING_WINDOW_S), tasks[i].cancel)
+            else:
+                saboteur.plan[tasks[i]] = phase
 
-    # The scope still serves after the storm.
-    answer = await chat.complete([{"role": "user", "content": "after the storm"}])
-    assert answer.finish_reason == "stop"
-    await chat.aclose()
+        async with asyncio.timeout(RUN_BOUND_S):
+            await asyncio.wait(tasks)
+
+        cancelled = [i for i, t in enumerate(tasks) if t.cancelled()]
+        # A cancellation passes through as CancelledError: none was swallowed or converted.
+        assert set(cancelled) <= set(doomed)
+        assert len(cancelled) >= len(doomed) * 0.8, "the storm should hit calls still in flight"
+        # Every call that was not cancelled completed: a whole answer, plain or streamed.
+        for i, task in enumerate(tasks):
+            if task.cancelled():
+                continue
+            result = task.result()
+            if i % 2:
+                assert result == ["stop"], (i, result)
+            else:
+                assert isinstance(result, ChatResponse)
+                assert result.finish_reason == "stop"
+
+        # The storm hit every phase: waiting, on the wire, between two chunks of a stream.
+        by_phase = {p: sum(1 for i in cancelled if phases[i] == p) for p in ("waiting", "attempt")}
+        mid_stream = [i for i in cancelled if phases[i] == "stream"]
+        assert by_phase["waiting"] >= 200, by_phase
+        assert by_phase["attempt"] >= 100, by_phase
+        assert len(mid_stream) >= 100
+        # Each was cut after some chunks had reached its caller (the first event only announces).
+        assert all(chunks_seen[i] >= 1 for i in mid_stream), [chunks_seen[i] for i in mid_stream]
+        # Telemetry saw every attempt, whatever instant its call was cancelled at (even while
+        # the attempt's permit was being released): one record per request sent.
+        assert len(recorder.records) == saboteur.requests
+        in_attempt = sum(1 for r in recorder.records if r.outcome == "cancelled")
+        assert in_attempt >= 200
+
+        # No permit is held: released by the cancelled calls themselves, not by lease expiry.
+        assert await eventually(no_permit_held), await backend.snapshot("chat")
+        assert len(backend.waiting_room("chat")) == 0
+
+        assert await eventually(upstream_idle)
+        stats = await upstream.stats("a")
+        assert stats["max_concurrent"] <= PERMITS
+
+        # The scope still serves after the storm.
+        answer = await chat.complete([{"role": "user", "content": "after the storm"}])
+        assert answer.finish_reason == "stop"
+    finally:
+        # Even when an assertion failed: a client left open leaks its pooled connections.
+        await chat.aclose()
     assert await eventually(no_permit_held)
+
+
+async def test_a_call_cancelled_while_its_permit_is_released_still_emits_its_record() -> None:
+    """Cancelled during the release of its served attempt: the attempt's record is not lost."""
+    backend = CountingBackend(MemoryBackend())
+    backend.hold_release = asyncio.Event()
+    recorder = Recorder()
+    transport = FakeTransport(default=chat_completion("hi"))
+    chat = ChatClient(
+        gateway_settings("a"), "chat", backend=backend, transport=transport, emitter=recorder
+    )
+    async with chat:
+        call = asyncio.create_task(chat.complete([{"role": "user", "content": "hi"}]))
+        await settle()
+        assert len(transport.requests) == 1  # served, now held in its release
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        backend.hold_release.set()
+        await settle()
+    assert [(r.source, r.outcome) for r in recorder.records] == [("a", "success")]
+    assert (await backend.snapshot("chat")).in_flight == 0

@@ -524,14 +524,20 @@ class RetryMW:
             value = await attempt_fn(source, ctx)
         except TransientError as error:
             verdict = verdict_for(error, exempt_429=self._policy.exempt_429)
-            await self._release(lease, verdict.outcome)
-            self._emit(call, ctx, verdict.outcome.kind, error.status_code, self._text(error))
+            try:
+                await self._release(lease, verdict.outcome)
+            finally:
+                # Emitted even if the caller is cancelled during the release: one record
+                # per attempt, whatever instant the cancellation lands at.
+                self._emit(call, ctx, verdict.outcome.kind, error.status_code, self._text(error))
             return _Failed(source.name, verdict, error)
         except BaseException:
             # Cancellation, the caller's timeout, or a bug in the attempt function:
             # the permit goes back at once, then the exception passes on untouched.
-            await self._release(lease, AttemptOutcome("cancelled"))
-            self._emit(call, ctx, "cancelled", None, "cancelled")
+            try:
+                await self._release(lease, AttemptOutcome("cancelled"))
+            finally:
+                self._emit(call, ctx, "cancelled", None, "cancelled")
             raise
         return Served(value, ctx, call.records, self._backend, self._now)
 
@@ -549,8 +555,11 @@ class RetryMW:
         else:
             outcome = AttemptOutcome("cancelled")
             error = "cancelled"
-        await self._release(ctx.lease, outcome)
-        self._emit(call, ctx, outcome.kind, status, error)
+        try:
+            await self._release(ctx.lease, outcome)
+        finally:
+            # A cancellation during the release must not lose the served attempt's record.
+            self._emit(call, ctx, outcome.kind, status, error)
 
     async def _after_failure(self, call: _Call, failed: _Failed) -> None:
         """Apply the table's verdict to the loop: raise, charge, then back off."""
