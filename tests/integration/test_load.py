@@ -105,39 +105,43 @@ async def run_load(upstream: SimProcess, transport: str, calls: int, bound_s: fl
     async def one(i: int) -> ChatResponse:
         return await chat.complete([{"role": "user", "content": f"call {i}"}], max_tokens=4)
 
-    started = time.monotonic()
-    async with asyncio.timeout(bound_s):
-        results = await asyncio.gather(*(one(i) for i in range(calls)), return_exceptions=True)
-    elapsed = time.monotonic() - started
+    try:
+        started = time.monotonic()
+        async with asyncio.timeout(bound_s):
+            results = await asyncio.gather(*(one(i) for i in range(calls)), return_exceptions=True)
+        elapsed = time.monotonic() - started
 
-    # Every call ended, served or with a typed error, and nothing else.
-    kinds = Counter(type(r).__name__ for r in results)
-    served = [r for r in results if isinstance(r, ChatResponse)]
-    failed = [r for r in results if isinstance(r, BaseException)]
-    assert len(served) + len(failed) == calls, kinds
-    assert all(isinstance(e, GatewayError) for e in failed), kinds
-    # Three attempts against 5% faults: a failed call is one in thousands, and says why.
-    assert len(served) >= calls * 0.99, kinds
-    assert all(isinstance(e, AllSourcesExhausted) for e in failed), kinds
-    assert {e.reason for e in failed if isinstance(e, AllSourcesExhausted)} <= {"retry_exhausted"}
+        # Every call ended, served or with a typed error, and nothing else.
+        kinds = Counter(type(r).__name__ for r in results)
+        served = [r for r in results if isinstance(r, ChatResponse)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert len(served) + len(failed) == calls, kinds
+        assert all(isinstance(e, GatewayError) for e in failed), kinds
+        # Three attempts against 5% faults: a failed call is one in thousands, and says why.
+        assert len(served) >= calls * 0.99, kinds
+        assert all(isinstance(e, AllSourcesExhausted) for e in failed), kinds
+        assert {e.reason for e in failed if isinstance(e, AllSourcesExhausted)} <= {
+            "retry_exhausted"
+        }
 
-    # The server never saw more than the scope's permits at once. It did see real overlap:
-    # the first calls of the burst ask the backend together (up to the loop's bound of
-    # concurrent acquires, 16) and all hold permits while their requests are in flight.
-    stats = await upstream.stats("a")
-    assert stats["max_concurrent"] <= PERMITS, stats
-    assert stats["max_concurrent"] >= 16, stats
-    assert stats["requests"] >= calls, stats
-    faults = sum(v for k, v in stats["by_outcome"].items() if k != "ok")
-    assert faults >= stats["requests"] * 0.03, stats  # the faults were really played
+        # The server never saw more than the scope's permits at once. It did see real overlap:
+        # the first calls of the burst ask the backend together (up to the loop's bound of
+        # concurrent acquires, 16) and all hold permits while their requests are in flight.
+        stats = await upstream.stats("a")
+        assert stats["max_concurrent"] <= PERMITS, stats
+        assert stats["max_concurrent"] >= 16, stats
+        assert stats["requests"] >= calls, stats
+        faults = sum(v for k, v in stats["by_outcome"].items() if k != "ok")
+        assert faults >= stats["requests"] * 0.03, stats  # the faults were really played
 
-    # Afterwards the backend holds no permit and nobody is left in the waiting room.
-    snapshot = await backend.snapshot("chat")
-    assert snapshot.in_flight == 0, snapshot
-    assert len(backend.waiting_room("chat")) == 0
-
-    # Closing the client leaves no task and no socket behind.
-    await chat.aclose()
+        # Afterwards the backend holds no permit and nobody is left in the waiting room.
+        snapshot = await backend.snapshot("chat")
+        assert snapshot.in_flight == 0, snapshot
+        assert len(backend.waiting_room("chat")) == 0
+    finally:
+        # Closed even when an assertion failed: an open client would leak its pool.
+        await chat.aclose()
+    # Closing the client left no task and no socket behind.
     assert await eventually(lambda: other_tasks() <= tasks_before), asyncio.all_tasks()
     assert await eventually(lambda: open_sockets() <= sockets_before), (
         open_sockets(),
