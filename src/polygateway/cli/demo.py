@@ -137,7 +137,9 @@ def demo_profiles() -> dict[str, FaultProfile]:
         rpm_limit=30,
         max_concurrency=4,
     )
-    failing = FaultProfile(latency_s=0.02, rate_5xx=0.75, statuses_5xx=(502, 503), rate_reset=0.2)
+    # Resets dominate, so that the few requests a failing source gets before its breaker
+    # opens (breaker_failures of them at least) show both kinds of failure on the wire.
+    failing = FaultProfile(latency_s=0.02, rate_5xx=0.3, statuses_5xx=(502, 503), rate_reset=0.65)
     # A reset in the middle of a stream that already reached the caller is, by design,
     # StreamInterrupted (never silently retried); the chat source fails before any body.
     failing_chat = FaultProfile(latency_s=0.02, rate_5xx=0.95, statuses_5xx=(502, 503))
