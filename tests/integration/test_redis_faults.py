@@ -217,13 +217,10 @@ async def test_redis_killed_mid_run_fails_closed_then_recovers_on_restart(
 async def test_redis_frozen_past_the_socket_timeout_fails_closed_then_recovers(
     rig: Rig, redis_server: Any
 ) -> None:
-    """SIGSTOP redis-server longer than the socket timeout: fail closed, then serve after SIGCONT.
-
-    Acquires sent into the frozen server run when it wakes; their callers are
-    long gone. Those grants must not hold permits until their leases expire
-    (a minute here): the scope serves right after the thaw and holds no permit
-    once traffic stops.
-    """
+    """SIGSTOP Redis past the socket timeout: fail closed, then serve after SIGCONT."""
+    # Acquires sent into the frozen server run when it wakes, their callers long gone. Those
+    # grants must not hold permits until their leases expire (a minute here): the scope
+    # serves right after the thaw and holds no permit once traffic stops (``finish``).
     traffic = Traffic(rig.chat)
     running = asyncio.create_task(traffic.run())
     await asyncio.sleep(0.5)
