@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from typing import Any
 
@@ -341,6 +342,39 @@ class TestFailover:
 
 class TestExhaustion:
     """The error that ends a call says why and when to come back."""
+
+    async def test_every_source_refusing_the_call_ends_it_at_once(self) -> None:
+        """A scope whose only source answers 401 ends retry_exhausted now, not after the window.
+
+        The 401 trips the breaker long; waiting out its cool-down (the stall
+        window, 300 s by default) could not serve the call.
+        """
+        clock = FakeClock()
+        chat, transport, _ = make_chat(clock, default=TransientError(status_code=401))
+        started = clock()
+        with pytest.raises(AllSourcesExhausted) as caught:
+            await chat.complete(MESSAGES)
+        assert caught.value.reason == "retry_exhausted"
+        assert len(transport.requests) == 1
+        assert clock() - started < 1.0
+        assert "HTTP 401" in str(caught.value)
+
+    async def test_one_refusing_source_fails_over_to_the_other(self) -> None:
+        """A 401 on one source moves the call to the next, which serves it."""
+        clock = FakeClock()
+        transport_script = {"a": [TransientError(status_code=401)], "b": [chat_completion("b")]}
+        chat, _, _ = make_chat(clock, transport_script, sources=("a", "b"))
+        response = await chat.complete(MESSAGES)
+        assert response.source == "b"
+
+    @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, "10", True])
+    async def test_invalid_deadline_is_rejected_before_any_request(self, bad: Any) -> None:
+        """deadline_s must be a finite, non-negative number; anything else is RequestRejected."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(clock, [chat_completion()])
+        with pytest.raises(RequestRejected, match="deadline_s"):
+            await chat.complete(MESSAGES, deadline_s=bad)
+        assert transport.requests == []
 
     async def test_retry_after_is_the_earliest_reopening_across_sources(self) -> None:
         """retry_after_s equals the earliest breaker reopening among the sources."""

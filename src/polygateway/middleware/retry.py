@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -133,6 +134,13 @@ class StallClock:
             self._productive_s += self._now() - started
 
 
+def _valid_deadline(deadline_s: object) -> bool:
+    """A per-call deadline is a real number of seconds, finite and not negative (NaN is not)."""
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
+        return False
+    return math.isfinite(deadline_s) and deadline_s >= 0.0
+
+
 def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
     """Capped exponential back-off with equal jitter: a delay in ``[d/2, d]``.
 
@@ -168,6 +176,7 @@ class _Call:
     fails: int = 0
     consecutive_429: int = 0
     tried: set[str] = field(default_factory=set)
+    refused: set[str] = field(default_factory=set)  # sources that answered 401/403/404
     records: list[AttemptRecord] = field(default_factory=list)
     waiter: Waiter | None = None
     last: AcquireResult | None = None  # this call's latest acquire, for retry_after_s
@@ -309,6 +318,13 @@ class RetryMW:
         with the matching outcome and re-raises; one that ends without
         ``complete()`` releases as cancelled.
         """
+        if deadline_s is not None and not _valid_deadline(deadline_s):
+            raise RequestRejected(
+                f"{op_name}: deadline_s must be a finite, non-negative number of seconds, "
+                f"not {deadline_s!r}",
+                scope=self._scope,
+                sources=self._names,
+            )
         clock = StallClock(self._now)  # one per call, never an attribute
         started = self._now()
         call = _Call(
@@ -571,10 +587,14 @@ class RetryMW:
                 sources=(failed.source,),
                 status_code=error.status_code,
             )
+        if verdict.outcome.kind == "source_misconfigured":
+            call.refused.add(failed.source)
         if verdict.charged:
             call.fails += 1
             call.consecutive_429 = 0
-            if call.fails >= self._policy.max_attempts:
+            # Every source refused this call's credentials or model (401/403/404) and
+            # is tripped long: waiting out its cool-down cannot serve the call.
+            if call.fails >= self._policy.max_attempts or call.refused.issuperset(self._names):
                 raise await self._exhausted(call, "retry_exhausted")
             step = call.fails
         else:
