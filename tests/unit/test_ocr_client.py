@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from _permit_thief import PermitThief
 
-from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.config import GatewaySettings
 from polygateway.errors import AllSourcesExhausted, ConfigError, GatewayError, RequestRejected
@@ -457,23 +457,7 @@ async def test_single_timeout_does_not_exhaust_stall_budget() -> None:
     clock = FakeClock()
     start = clock()
     backend = MemoryBackend(now=clock)
-    held: list[Lease] = []
-    no_runnable_rounds = 0
-
-    async def sleep(seconds: float) -> None:
-        nonlocal no_runnable_rounds
-        if not held and no_runnable_rounds == 0:
-            # The back-off after the timeout: the test takes the only permit.
-            granted = await backend.acquire(
-                SCOPE, [SourceSpec(name="monkey", max_concurrency=1)], ttl_s=600.0
-            )
-            assert granted.lease is not None
-            held.append(granted.lease)
-        elif held:
-            # The loop found nothing runnable and waits its turn: give the permit back.
-            no_runnable_rounds += 1
-            await backend.release(held.pop(), AttemptOutcome("cancelled"))
-        await clock.sleep(seconds)
+    sleep = PermitThief(backend, clock, SCOPE, "monkey")
 
     recorder = Recorder()
     settings = make_settings(monkey(max_concurrency=1, timeout_s=350), stall_window_s=300)
@@ -487,7 +471,7 @@ async def test_single_timeout_does_not_exhaust_stall_budget() -> None:
     )
     result = await ocr.recognize_text(PNG)
     assert result.text == OCR_TEXT_OK["content"]
-    assert no_runnable_rounds == 1
+    assert sleep.no_runnable_rounds == 1
     assert clock() - start > 300.0  # the wall clock alone is past the stall window
     assert recorder.outcomes() == ["transient", "success"]
     assert len(transport.requests) == 2
