@@ -198,6 +198,14 @@ def _secrets_of(url: str) -> tuple[str, ...]:
     return tuple(sorted(spelled, key=len, reverse=True))
 
 
+def _pool_size(client: aioredis.Redis) -> int | None:
+    """The connection pool's ``max_connections``, or ``None`` when the client does not say."""
+    size = getattr(getattr(client, "connection_pool", None), "max_connections", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    return None
+
+
 class RedisBackend:
     """Governance state shared by every process that points at one Redis; implements ``Backend``.
 
@@ -218,6 +226,7 @@ class RedisBackend:
     __slots__ = (
         "_background",
         "_client",
+        "_max_inflight_ops",
         "_now",
         "_owns_client",
         "_rooms",
@@ -272,6 +281,7 @@ class RedisBackend:
         else:
             self._owns_client = False
         self._client = client
+        self._max_inflight_ops = _pool_size(client)
         self._timeout_s = socket_timeout_s
         self._now = now
         self._scripts = {
@@ -289,6 +299,15 @@ class RedisBackend:
 
     def __repr__(self) -> str:
         return f"RedisBackend(url={self._url!r})"
+
+    @property
+    def max_inflight_ops(self) -> int | None:
+        """Operations this process runs at once before they queue for a pool connection.
+
+        The loop bounds a scope's concurrent acquires by it, so a burst never
+        waits inside the pool; ``None`` when an injected client's pool size is unknown.
+        """
+        return self._max_inflight_ops
 
     # -- the one boundary where redis exceptions are translated ---------------------------
 
