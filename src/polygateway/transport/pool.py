@@ -4,10 +4,14 @@ Sources that agree on TLS verification and proxy share one pooled client (an
 httpx ``AsyncClient`` or an aiohttp ``ClientSession``). Each client is built
 on first use (aiohttp needs a running loop for it) and all are closed
 together; after that, asking for one is a programming error.
+
+``ShardGroup`` splits one such pool into several smaller clients, for an HTTP
+client whose pool costs more per request the more requests it holds (httpx).
 """
 
 from __future__ import annotations
 
+import math
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -15,7 +19,15 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
-__all__ = ["DEFAULT_KEY", "ClientPools", "PoolKey", "check_pool_size", "ssl_verify"]
+__all__ = [
+    "DEFAULT_KEY",
+    "ClientPools",
+    "PoolKey",
+    "ShardGroup",
+    "check_pool_size",
+    "shard_plan",
+    "ssl_verify",
+]
 
 PoolKey = tuple[bool | str, str]
 """(verify, proxy): sources that agree on both share one pooled client."""
@@ -78,5 +90,89 @@ class ClientPools(Generic[_C]):
         """Close every client built so far; idempotent."""
         self._closed = True
         clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await self._close(client)
+
+
+def shard_plan(max_connections: int, shard_size: int) -> tuple[int, int]:
+    """(shards, connections per shard) that split ``max_connections`` into shards of ``shard_size``.
+
+    ``shards = ceil(max_connections / shard_size)`` and each shard gets
+    ``ceil(max_connections / shards)``: never fewer connections than asked in
+    total, at most ``shards - 1`` more, and no shard larger than ``shard_size``.
+    """
+    check_pool_size(max_connections)
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+    shards = math.ceil(max_connections / shard_size)
+    return shards, math.ceil(max_connections / shards)
+
+
+class ShardGroup(Generic[_C]):
+    """One pool split into ``count`` clients; each request goes to the least busy one.
+
+    ``acquire`` picks the shard with the fewest requests in flight (ties: the
+    lowest index, so a lone caller keeps reusing shard 0's warm connections)
+    and counts the request; the caller must ``release`` that shard exactly
+    once, in a ``finally``. Shards are built on first pick: shard ``i`` only
+    once ``i + 1`` requests were in flight at the same time.
+
+    While the requests in flight number at most the group's total connections
+    ``count * per_shard``, least-busy keeps every shard within its own
+    ``per_shard`` (a shard at ``c`` is picked only when all are at ``c`` or
+    more), so no request waits for a connection while another shard has one.
+
+    Args:
+        count: the number of shards (at least 1).
+        build: makes one shard's client.
+        close: closes one client.
+    """
+
+    __slots__ = ("_build", "_clients", "_close", "_in_flight")
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        build: Callable[[], _C],
+        close: Callable[[_C], Awaitable[object]],
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"a shard group needs at least 1 shard, got {count}")
+        self._build = build
+        self._close = close
+        self._clients: list[_C | None] = [None] * count
+        self._in_flight = [0] * count
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Requests in flight per shard (tests and diagnostics)."""
+        return tuple(self._in_flight)
+
+    @property
+    def built(self) -> int:
+        """How many shards have a client so far."""
+        return sum(client is not None for client in self._clients)
+
+    def acquire(self) -> tuple[int, _C]:
+        """The least busy shard (its index and client), counted as one more request in flight."""
+        counts = self._in_flight
+        # Two C-level passes: cheaper than a Python loop for any realistic count.
+        index = counts.index(min(counts))
+        client = self._clients[index]
+        if client is None:
+            # Built before counting: a build that raises leaves no count behind.
+            client = self._clients[index] = self._build()
+        counts[index] += 1
+        return index, client
+
+    def release(self, index: int) -> None:
+        """One request of shard ``index`` is no longer in flight."""
+        self._in_flight[index] -= 1
+
+    async def aclose(self) -> None:
+        """Close every shard built so far; idempotent."""
+        clients = [client for client in self._clients if client is not None]
+        self._clients = [None] * len(self._clients)
         for client in clients:
             await self._close(client)
