@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -125,35 +125,54 @@ async def test_every_key_of_a_scope_uses_its_hash_tag(
     assert key_slot(b"pgw:{chat}:x") != key_slot(b"pgw:{embed}:x")
 
 
-class _CountingRedis(aioredis.Redis):
-    """A client that counts the commands it sends: one per round trip."""
+class _CountingConnection(aioredis.Connection):
+    """A connection that records the name of every command it writes: one per round trip."""
 
-    sent: list[str]
+    sent: ClassVar[list[str]] = []
 
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        self.sent.append(str(args[0]))
-        return await super().execute_command(*args, **options)
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        data = command if isinstance(command, bytes) else b"".join(command)
+        # RESP: *<n>\r\n$<len>\r\n<name>\r\n...
+        self.sent.append(data.split(b"\r\n", 3)[2].decode())
+        await super().send_packed_command(command, check_health)
 
 
 async def test_a_call_that_does_not_wait_costs_exactly_two_round_trips(redis_url: str) -> None:
-    """One acquire and one release send two commands, both EVALSHA of a loaded script."""
-    client = _CountingRedis.from_url(redis_url)
-    client.sent = []
+    """One acquire and one release write two commands, both EVALSHA of a loaded script."""
+    pool = aioredis.ConnectionPool.from_url(redis_url, connection_class=_CountingConnection)
+    client = aioredis.Redis(connection_pool=pool)
     backend = RedisBackend(redis_url, client=client)
     try:
         await backend.release(await _grant(backend), SUCCESS)  # warm: scripts loaded, pool open
-        client.sent.clear()
+        _CountingConnection.sent.clear()
         with _sync(redis_url) as admin:
             admin.config_resetstat()
             await backend.release(await _grant(backend), SUCCESS)
             stats = admin.info("commandstats")
-        assert client.sent == ["EVALSHA", "EVALSHA"]
+        assert _CountingConnection.sent == ["EVALSHA", "EVALSHA"]
         evalsha = stats["cmdstat_evalsha"]
         assert (evalsha["calls"], evalsha["failed_calls"], evalsha["rejected_calls"]) == (2, 0, 0)
         assert not {"cmdstat_eval", "cmdstat_script|load"} & set(stats)
     finally:
+        _CountingConnection.sent.clear()
         await backend.aclose()
         await client.aclose()
+        await pool.disconnect()
+
+
+async def test_a_backend_on_its_own_pool_sends_nothing_but_two_evalsha(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    """Built from a URL, a call that does not wait sends two EVALSHA: no probe, no reload."""
+    await backend.release(await _grant(backend), SUCCESS)  # warm: scripts loaded, connection open
+    with _sync(redis_url) as admin:
+        admin.config_resetstat()
+        await backend.release(await _grant(backend), SUCCESS)
+        stats = admin.info("commandstats")
+    # Commands the scripts run count here too; what a client could send besides is absent.
+    assert stats["cmdstat_evalsha"]["calls"] == 2
+    extra = {"eval", "script|load", "zrange", "ping", "hello", "client|setinfo", "select", "auth"}
+    assert not {f"cmdstat_{name}" for name in extra} & set(stats)
 
 
 async def test_script_flush_mid_run_is_survived(backend: RedisBackend, redis_url: str) -> None:
@@ -308,8 +327,7 @@ def test_a_bad_url_is_a_config_error_without_the_password() -> None:
 
 async def test_max_inflight_ops_is_the_size_of_the_pool_it_opens(backend: RedisBackend) -> None:
     """A backend that opens its own pool reports that pool's size as its in-flight bound."""
-    pool = backend._client.connection_pool
-    assert backend.max_inflight_ops == pool.max_connections == 64
+    assert backend.max_inflight_ops == 64
 
 
 async def test_max_inflight_ops_reads_an_injected_clients_pool(redis_url: str) -> None:
