@@ -9,18 +9,22 @@
 - ``json_content``: a request's JSON body encoded once, here, so a body JSON
   cannot carry (bytes, a set, NaN, a lone surrogate) is refused before
   anything is sent, alike on both transports.
+- ``RequestSecrets``: a request's credential values, scanned only when a
+  failure's message needs them (the success path never pays for the scan).
 - ``EventStream``: the parsed ``data:`` events of one stream with the TTFT and
-  idle deadlines enforced. A client module subclasses it with its library's
-  read (``_next_data``) and its exception boundary (``_FAILURES``, ``_translate``).
+  idle deadlines enforced by one timer per stream. A client module subclasses
+  it with its library's read (``_next_data``) and its exception boundary
+  (``_FAILURES``, ``_translate``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, ClassVar, Self
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Self, overload
 
 from polygateway.transport.http import (
     STREAM_END,
@@ -30,6 +34,7 @@ from polygateway.transport.http import (
     is_event_stream,
     malformed,
     parse_event_data,
+    secrets_in,
     status_error,
     timeout_error,
     truncated_stream,
@@ -37,6 +42,7 @@ from polygateway.transport.http import (
 
 __all__ = [
     "EventStream",
+    "RequestSecrets",
     "answer_error",
     "check_opened",
     "connect_limit",
@@ -126,16 +132,78 @@ async def check_opened(
         raise malformed(request.source, f"expected an event stream, got {content_type!r}")
 
 
+class RequestSecrets(Sequence[str]):
+    """``secrets_in(headers)``, found on first use: only a failure's message needs them.
+
+    A request that succeeds never pays for the header scan; an error message
+    built from this sequence is scrubbed exactly as with the eager tuple.
+    """
+
+    __slots__ = ("_found", "_headers")
+
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        self._headers = headers
+        self._found: tuple[str, ...] | None = None
+
+    def _values(self) -> tuple[str, ...]:
+        """The secrets, scanned once."""
+        found = self._found
+        if found is None:
+            found = self._found = secrets_in(self._headers)
+        return found
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self._values()[index]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __repr__(self) -> str:
+        # Never the values: they are credentials.
+        return f"<RequestSecrets {'unscanned' if self._found is None else len(self._found)}>"
+
+
 class EventStream:
     """Parsed ``data:`` events of one stream, with the TTFT and idle deadlines enforced.
 
-    The first event must arrive by ``first_deadline`` (on the loop's clock,
-    the one ``asyncio.timeout_at`` measures); each later one within
-    ``idle_timeout_s`` (default: ``timeout_s``) of the previous. Any way out
-    but an event ends the iteration for good.
+    The first event must arrive by ``first_deadline`` (on the loop's clock);
+    each later one within ``idle_timeout_s`` (default: ``timeout_s``) of the
+    call that asks for it. Any way out but an event ends the iteration for
+    good, and so does ``close()`` (the transport calls it when its context exits).
+
+    One timer per stream, not one per event: each read only stores its
+    deadline (pushed forward per event), and a single ``loop.call_at`` handle,
+    when it fires, re-arms itself at the stored deadline if that has not
+    passed yet, or cancels the reading task if it has. The expiry is then told
+    apart from an outside cancellation exactly as ``asyncio.Timeout`` does it
+    (``uncancel()`` against the count seen when the read began), so a
+    consumer's own cancellation still passes through as ``CancelledError``.
     """
 
-    __slots__ = ("_finished", "_first_deadline", "_loop", "_request", "_secrets", "_seen")
+    __slots__ = (
+        "_armed",
+        "_cancelling",
+        "_deadline",
+        "_expiring",
+        "_finished",
+        "_first_deadline",
+        "_handle",
+        "_idle_s",
+        "_loop",
+        "_reader",
+        "_request",
+        "_secrets",
+        "_seen",
+    )
 
     _FAILURES: ClassVar[tuple[type[Exception], ...]] = ()
     """The library's exceptions for a failed read, handed to ``_translate``."""
@@ -151,8 +219,19 @@ class EventStream:
         self._secrets = secrets
         self._loop = loop
         self._first_deadline = first_deadline
+        self._idle_s = request.idle_timeout_s or request.timeout_s
         self._seen = False
         self._finished = False
+        self._deadline = first_deadline
+        """The deadline of the read in progress (or of the last one)."""
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed = math.inf
+        """When ``_handle`` fires (``inf``: no handle scheduled)."""
+        self._reader: asyncio.Task[Any] | None = None
+        """The task inside ``_next_data`` now, the one an expiry cancels; ``None`` between reads."""
+        self._cancelling = 0
+        self._expiring = False
+        """Our timer has cancelled the reader and the read has not yet come back."""
 
     def __aiter__(self) -> Self:
         return self
@@ -169,31 +248,106 @@ class EventStream:
         """The classified failure of one of ``_FAILURES``."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """End the iteration and cancel the stream's timer; idempotent.
+
+        A stream that ends by itself (``[DONE]``, a failure, a cancellation)
+        closes on the way out; one the consumer leaves between events is
+        closed by its transport, so no timer outlives the stream.
+        """
+        self._finished = True
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+            self._handle = None
+            self._armed = math.inf
+
+    def _arm(self, when: float) -> None:
+        """(Re)schedule the stream's one timer at ``when``."""
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+        self._handle = self._loop.call_at(when, self._on_timer)
+        self._armed = when
+
+    def _on_timer(self) -> None:
+        """The timer fired: cut the read in progress if its deadline has really passed."""
+        self._handle = None
+        self._armed = math.inf
+        reader = self._reader
+        if reader is None:
+            # Between reads (the consumer is busy with the last event): the next read re-arms.
+            return
+        deadline = self._deadline
+        if deadline > self._loop.time():
+            # Events came since the timer was set: the deadline moved, follow it.
+            self._arm(deadline)
+            return
+        self._expiring = True
+        reader.cancel()
+
+    def _expired(self, reader: asyncio.Task[Any]) -> bool:
+        """Whether our timer cut this read and nobody else cancelled it since (as asyncio.Timeout).
+
+        Withdraws our cancellation request whenever we made one, as
+        ``asyncio.Timeout.__aexit__`` does, whatever way the read ended.
+        """
+        if not self._expiring:
+            return False
+        self._expiring = False
+        return reader.uncancel() <= self._cancelling
+
+    def _timed_out(self) -> TransientError:
+        """The classified expiry of a read: TTFT before the first event, idle after it."""
+        request = self._request
+        if self._seen:
+            return timeout_error("stream idle", request.source, self._idle_s)
+        return timeout_error("no first event", request.source, request.timeout_s)
+
     async def __anext__(self) -> Any:
         if self._finished:
             raise StopAsyncIteration
-        request = self._request
-        idle = request.idle_timeout_s or request.timeout_s
-        if self._seen:
-            what, limit = "stream idle", idle
-            deadline = self._loop.time() + idle  # edge: the loop clock asyncio.timeout_at uses
-        else:
-            what, limit, deadline = "no first event", request.timeout_s, self._first_deadline
+        reader = asyncio.current_task()
+        if reader is None:
+            raise RuntimeError("an event stream must be read inside a task")
+        # edge: the loop's own clock, the one call_at measures.
+        deadline = self._loop.time() + self._idle_s if self._seen else self._first_deadline
+        self._deadline = deadline
+        if deadline < self._armed:
+            # First read, or a deadline earlier than the armed one (idle shorter than
+            # the TTFT left): later deadlines only move forward and need no new handle.
+            self._arm(deadline)
+        self._cancelling = reader.cancelling()
+        self._reader = reader
         self._finished = True
+        event = False
         try:
-            async with asyncio.timeout_at(deadline):
+            try:
                 data = await self._next_data()
-        # The library's failures first: some (aiohttp's ServerTimeoutError) are
-        # TimeoutErrors too, and keep their own message.
-        except self._FAILURES as exc:
-            raise self._translate(exc) from exc
-        except TimeoutError as exc:
-            raise timeout_error(what, request.source, limit) from exc
-        if data is None:
-            raise truncated_stream(request.source)
-        parsed = parse_event_data(data, request.source)
-        if parsed is STREAM_END:
-            raise StopAsyncIteration
+            except asyncio.CancelledError as exc:
+                if self._expired(reader):
+                    raise self._timed_out() from exc
+                raise
+            # The library's failures first: some (aiohttp's ServerTimeoutError) are
+            # TimeoutErrors too, and keep their own message.
+            except self._FAILURES as exc:
+                raise self._translate(exc) from exc
+            except TimeoutError as exc:
+                raise self._timed_out() from exc
+            finally:
+                self._reader = None
+                if self._expiring:
+                    # Cut by our timer but the read ended another way: withdraw the request.
+                    self._expired(reader)
+            if data is None:
+                raise truncated_stream(self._request.source)
+            parsed = parse_event_data(data, self._request.source)
+            if parsed is STREAM_END:
+                raise StopAsyncIteration
+            event = True
+        finally:
+            if not event:
+                self.close()
         self._seen = True
         self._finished = False
         return parsed
