@@ -8,7 +8,7 @@ This module is the one boundary where aiohttp exceptions become
 ``TransientError`` (``raise ... from exc``)::
 
     aiohttp.ServerTimeoutError (connect, socket read)   -> transient, timeout=True
-    asyncio.timeout expiry (total, TTFT, stream idle)   -> transient, timeout=True
+    aiohttp's total expiry, asyncio deadline (TTFT, idle) -> transient, timeout=True
     aiohttp.ClientConnectorError                        -> transient, "connect error"
     aiohttp.ServerDisconnectedError                     -> transient, "connection reset"
     aiohttp.ClientOSError, ClientPayloadError           -> transient (resets, cut bodies)
@@ -24,6 +24,8 @@ Event streams are parsed by ``transport/sse.py`` (see there why).
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -38,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from polygateway.transport.exchange import (
     EventStream,
+    RequestSecrets,
     answer_error,
     check_opened,
     connect_limit,
@@ -74,11 +77,26 @@ def default_session(*, verify: bool | str, max_connections: int) -> aiohttp.Clie
     connector = aiohttp.TCPConnector(
         limit=max_connections, limit_per_host=0, ssl=ssl_verify(verify)
     )
-    # No session-wide timeout: every request carries its own, and asyncio
-    # deadlines bound totals, TTFT and idle gaps.
+    # No session-wide timeout: every request carries its own (a total for a plain
+    # request), and the asyncio deadlines of a stream bound its TTFT and idle gaps.
     return aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=None), trust_env=False
     )
+
+
+_STREAM_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
+"""What every stream request adds to its source's headers."""
+
+
+@functools.lru_cache(maxsize=256)
+def _client_timeout(total: float | None, connect: float) -> aiohttp.ClientTimeout:
+    """The ``ClientTimeout`` of one (total, connect) pair, built once, not per request.
+
+    ``ceil_threshold`` is infinite: aiohttp would otherwise round a bound of
+    5 s or more up to a whole second of the loop's clock, and ``timeout_s``
+    (clipped to a call's ``deadline_s``) must stay exact.
+    """
+    return aiohttp.ClientTimeout(total=total, sock_connect=connect, ceil_threshold=math.inf)
 
 
 def _translate(exc: Exception, request: HttpRequest, secrets: Sequence[str]) -> TransientError:
@@ -116,7 +134,7 @@ class AiohttpTransport:
             aiohttp requires.
     """
 
-    __slots__ = ("_pools",)
+    __slots__ = ("_by_source", "_pools")
 
     def __init__(
         self,
@@ -133,62 +151,64 @@ class AiohttpTransport:
             return factory(verify=key[0], max_connections=max_connections)
 
         self._pools = ClientPools(sources, build=build, close=aiohttp.ClientSession.close)
+        self._by_source: dict[str, tuple[aiohttp.ClientSession, str | None]] = {}
+        """Each source's session and proxy once looked up: one dict probe per request."""
 
     def _session(self, source: str) -> tuple[aiohttp.ClientSession, str | None]:
         """The pooled session of a source and the proxy its requests go through."""
-        session, (_, proxy) = self._pools.get(source)
-        return session, proxy or None
+        found = self._by_source.get(source)
+        if found is None:
+            session, (_, proxy) = self._pools.get(source)
+            found = self._by_source[source] = (session, proxy or None)
+        return found
 
     @staticmethod
-    def _options(request: HttpRequest, proxy: str | None, *, stream: bool) -> dict[str, Any]:
-        """Keyword arguments of ``session.request`` for one request."""
-        headers = dict(request.headers)
-        if stream:
-            headers["Accept"] = "text/event-stream"
-            headers["Cache-Control"] = "no-store"
-        options: dict[str, Any] = {
-            "headers": headers,
-            "proxy": proxy,
-            # Redirects are not followed (as with httpx): a redirect could carry
-            # the key to another host, and a 3xx is an answer to classify.
-            "allow_redirects": False,
-            # Only connect has its own bound: asyncio deadlines govern the rest.
-            "timeout": aiohttp.ClientTimeout(total=None, sock_connect=connect_limit(request)),
-        }
-        if request.params is not None:
-            options["params"] = dict(request.params)
+    def _body(request: HttpRequest) -> aiohttp.FormData | bytes | None:
+        """The body of one request: a multipart form, or its JSON encoded by us."""
         if request.files is not None or request.data is not None:
             form = aiohttp.FormData()
             for name, value in (request.data or {}).items():
                 form.add_field(name, value)
             for name, (filename, content, content_type) in (request.files or {}).items():
                 form.add_field(name, content, filename=filename, content_type=content_type)
-            options["data"] = form
-        elif request.json is not None:
+            return form
+        if request.json is not None:
             # Encoded by us, not by aiohttp: a body JSON cannot carry is refused alike on
             # both transports (the wire formats always set the JSON Content-Type header).
-            options["data"] = json_content(request)
-        return options
+            return json_content(request)
+        return None
 
     async def send(self, request: HttpRequest) -> Any:
-        """Send one request and return the JSON of a 2xx answer; every failure is classified."""
+        """Send one request and return the JSON of a 2xx answer; every failure is classified.
+
+        aiohttp's own ``total`` timeout bounds the whole exchange, reading the
+        body included, as ``timeout_s`` promises (a trickling body cannot
+        outlive it); its expiry is a plain ``TimeoutError``.
+        """
         session, proxy = self._session(request.source)
-        secrets = secrets_in(request.headers)
         try:
-            async with (
-                asyncio.timeout(request.timeout_s),
-                session.request(
-                    request.method, request.url, **self._options(request, proxy, stream=False)
-                ) as response,
-            ):
+            async with session.request(
+                request.method,
+                request.url,
+                # aiohttp copies the headers into its own multidict: no copy of ours.
+                headers=request.headers,
+                params=None if request.params is None else dict(request.params),
+                data=self._body(request),
+                proxy=proxy,
+                # Redirects are not followed (as with httpx): a redirect could carry
+                # the key to another host, and a 3xx is an answer to classify.
+                allow_redirects=False,
+                timeout=_client_timeout(request.timeout_s, connect_limit(request)),
+            ) as response:
                 body = await response.read()
                 status, headers = response.status, response.headers
+        # Secrets are looked for only here, on the failure paths: success never pays for it.
         except aiohttp.ClientError as exc:
-            raise _translate(exc, request, secrets) from exc
+            raise _translate(exc, request, secrets_in(request.headers)) from exc
         except TimeoutError as exc:
             raise timeout_error("request timed out", request.source, request.timeout_s) from exc
         if not 200 <= status < 300:
-            raise answer_error(status, headers, body, request, secrets)
+            raise answer_error(status, headers, body, request, secrets_in(request.headers))
         return parse_json_body(body, request.source)
 
     @asynccontextmanager
@@ -200,7 +220,7 @@ class AiohttpTransport:
         event; leaving the context by any path closes the response.
         """
         session, proxy = self._session(request.source)
-        secrets = secrets_in(request.headers)
+        secrets = RequestSecrets(request.headers)
         loop = asyncio.get_running_loop()
         # edge: asyncio.timeout_at measures the loop's own clock, so the deadline must too.
         first_deadline = loop.time() + request.timeout_s
@@ -211,7 +231,14 @@ class AiohttpTransport:
                         session.request(
                             request.method,
                             request.url,
-                            **self._options(request, proxy, stream=True),
+                            headers={**request.headers, **_STREAM_HEADERS},
+                            params=None if request.params is None else dict(request.params),
+                            data=self._body(request),
+                            proxy=proxy,
+                            allow_redirects=False,
+                            # Only connect has its own bound: the asyncio deadlines
+                            # (TTFT, idle) govern everything after it.
+                            timeout=_client_timeout(None, connect_limit(request)),
                         )
                     )
                     # Runs before the context manager's release: an unfinished body
@@ -224,10 +251,15 @@ class AiohttpTransport:
                 raise _translate(exc, request, secrets) from exc
             except TimeoutError as exc:
                 raise timeout_error("no first event", request.source, request.timeout_s) from exc
-            yield _AiohttpEvents(response, request, secrets, loop, first_deadline)
+            events = _AiohttpEvents(response, request, secrets, loop, first_deadline)
+            # First out (LIFO): the stream's timer goes before the response closes.
+            stack.callback(events.close)
+            yield events
 
     async def aclose(self) -> None:
         """Close every pooled session; idempotent."""
+        # Emptied first: a request after close asks the pools again, which refuse it.
+        self._by_source.clear()
         await self._pools.aclose()
 
 
