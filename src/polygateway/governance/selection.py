@@ -8,6 +8,10 @@ the same seed gives the same order. The governance loop then puts the
 sources a call has not tried yet first and hands the whole list to one
 ``acquire``, so a busy or closed higher tier spills over to a lower one at
 no extra cost.
+
+``SelectionOrder`` is the same order for a fixed list of sources, with
+their tiers and weights read once: the loop orders its scope's sources on
+every call, and reading them anew each time was a cost per call.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import math
 import random
 from collections.abc import Callable, Collection, Sequence
 from operator import attrgetter
-from typing import TypeVar
+from typing import Generic, TypeVar
 
-__all__ = ["order_candidates", "untried_first"]
+__all__ = ["SelectionOrder", "order_candidates", "untried_first"]
 
 T = TypeVar("T")
 
@@ -34,6 +38,48 @@ def _key(u: float, weight: float) -> float:
     return math.log(u) / weight
 
 
+class SelectionOrder(Generic[T]):
+    """``order_candidates`` over a fixed list of sources, tiers and weights read once.
+
+    When no tier holds two sources the order is the tiers' order whatever
+    the draws, so it is computed once; the draws are still made, one per
+    source, so the rng's later values (back-off jitter) are the same either way.
+    """
+
+    __slots__ = ("_fixed", "_keyed", "_sources")
+
+    def __init__(
+        self,
+        sources: Sequence[T],
+        *,
+        priority: Callable[[T], int],
+        weight: Callable[[T], float],
+    ) -> None:
+        self._sources = tuple(sources)
+        self._keyed = tuple((priority(s), weight(s), i) for i, s in enumerate(self._sources))
+        tiers = [p for p, _, _ in self._keyed]
+        self._fixed: tuple[T, ...] | None = None
+        if len(set(tiers)) == len(tiers):
+            self._fixed = tuple(self._sources[i] for _, _, i in sorted(self._keyed))
+
+    @property
+    def sources(self) -> tuple[T, ...]:
+        """The sources in input order."""
+        return self._sources
+
+    def order(self, rng: random.Random) -> list[T]:
+        """The sources in selection order; one ``rng.random()`` per source, in input order."""
+        draw = rng.random
+        if self._fixed is not None:
+            for _ in self._keyed:
+                draw()
+            return list(self._fixed)
+        keyed = [(p, -_key(draw(), w), i) for p, w, i in self._keyed]
+        keyed.sort()
+        sources = self._sources
+        return [sources[i] for _, _, i in keyed]
+
+
 def order_candidates(
     sources: Sequence[T],
     *,
@@ -46,9 +92,7 @@ def order_candidates(
     Draws exactly one ``rng.random()`` per source, in input order, so the
     result is deterministic given the rng's state; ties keep input order.
     """
-    keyed = [(priority(s), -_key(rng.random(), weight(s)), i) for i, s in enumerate(sources)]
-    keyed.sort()
-    return [sources[i] for _, _, i in keyed]
+    return SelectionOrder(sources, priority=priority, weight=weight).order(rng)
 
 
 def untried_first(
