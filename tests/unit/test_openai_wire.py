@@ -7,6 +7,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from polygateway.config import SourceConfig
@@ -15,6 +17,8 @@ from polygateway.transport.http import TransientError
 from polygateway.transport.openai import (
     DEFAULT_MAX_TOKENS_ESTIMATE,
     IMAGE_PART_TOKENS,
+    _walk_chat_chunk,
+    _walk_chat_response,
     chat_request,
     embedding_request,
     estimate_chat_tokens,
@@ -319,6 +323,77 @@ def test_error_event_in_stream_is_transient() -> None:
     """An in-band error event in a stream is a transient failure."""
     with pytest.raises(TransientError, match="rate limit"):
         parse_chat_chunk({"error": {"message": "rate limit reached"}})
+
+
+# --- the direct reading of common answers agrees with the field-by-field walk ---
+
+# Values the readers meet, right and wrong: each field drawn from these.
+_ODD = st.sampled_from([None, "", "x", 0, 3, -1, 2.0, 2.5, True, [], {}, [1], {"a": 1}, "stop"])
+_COUNT = st.one_of(st.sampled_from([None, 0, 7, -2, 3.0, 1.5, True, "5"]), st.integers(0, 10**6))
+_USAGE = st.one_of(
+    _ODD,
+    st.fixed_dictionaries(
+        {},
+        optional={"prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT},
+    ),
+)
+_TEXT = st.one_of(_ODD, st.text(max_size=5), st.just([{"type": "text", "text": "part"}]))
+_CALLS = st.one_of(
+    _ODD, st.just([{"id": "c1", "function": {"name": "f", "arguments": "{}"}, "index": 0}])
+)
+_MESSAGE = st.one_of(
+    _ODD,
+    st.fixed_dictionaries({}, optional={"role": _ODD, "content": _TEXT, "tool_calls": _CALLS}),
+)
+_FINISH = st.one_of(_ODD, st.sampled_from(["stop", "length"]))
+
+
+def _outcome(read: Any, *args: Any) -> Any:
+    """What a reader returns, or the message of the failure it raises."""
+    try:
+        return read(*args)
+    except TransientError as exc:
+        return ("failed", str(exc))
+
+
+def _body(inner: str) -> Any:
+    """A body whose first choice holds ``inner`` (message or delta): mostly right, often not."""
+    plain_message = st.fixed_dictionaries(
+        {"content": st.one_of(st.none(), st.text(max_size=5))}, optional={"role": st.just("a")}
+    )
+    plain_usage = st.fixed_dictionaries(
+        {}, optional={k: st.integers(0, 99) for k in ("prompt_tokens", "completion_tokens")}
+    )
+    choice = st.fixed_dictionaries(
+        {},
+        optional={
+            inner: st.one_of(plain_message, plain_message, _MESSAGE),
+            "finish_reason": st.one_of(st.none(), _FINISH),
+        },
+    )
+    choices = st.one_of(st.lists(choice, min_size=1, max_size=2), _ODD, st.lists(_ODD, max_size=2))
+    usage = st.one_of(st.none(), plain_usage, _USAGE)
+    return st.one_of(
+        st.fixed_dictionaries(
+            {"choices": choices},
+            optional={"usage": usage, "error": st.sampled_from([None, "e"])},
+        ),
+        _ODD,
+    )
+
+
+@settings(max_examples=400)
+@given(_body("message"))
+def test_chat_response_read_directly_or_walked_gives_the_same(body: Any) -> None:
+    """Every body, right or wrong, reads the same as the field-by-field walk reads it."""
+    assert _outcome(parse_chat_response, body) == _outcome(_walk_chat_response, body)
+
+
+@settings(max_examples=400)
+@given(_body("delta"), st.sampled_from(["", "primary"]))
+def test_chat_chunk_read_directly_or_walked_gives_the_same(event: Any, source: str) -> None:
+    """Every chunk, right or wrong, reads the same as the field-by-field walk reads it."""
+    assert _outcome(parse_chat_chunk, event, source) == _outcome(_walk_chat_chunk, event, source)
 
 
 # --- Embeddings ---

@@ -160,8 +160,69 @@ def _choices(body: dict[str, Any]) -> list[Any]:
     return req_list(body.get("choices"), "choices")
 
 
+def _plain_count(value: Any) -> int | None:
+    """A token count in its common form (absent or a non-negative ``int``), else ``None``."""
+    if value is None:
+        return 0
+    if type(value) is int and value >= 0:
+        return value
+    return None
+
+
+def _plain_usage(value: Any) -> Usage | None:
+    """``usage`` in its common form (an object of plain counts), else ``None``: walk it."""
+    if type(value) is not dict:
+        return None
+    prompt = _plain_count(value.get("prompt_tokens"))
+    completion = _plain_count(value.get("completion_tokens"))
+    total = _plain_count(value.get("total_tokens"))
+    if prompt is None or completion is None or total is None:
+        return None
+    return Usage(prompt, completion, total or prompt + completion)
+
+
+def _plain_chat_response(body: Any) -> ParsedChat | None:
+    """The common completion (text, no tool calls) read directly, else ``None``: walk it.
+
+    Every check here is exact (``type(x) is dict``), so whatever it accepts
+    the generic walk reads to the same result; anything else, odd or wrong,
+    goes to the walk, which accepts the variations or names the fault.
+    """
+    if type(body) is not dict or body.get("error") is not None:
+        return None
+    choices = body.get("choices")
+    if type(choices) is not list or not choices:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict:
+        return None
+    message = choice.get("message")
+    if type(message) is not dict or message.get("tool_calls"):
+        return None
+    content = message.get("content")
+    finish = choice.get("finish_reason")
+    if (content is not None and type(content) is not str) or (
+        finish is not None and type(finish) is not str
+    ):
+        return None
+    raw_usage = body.get("usage")
+    if raw_usage is None:
+        usage = Usage()
+    elif (usage_or_none := _plain_usage(raw_usage)) is not None:
+        usage = usage_or_none
+    else:
+        return None
+    return ParsedChat(content or "", finish, (), usage, body)
+
+
 def parse_chat_response(body: Any) -> ParsedChat:
     """Read a chat completion; any shape but the promised one is a malformed body."""
+    plain = _plain_chat_response(body)
+    return plain if plain is not None else _walk_chat_response(body)
+
+
+def _walk_chat_response(body: Any) -> ParsedChat:
+    """``parse_chat_response`` field by field: every variation accepted, every fault named."""
     answer = req_obj(body, "body")
     if (error := _error_event(answer)) is not None:
         raise error
@@ -202,6 +263,43 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     The usage-only chunk that ``include_usage`` adds has empty ``choices``.
     An in-band error event is a transient failure.
     """
+    plain = _plain_chat_chunk(event, source)
+    return plain if plain is not None else _walk_chat_chunk(event, source)
+
+
+def _plain_chat_chunk(event: Any, source: str) -> ChatChunk | None:
+    """The common chunk (a text delta, no tool calls) read directly, else ``None``: walk it.
+
+    Exact checks only, as in ``_plain_chat_response``: one runs per chunk.
+    """
+    if type(event) is not dict or event.get("error") is not None:
+        return None
+    raw_usage = event.get("usage")
+    usage: Usage | None = None
+    if raw_usage is not None and (usage := _plain_usage(raw_usage)) is None:
+        return None
+    choices = event.get("choices")
+    if type(choices) is not list:
+        return None
+    if not choices:
+        return ChatChunk(source=source, usage=usage)
+    choice = choices[0]
+    if type(choice) is not dict:
+        return None
+    delta = choice.get("delta") or {}
+    if type(delta) is not dict or delta.get("tool_calls"):
+        return None
+    content = delta.get("content")
+    finish = choice.get("finish_reason")
+    if (content is not None and type(content) is not str) or (
+        finish is not None and type(finish) is not str
+    ):
+        return None
+    return ChatChunk(content or "", (), finish, source, usage)
+
+
+def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
+    """``parse_chat_chunk`` field by field: every variation accepted, every fault named."""
     chunk = req_obj(event, "chunk")
     if (error := _error_event(chunk)) is not None:
         raise error
