@@ -464,6 +464,11 @@ class CountingBackend:
         """Backend operations so far."""
         return sum(self.calls.values())
 
+    @property
+    def max_inflight_ops(self) -> int | None:
+        """The inner backend's figure: counting adds no pool of its own."""
+        return self.inner.max_inflight_ops
+
     async def acquire(
         self,
         scope: str,

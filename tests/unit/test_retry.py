@@ -567,6 +567,88 @@ class TestWaiting:
         assert backend.calls == {"acquire": 1, "release": 1}
 
 
+class GatedBackend(MemoryBackend):
+    """A memory backend with a given ``max_inflight_ops`` that holds every acquire at a gate."""
+
+    def __init__(self, *, now: FakeClock, bound: int | None) -> None:
+        super().__init__(now=now)
+        self.bound = bound
+        self.gate = asyncio.Event()
+        self.asking = 0
+        self.most_asking = 0
+        self.acquires = 0
+
+    @property
+    def max_inflight_ops(self) -> int | None:
+        """The bound this test gives it."""
+        return self.bound
+
+    async def acquire(
+        self, scope: str, candidates: Any, *, cost_tokens: int = 0, ttl_s: float
+    ) -> Any:
+        """Count the acquires in flight, wait at the gate, then acquire."""
+        self.asking += 1
+        self.most_asking = max(self.most_asking, self.asking)
+        try:
+            await self.gate.wait()
+        finally:
+            self.asking -= 1
+        self.acquires += 1
+        return await super().acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+
+
+class TestAskingBound:
+    """A scope runs at most the backend's ``max_inflight_ops`` acquires at once per process."""
+
+    @staticmethod
+    async def _burst(bound: int | None, calls: int) -> tuple[GatedBackend, int, list[str]]:
+        """``calls`` at once on a held gate: the backend, how many queued, the texts served."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        backend = GatedBackend(now=clock, bound=bound)
+        chat, _, _ = make_chat(
+            clock,
+            default=chat_completion(),
+            sources=({"name": "primary", "max_concurrency": 100},),
+            backend=backend,
+            sleep=timers.sleep,
+        )
+        tasks = [asyncio.create_task(chat.complete(MESSAGES)) for _ in range(calls)]
+        await settle()
+        queued = len(backend.waiting_room("chat"))
+        backend.gate.set()
+        texts = [r.text for r in await asyncio.gather(*tasks)]
+        return backend, queued, texts
+
+    async def test_bounded_backend_has_at_most_its_bound_of_acquires_in_flight(self) -> None:
+        """max_inflight_ops=2: a burst of 5 has 2 acquires in flight at most, and all are served."""
+        backend, queued, texts = await self._burst(2, 5)
+        assert backend.most_asking == 2
+        assert queued == 4  # the second call asks as the head of the queue; three wait behind it
+        assert texts == ["ok"] * 5
+        assert backend.acquires == 5
+
+    async def test_bound_of_one_asks_one_at_a_time(self) -> None:
+        """max_inflight_ops=1: every call of a burst asks alone, through the head of the queue."""
+        backend, _, texts = await self._burst(1, 4)
+        assert backend.most_asking == 1
+        assert texts == ["ok"] * 4
+
+    async def test_unbounded_backend_lets_a_burst_ask_at_once(self) -> None:
+        """max_inflight_ops=None: a burst of 64 has 64 acquires in flight at once, nobody queues."""
+        backend, queued, texts = await self._burst(None, 64)
+        assert backend.most_asking == 64
+        assert queued == 0
+        assert texts == ["ok"] * 64
+
+    def test_memory_and_counting_backends_say_unbounded(self) -> None:
+        """Memory has no pool (None); the counting wrapper reports its inner backend's figure."""
+        memory = MemoryBackend()
+        assert memory.max_inflight_ops is None
+        assert CountingBackend(memory).max_inflight_ops is None
+        assert CountingBackend(GatedBackend(now=FakeClock(), bound=7)).max_inflight_ops == 7
+
+
 # --- the backend failing ---------------------------------------------------------------------
 
 

@@ -161,11 +161,24 @@ class Backend(Protocol):
     back any lease it grants; a cancelled ``release`` still frees the permit).
     The loop then awaits them directly; otherwise it runs each in a shielded
     task of its own, which costs a task per operation.
+
+    ``max_inflight_ops``: the operations it serves at once before they queue
+    inside it (a connection pool), or ``None`` when nothing bounds them.
     """
 
     @property
     def cancel_safe(self) -> bool:
         """Whether acquire and release finish what they started despite a cancelled caller."""
+        ...
+
+    @property
+    def max_inflight_ops(self) -> int | None:
+        """How many operations this backend serves at once in this process; ``None``: unbounded.
+
+        Past this figure further operations queue inside the backend (its
+        connection pool). The loop asks at most this many acquires at once
+        per scope and process; later calls queue in the scope's waiting room.
+        """
         ...
 
     async def acquire(

@@ -66,6 +66,11 @@ class MemoryBackend:
     def __repr__(self) -> str:
         return f"MemoryBackend(scopes={sorted(self._scopes)!r})"
 
+    @property
+    def max_inflight_ops(self) -> int | None:
+        """``None``: every operation runs at once, without a pool to queue in."""
+        return None
+
     def _scope(self, scope: str) -> _Scope:
         found = self._scopes.get(scope)
         if found is None:

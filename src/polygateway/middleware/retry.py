@@ -28,31 +28,24 @@ open, and releases when the body ends (see ``Served``).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
-import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
-from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
+from polygateway.backends.base import AttemptOutcome, Backend, Lease, SourceSpec
 from polygateway.errors import (
     AllSourcesExhausted,
     ExhaustedReason,
     GovernanceBackendError,
     RequestRejected,
 )
-from polygateway.governance.selection import order_candidates, untried_first
-from polygateway.middleware.attempt import (
-    AttemptContext,
-    AttemptFn,
-    Served,
-    keep_until_done,
-    shielded,
-)
+from polygateway.middleware.admission import Admitter, CallState, Sleep
+from polygateway.middleware.attempt import AttemptContext, AttemptFn, Served, shielded
 from polygateway.middleware.classify import FAILURE_TABLE, FailureRule, Verdict, verdict_for
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import Emitter, NullEmitter
@@ -61,7 +54,7 @@ from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
 
 if TYPE_CHECKING:
-    from polygateway.backends.waiting import Waiter, WaitingRoom
+    from polygateway.backends.waiting import WaitingRoom
     from polygateway.config import SourceConfig
 
 __all__ = [
@@ -80,24 +73,12 @@ __all__ = [
 
 T = TypeVar("T")
 
-Sleep = Callable[[float], Awaitable[None]]
-
 _log = logging.getLogger("polygateway.retry")
 
 _DEADLINE_EPSILON_S: Final = 1e-3
 """No attempt starts with less time left than this: it could only time out."""
 
-_MAX_ASKING: Final = 16
-"""Acquires one scope runs at once in one process before new calls queue instead of asking.
-
-A burst of calls all find the waiting room empty; without a bound each would
-ask the backend at once, and a shared backend fails closed under thousands
-of concurrent acquires (Redis: its connection pool is exhausted, replies time
-out). Past the bound, calls queue and the room's head asks for them in turn.
-"""
-
-_STALL_TIMER_SLACK_S: Final = 1e-3
-"""A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
+_CANCELLED: Final = AttemptOutcome("cancelled")
 
 
 class StallClock:
@@ -123,15 +104,45 @@ class StallClock:
         """Seconds of non-productive waiting so far: elapsed minus time spent in attempts."""
         return self._now() - self._entered_at - self._productive_s
 
-    @contextlib.asynccontextmanager
-    async def attempting(self) -> AsyncIterator[None]:
-        """Wrap one real attempt; its duration counts as productive (the ``_attempt`` boundary)."""
-        started = self._now()
-        try:
-            yield
-        finally:
-            # Arithmetic only: nothing is swallowed, CancelledError passes through untouched.
-            self._productive_s += self._now() - started
+    def attempting(self) -> _Span:
+        """Wrap one real attempt; its duration counts as productive (the ``_attempt`` boundary).
+
+        An async context manager; the loop also opens and closes it by hand,
+        because a stream's attempt outlives the loop's own frame.
+        """
+        return _Span(self)
+
+
+class _Span:
+    """One attempt's productive stretch of a ``StallClock``: a class, not a generator (per call)."""
+
+    __slots__ = ("_clock", "_started")
+
+    def __init__(self, clock: StallClock) -> None:
+        self._clock = clock
+        self._started = 0.0
+
+    def open(self) -> _Span:
+        """The attempt begins now."""
+        self._started = self._clock._now()
+        return self
+
+    def close(self) -> None:
+        """The attempt has ended: add its duration to the productive time."""
+        clock = self._clock
+        clock._productive_s += clock._now() - self._started
+
+    async def __aenter__(self) -> None:
+        self.open()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Arithmetic only: nothing is swallowed, CancelledError passes through untouched.
+        self.close()
 
 
 def _valid_deadline(deadline_s: object) -> bool:
@@ -155,35 +166,6 @@ def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Rand
     return ceiling / 2.0 + rng.random() * ceiling / 2.0
 
 
-# --- One call's state ------------------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class _Call:
-    """One call's private loop state (never shared between calls).
-
-    The call's ``StallClock`` is not kept here: it is a local of the loop,
-    handed to each step that reads it, as the seed design prescribes.
-    """
-
-    op_name: str
-    cost_tokens: int
-    fail_fast: bool
-    streaming: bool
-    deadline_at: float | None
-    pick_started_at: float  # when the search for this attempt's permit began
-    call_id: str = field(default_factory=lambda: os.urandom(8).hex())
-    fails: int = 0
-    consecutive_429: int = 0
-    tried: set[str] = field(default_factory=set)
-    refused: set[str] = field(default_factory=set)  # sources that answered 401/403/404
-    records: list[AttemptRecord] = field(default_factory=list)
-    waiter: Waiter | None = None
-    last: AcquireResult | None = None  # this call's latest acquire, for retry_after_s
-    last_at: float = 0.0
-    age: float | None = None  # progress age read in this iteration, if any
-
-
 @dataclass(frozen=True, slots=True)
 class _Failed:
     """A failed attempt, already released and emitted: what the loop does next depends on it."""
@@ -197,10 +179,11 @@ class RetryMW:
     """The governance loop for one scope; shared by the chat, embedding and OCR clients.
 
     ``run`` serves a request/response call; ``session`` serves a call whose
-    attempt outlives the loop (a stream). Both are the same loop.
+    attempt outlives the loop (a stream). Both are the same loop (``_serve``).
     """
 
     __slots__ = (
+        "_admit",
         "_backend",
         "_by_name",
         "_emitter",
@@ -256,6 +239,16 @@ class RetryMW:
             )
             for s in self._sources
         }
+        self._admit = Admitter(
+            scope=scope,
+            sources=self._sources,
+            specs=[self._specs[s.name] for s in self._sources],
+            policy=policy,
+            backend=backend,
+            now=now,
+            sleep=sleep,
+            rng=rng,
+        )
 
     def __repr__(self) -> str:
         return f"RetryMW(scope={self._scope!r}, sources={list(self._names)!r})"
@@ -289,19 +282,25 @@ class RetryMW:
         deadline_s: float | None = None,
         op_name: str = "call",
     ) -> Served[T]:
-        """Serve one request/response call; the permit is released before this returns."""
-        async with self.session(
-            attempt_fn,
-            cost_tokens=cost_tokens,
-            fail_fast=fail_fast,
-            deadline_s=deadline_s,
-            op_name=op_name,
-        ) as served:
+        """Serve one request/response call; the permit is released before this returns.
+
+        ``session`` with an empty body, without a context manager object per call.
+        """
+        call = self._begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=False)
+        clock = StallClock(self._now)  # one per call, never an attribute
+        room = self._backend.waiting_room(self._scope)
+        try:
+            served, span = await self._serve(call, clock, room, attempt_fn)
             served.complete()
+            try:
+                await self._finish(call, served, None)
+            finally:
+                span.close()
+        finally:
+            self._leave(call, room)
         return served
 
-    @contextlib.asynccontextmanager
-    async def session(
+    def session(
         self,
         attempt_fn: AttemptFn[T],
         *,
@@ -310,7 +309,7 @@ class RetryMW:
         deadline_s: float | None = None,
         op_name: str = "call",
         streaming: bool = False,
-    ) -> AsyncIterator[Served[T]]:
+    ) -> AbstractAsyncContextManager[Served[T]]:
         """Run the loop until an attempt succeeds, then hand it to the body with the permit held.
 
         The attempt (and ``attempting()``) lasts until the body ends, so a
@@ -318,6 +317,24 @@ class RetryMW:
         with the matching outcome and re-raises; one that ends without
         ``complete()`` releases as cancelled.
         """
+        return _Session(
+            self,
+            attempt_fn,
+            (op_name, cost_tokens, fail_fast, deadline_s, streaming),
+        )
+
+    # --- the steps of the loop -------------------------------------------------
+
+    def _begin(
+        self,
+        op_name: str,
+        cost_tokens: int,
+        fail_fast: bool,
+        deadline_s: float | None,
+        *,
+        streaming: bool,
+    ) -> CallState:
+        """A new call's state; ``RequestRejected`` for a deadline that is not a number."""
         if deadline_s is not None and not _valid_deadline(deadline_s):
             raise RequestRejected(
                 f"{op_name}: deadline_s must be a finite, non-negative number of seconds, "
@@ -325,9 +342,8 @@ class RetryMW:
                 scope=self._scope,
                 sources=self._names,
             )
-        clock = StallClock(self._now)  # one per call, never an attribute
         started = self._now()
-        call = _Call(
+        return CallState(
             op_name=op_name,
             cost_tokens=cost_tokens,
             fail_fast=fail_fast,
@@ -335,45 +351,47 @@ class RetryMW:
             deadline_at=None if deadline_s is None else started + deadline_s,
             pick_started_at=started,
         )
-        room = self._backend.waiting_room(self._scope)
-        try:
-            while True:
-                call.age = None
-                # Chat only: 429s are not charged, so this is what bounds a saturated scope.
-                if self._policy.exempt_429 and await self._stalled(call, clock):
-                    raise await self._exhausted(call, "stalled")
-                left = self._time_left(call)
-                if left is not None and left <= _DEADLINE_EPSILON_S:
-                    raise await self._exhausted(call, "deadline")
-                lease = await self._pick_runnable(call, room)
-                if lease is None:
-                    await self._on_no_runnable(call, room, clock)
-                    continue
-                async with clock.attempting():
-                    result = await self._attempt(call, clock, lease, attempt_fn)
-                    if isinstance(result, Served):
-                        try:
-                            yield result
-                        except BaseException as exc:
-                            # Clean-up only: the body's exception (stream cut, consumer
-                            # gone, cancellation) passes on after the release.
-                            await self._finish(call, result, exc)
-                            raise
-                        await self._finish(call, result, None)
-                        return
-                await self._after_failure(call, result)
-        finally:
-            if call.waiter is not None:
-                room.leave(call.waiter)
-                call.waiter = None
 
-    # --- the steps of the loop -------------------------------------------------
+    async def _serve(
+        self, call: CallState, clock: StallClock, room: WaitingRoom, attempt_fn: AttemptFn[T]
+    ) -> tuple[Served[T], _Span]:
+        """The loop: until an attempt succeeds, returned with its permit held and its span open.
 
-    def _time_left(self, call: _Call) -> float | None:
-        """Seconds before the call's deadline, or ``None`` without one."""
-        return None if call.deadline_at is None else call.deadline_at - self._now()
+        The span (``clock.attempting()``) is opened here by hand and closed by
+        the caller after the release: for a stream it outlives this method.
+        """
+        admit = self._admit
+        while True:
+            call.age = None
+            # Chat only: 429s are not charged, so this is what bounds a saturated scope.
+            if self._policy.exempt_429 and await self._stalled(call, clock):
+                raise await self._exhausted(call, "stalled")
+            left = admit.time_left(call)
+            if left is not None and left <= _DEADLINE_EPSILON_S:
+                raise await self._exhausted(call, "deadline")
+            lease = await admit.pick(call, room)
+            if lease is None:
+                await self._on_no_runnable(call, room, clock)
+                continue
+            span = clock.attempting().open()
+            try:
+                result = await self._attempt(call, clock, lease, attempt_fn)
+            except BaseException:
+                span.close()
+                raise
+            if isinstance(result, Served):
+                return result, span
+            span.close()
+            await self._after_failure(call, result)
 
-    async def _stalled(self, call: _Call, clock: StallClock) -> bool:
+    @staticmethod
+    def _leave(call: CallState, room: WaitingRoom) -> None:
+        """The call is over: give up its place in the queue, if it holds one."""
+        if call.waiter is not None:
+            room.leave(call.waiter)
+            call.waiter = None
+
+    async def _stalled(self, call: CallState, clock: StallClock) -> bool:
         """The stall rule: this call's non-productive time AND the scope's progress age exceed it.
 
         The local measure comes first, so a call that has not waited long
@@ -387,134 +405,17 @@ class RetryMW:
             call.age = await self._backend.progress_age_s(self._scope)
         return call.age > stall
 
-    def _timeouts(self, source: SourceConfig, call: _Call) -> tuple[float, float, float]:
-        """(timeout, TTFT, idle) of one attempt at ``source``, each clipped to the time left."""
-        timeout_s = float(source.timeout_s)
-        ttft_s = float(source.ttft_timeout_s)
-        idle_s = float(source.stream_idle_timeout_s)
-        left = self._time_left(call)
-        if left is not None:
-            timeout_s, ttft_s, idle_s = min(timeout_s, left), min(ttft_s, left), min(idle_s, left)
-        return timeout_s, ttft_s, idle_s
-
-    def _ttl(self, call: _Call, candidates: Sequence[SourceConfig]) -> float:
-        """Lease TTL: the longest effective attempt among the candidates, plus the grace.
-
-        A stream holds its lease until it closes and renews it every TTL/3
-        when a chunk arrives; TTFT plus twice the idle timeout outlasts the
-        longest gap between two renewals the transport allows.
-        """
-        longest = 0.0
-        for source in candidates:
-            timeout_s, ttft_s, idle_s = self._timeouts(source, call)
-            longest = max(longest, ttft_s + 2.0 * idle_s if call.streaming else timeout_s)
-        return longest + self._policy.lease_grace_s
-
-    async def _pick_runnable(self, call: _Call, room: WaitingRoom) -> Lease | None:
-        """A lease on the best runnable source, or ``None`` (not our turn, or nothing runnable).
-
-        One ``acquire`` over every source in selection order, this call's
-        untried ones first: a busy or closed tier spills over to the next at
-        no extra cost. Fast path: with nobody waiting (and fewer than
-        ``_MAX_ASKING`` acquires in flight) a call asks at once; otherwise it
-        joins the tail of the FIFO and only the head asks. ``fail_fast`` calls
-        never queue: they ask once.
-        """
-        busy = not room.empty or room.asking >= _MAX_ASKING
-        if call.waiter is None and not call.fail_fast and busy:
-            call.waiter = room.enter()
-        if call.waiter is not None and not room.is_head(call.waiter):
-            return None
-        ordered = order_candidates(
-            self._sources,
-            priority=lambda s: s.priority,
-            weight=lambda s: s.weight,
-            rng=self._rng,
-        )
-        candidates = untried_first(ordered, call.tried)
-        acquire = self._backend.acquire(
-            self._scope,
-            [self._specs[s.name] for s in candidates],
-            cost_tokens=call.cost_tokens,
-            ttl_s=self._ttl(call, candidates),
-        )
-        room.asking += 1
-        try:
-            if self._backend.cancel_safe:
-                result = await acquire
-            else:
-                acquiring = asyncio.ensure_future(acquire)
-                try:
-                    result = await asyncio.shield(acquiring)
-                except asyncio.CancelledError:
-                    # The backend may grant the lease after we have gone: give it back.
-                    keep_until_done(asyncio.ensure_future(self._release_late(acquiring)))
-                    raise
-        except GovernanceBackendError as exc:
-            # Fail closed together: the calls queued behind this one would each
-            # wait out the backend's timeout in turn otherwise.
-            room.fail_all(exc, but=call.waiter)
-            raise
-        finally:
-            room.asking -= 1
-        call.last = result
-        call.last_at = self._now()
-        if result.lease is None:
-            return None
-        if call.waiter is not None:
-            room.leave(call.waiter)
-            call.waiter = None
-        return result.lease
-
-    async def _release_late(self, acquiring: asyncio.Future[AcquireResult]) -> None:
-        """Release the lease of an acquire whose caller was cancelled while it ran."""
-        result = await acquiring
-        if result.lease is not None:
-            await self._backend.release(result.lease, AttemptOutcome("cancelled"))
-
-    async def _on_no_runnable(self, call: _Call, room: WaitingRoom, clock: StallClock) -> None:
-        """Nothing runnable: fail fast, apply the stall rule, or wait our turn in the FIFO.
-
-        The head polls every ``[0.5p, 1.0p]`` of ``poll_interval_s`` (jitter
-        against herds) and is woken early by a local release. A call behind
-        the head sleeps until promoted or until its own stall deadline (one
-        timer, no polling), then checks the stall rule again.
-        """
+    async def _on_no_runnable(self, call: CallState, room: WaitingRoom, clock: StallClock) -> None:
+        """Nothing runnable: fail fast, apply the stall rule, or wait our turn in the FIFO."""
         if call.fail_fast:
             # Never the stall rule: the caller asked not to wait at all.
             raise await self._exhausted(call, "no_runnable")
         if await self._stalled(call, clock):
             raise await self._exhausted(call, "stalled")
-        if call.waiter is None:
-            call.waiter = room.enter()
-        stall = self._policy.stall_window_s
-        poll = self._policy.poll_interval_s
-        if room.is_head(call.waiter):
-            timeout = self._rng.uniform(0.5 * poll, poll)
-        else:
-            local_left = stall - clock.stalled_s()
-            if local_left >= 0.0:
-                timeout = local_left + _STALL_TIMER_SLACK_S
-            else:
-                # Our window is spent but the scope serves others: look again when
-                # its progress would go stale if nobody served meanwhile.
-                age = call.age if call.age is not None else 0.0
-                timeout = max(stall - age + _STALL_TIMER_SLACK_S, poll)
-        left = self._time_left(call)
-        if left is not None:
-            timeout = min(timeout, max(left, 0.0))
-        await room.wait(call.waiter, timeout, self._sleep)
-        failure = call.waiter.failure
-        if failure is not None:
-            raise GovernanceBackendError(
-                f"the backend failed for a call ahead of this one in the queue: {failure}",
-                operation=getattr(failure, "operation", "acquire"),
-                scope=self._scope,
-                sources=self._names,
-            ) from failure
+        await self._admit.wait_turn(call, room, clock.stalled_s(), self._names)
 
     async def _attempt(
-        self, call: _Call, clock: StallClock, lease: Lease, attempt_fn: AttemptFn[T]
+        self, call: CallState, clock: StallClock, lease: Lease, attempt_fn: AttemptFn[T]
     ) -> Served[T] | _Failed:
         """One real request on a held permit; a failure is released and emitted here.
 
@@ -523,7 +424,7 @@ class RetryMW:
         """
         source = self._by_name[lease.source]
         call.tried.add(source.name)
-        timeout_s, ttft_s, idle_s = self._timeouts(source, call)
+        timeout_s, ttft_s, idle_s = self._admit.timeouts(source, call)
         started = self._now()
         ctx = AttemptContext(
             call_id=call.call_id,
@@ -551,13 +452,15 @@ class RetryMW:
             # Cancellation, the caller's timeout, or a bug in the attempt function:
             # the permit goes back at once, then the exception passes on untouched.
             try:
-                await self._release(lease, AttemptOutcome("cancelled"))
+                await self._release(lease, _CANCELLED)
             finally:
                 self._emit(call, ctx, "cancelled", None, "cancelled")
             raise
         return Served(value, ctx, call.records, self._backend, self._now)
 
-    async def _finish(self, call: _Call, served: Served[Any], exc: BaseException | None) -> None:
+    async def _finish(
+        self, call: CallState, served: Served[Any], exc: BaseException | None
+    ) -> None:
         """Release the serving attempt's permit according to how its body ended; emit its record."""
         ctx = served.ctx
         status: int | None = None
@@ -569,7 +472,7 @@ class RetryMW:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
             outcome = AttemptOutcome("success", tokens_used=used or None)
         else:
-            outcome = AttemptOutcome("cancelled")
+            outcome = _CANCELLED
             error = "cancelled"
         try:
             await self._release(ctx.lease, outcome)
@@ -577,7 +480,7 @@ class RetryMW:
             # A cancellation during the release must not lose the served attempt's record.
             self._emit(call, ctx, outcome.kind, status, error)
 
-    async def _after_failure(self, call: _Call, failed: _Failed) -> None:
+    async def _after_failure(self, call: CallState, failed: _Failed) -> None:
         """Apply the table's verdict to the loop: raise, charge, then back off."""
         verdict, error = failed.verdict, failed.error
         if verdict.raises:
@@ -608,7 +511,7 @@ class RetryMW:
             cap_s=self._policy.backoff_cap_s,
             rng=self._rng,
         )
-        left = self._time_left(call)
+        left = self._admit.time_left(call)
         if left is not None:
             delay = min(delay, max(left, 0.0))
         # Outside attempting(): back-off is non-productive and bills the stall clock.
@@ -638,7 +541,7 @@ class RetryMW:
 
     def _emit(
         self,
-        call: _Call,
+        call: CallState,
         ctx: AttemptContext,
         outcome: str,
         status_code: int | None,
@@ -666,7 +569,7 @@ class RetryMW:
 
     # --- the error that ends a call --------------------------------------------
 
-    async def _exhausted(self, call: _Call, reason: ExhaustedReason) -> AllSourcesExhausted:
+    async def _exhausted(self, call: CallState, reason: ExhaustedReason) -> AllSourcesExhausted:
         """The error that ends a call, with the time until the earliest source reopens."""
         message = f"{call.op_name}: all sources exhausted: {_EXPLAINED[reason]}"
         last = call.records[-1] if call.records else None
@@ -682,7 +585,7 @@ class RetryMW:
             attempts=tuple(call.records),
         )
 
-    async def _retry_after(self, call: _Call) -> float | None:
+    async def _retry_after(self, call: CallState) -> float | None:
         """Seconds until the earliest source reopens by time alone, or ``None``.
 
         From this call's last rejected acquire when there is one (aged by the
@@ -718,3 +621,60 @@ _EXPLAINED: Final[Mapping[ExhaustedReason, str]] = {
     "no_runnable": "no source could take the call at once (fail_fast)",
     "deadline": "the call's deadline passed",
 }
+
+
+class _Session(Generic[T]):
+    """What ``RetryMW.session`` returns: the loop runs on entry, the release on exit.
+
+    A class rather than a generator-based context manager: one is made per call.
+    """
+
+    __slots__ = ("_args", "_attempt_fn", "_call", "_mw", "_room", "_served", "_span")
+
+    def __init__(
+        self,
+        mw: RetryMW,
+        attempt_fn: AttemptFn[T],
+        args: tuple[str, int, bool, float | None, bool],
+    ) -> None:
+        self._mw = mw
+        self._attempt_fn = attempt_fn
+        self._args = args
+        self._call: CallState | None = None
+        self._room: WaitingRoom | None = None
+        self._served: Served[T] | None = None
+        self._span: _Span | None = None
+
+    async def __aenter__(self) -> Served[T]:
+        mw = self._mw
+        op_name, cost_tokens, fail_fast, deadline_s, streaming = self._args
+        call = mw._begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=streaming)
+        clock = StallClock(mw._now)  # one per call, never an attribute
+        room = mw._backend.waiting_room(mw._scope)
+        try:
+            served, span = await mw._serve(call, clock, room, self._attempt_fn)
+        except BaseException:
+            mw._leave(call, room)
+            raise
+        self._call, self._room, self._served, self._span = call, room, served, span
+        return served
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        call, room, served, span = self._call, self._room, self._served, self._span
+        if call is None or room is None or served is None or span is None:
+            return
+        self._call = self._room = self._served = self._span = None
+        try:
+            try:
+                # The body's exception (stream cut, consumer gone, cancellation) passes
+                # on after the release, which records how the body ended.
+                await self._mw._finish(call, served, exc)
+            finally:
+                span.close()
+        finally:
+            RetryMW._leave(call, room)

@@ -1,0 +1,302 @@
+"""The admission half of the governance loop: how one call gets a permit, or waits its turn.
+
+``retry.py`` holds the loop and decides (stall rule, deadline, what each
+failure does, back-off, release, telemetry); this module gets the permit:
+
+- the order of the candidates: selection order (``governance/selection.py``),
+  the sources this call has not tried yet first;
+- one ``backend.acquire`` over all of them, with the lease's TTL, run in the
+  caller's task for a ``cancel_safe`` backend and shielded otherwise;
+- the scope's FIFO (``backends/waiting.py``): a call asks at once when
+  nobody waits and the backend has room for another operation
+  (``Backend.max_inflight_ops``), otherwise it queues and only the head asks;
+- the wait of a call that found nothing runnable: the head polls, the
+  others sleep until promoted or until their stall deadline.
+
+What is fixed for a scope (selection tiers and weights, each source's
+timeouts, the TTL of a call without a deadline) is read once, not per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Final
+
+from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
+from polygateway.errors import GovernanceBackendError
+from polygateway.governance.selection import SelectionOrder, untried_first
+from polygateway.middleware.attempt import keep_until_done
+from polygateway.middleware.policy import LoopPolicy
+
+if TYPE_CHECKING:
+    import random
+
+    from polygateway.backends.waiting import Waiter, WaitingRoom
+    from polygateway.config import SourceConfig
+    from polygateway.models import AttemptRecord
+
+__all__ = ["Admitter", "CallState"]
+
+Sleep = Callable[[float], Awaitable[None]]
+
+_STALL_TIMER_SLACK_S: Final = 1e-3
+"""A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
+
+_CANCELLED: Final = AttemptOutcome("cancelled")
+
+Timeouts = tuple[float, float, float]
+"""(timeout, TTFT, idle) of one attempt, in seconds."""
+
+_Candidate = tuple["SourceConfig", SourceSpec]
+
+
+class CallState:
+    """One call's private loop state (never shared between calls).
+
+    The call's ``StallClock`` is not kept here: it is a local of the loop,
+    handed to each step that reads it, as the seed design prescribes.
+    """
+
+    __slots__ = (
+        "age",
+        "call_id",
+        "consecutive_429",
+        "cost_tokens",
+        "deadline_at",
+        "fail_fast",
+        "fails",
+        "last",
+        "last_at",
+        "op_name",
+        "pick_started_at",
+        "records",
+        "refused",
+        "streaming",
+        "tried",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        *,
+        op_name: str,
+        cost_tokens: int,
+        fail_fast: bool,
+        streaming: bool,
+        deadline_at: float | None,
+        pick_started_at: float,
+    ) -> None:
+        self.op_name = op_name
+        self.cost_tokens = cost_tokens
+        self.fail_fast = fail_fast
+        self.streaming = streaming
+        self.deadline_at = deadline_at
+        self.pick_started_at = pick_started_at  # when the search for this attempt's permit began
+        self.call_id = os.urandom(8).hex()
+        self.fails = 0
+        self.consecutive_429 = 0
+        self.tried: set[str] = set()
+        self.refused: set[str] = set()  # sources that answered 401/403/404
+        self.records: list[AttemptRecord] = []
+        self.waiter: Waiter | None = None
+        self.last: AcquireResult | None = None  # this call's latest acquire, for retry_after_s
+        self.last_at = 0.0
+        self.age: float | None = None  # progress age read in this iteration, if any
+
+
+def _candidate_name(candidate: _Candidate) -> str:
+    return candidate[0].name
+
+
+class Admitter:
+    """Permits for the calls of one scope: selection order, one acquire, the FIFO of waiters."""
+
+    __slots__ = (
+        "_backend",
+        "_free_ttl",
+        "_now",
+        "_order",
+        "_policy",
+        "_rng",
+        "_scope",
+        "_sleep",
+        "_timeouts",
+    )
+
+    def __init__(
+        self,
+        *,
+        scope: str,
+        sources: Sequence[SourceConfig],
+        specs: Sequence[SourceSpec],
+        policy: LoopPolicy,
+        backend: Backend,
+        now: Callable[[], float],
+        sleep: Sleep,
+        rng: random.Random,
+    ) -> None:
+        self._scope = scope
+        self._policy = policy
+        self._backend = backend
+        self._now = now
+        self._sleep = sleep
+        self._rng = rng
+        self._order: SelectionOrder[_Candidate] = SelectionOrder(
+            tuple(zip(sources, specs, strict=True)),
+            priority=lambda c: c[0].priority,
+            weight=lambda c: c[0].weight,
+        )
+        self._timeouts: dict[str, Timeouts] = {
+            s.name: (float(s.timeout_s), float(s.ttft_timeout_s), float(s.stream_idle_timeout_s))
+            for s in sources
+        }
+        # Without a deadline nothing clips the timeouts, and every call's candidates are
+        # all the scope's sources: the TTL is one figure per kind of call.
+        every = [self._timeouts[s.name] for s in sources]
+        self._free_ttl = (
+            self._longest(every, streaming=False),
+            self._longest(every, streaming=True),
+        )
+
+    def time_left(self, call: CallState) -> float | None:
+        """Seconds before the call's deadline, or ``None`` without one."""
+        return None if call.deadline_at is None else call.deadline_at - self._now()
+
+    def timeouts(self, source: SourceConfig, call: CallState) -> Timeouts:
+        """(timeout, TTFT, idle) of one attempt at ``source``, each clipped to the time left."""
+        timeouts = self._timeouts[source.name]
+        left = self.time_left(call)
+        if left is None:
+            return timeouts
+        timeout_s, ttft_s, idle_s = timeouts
+        return min(timeout_s, left), min(ttft_s, left), min(idle_s, left)
+
+    def _longest(self, timeouts: Sequence[Timeouts], *, streaming: bool) -> float:
+        """Lease TTL: the longest effective attempt among the candidates, plus the grace.
+
+        A stream holds its lease until it closes and renews it every TTL/3
+        when a chunk arrives; TTFT plus twice the idle timeout outlasts the
+        longest gap between two renewals the transport allows.
+        """
+        longest = 0.0
+        for timeout_s, ttft_s, idle_s in timeouts:
+            longest = max(longest, ttft_s + 2.0 * idle_s if streaming else timeout_s)
+        return longest + self._policy.lease_grace_s
+
+    def _ttl(self, call: CallState, candidates: Sequence[_Candidate]) -> float:
+        """The TTL of the lease this call asks for now."""
+        if call.deadline_at is None:
+            return self._free_ttl[call.streaming]
+        every = [self.timeouts(source, call) for source, _ in candidates]
+        return self._longest(every, streaming=call.streaming)
+
+    def _busy(self, room: WaitingRoom) -> bool:
+        """Whether a new call must queue: others wait, or the backend has no room to ask.
+
+        The head of the queue asks whatever the count (nobody else would ask
+        for it), so the fast path stops one short of the backend's bound: at
+        most ``max_inflight_ops`` acquires of the scope at once in this process.
+        """
+        if not room.empty:
+            return True
+        bound = self._backend.max_inflight_ops
+        return bound is not None and room.asking >= bound - 1
+
+    async def pick(self, call: CallState, room: WaitingRoom) -> Lease | None:
+        """A lease on the best runnable source, or ``None`` (not our turn, or nothing runnable).
+
+        One ``acquire`` over every source in selection order, this call's
+        untried ones first: a busy or closed tier spills over to the next at
+        no extra cost. Fast path: with nobody waiting (and fewer acquires in
+        flight than the backend serves at once) a call asks at once;
+        otherwise it joins the tail of the FIFO and only the head asks.
+        ``fail_fast`` calls never queue: they ask once.
+        """
+        if call.waiter is None and not call.fail_fast and self._busy(room):
+            call.waiter = room.enter()
+        if call.waiter is not None and not room.is_head(call.waiter):
+            return None
+        candidates = self._order.order(self._rng)
+        if call.tried:
+            candidates = untried_first(candidates, call.tried, name=_candidate_name)
+        backend = self._backend
+        acquire = backend.acquire(
+            self._scope,
+            [spec for _, spec in candidates],
+            cost_tokens=call.cost_tokens,
+            ttl_s=self._ttl(call, candidates),
+        )
+        room.asking += 1
+        try:
+            if backend.cancel_safe:
+                result = await acquire
+            else:
+                acquiring = asyncio.ensure_future(acquire)
+                try:
+                    result = await asyncio.shield(acquiring)
+                except asyncio.CancelledError:
+                    # The backend may grant the lease after we have gone: give it back.
+                    keep_until_done(asyncio.ensure_future(self._release_late(acquiring)))
+                    raise
+        except GovernanceBackendError as exc:
+            # Fail closed together: the calls queued behind this one would each
+            # wait out the backend's timeout in turn otherwise.
+            room.fail_all(exc, but=call.waiter)
+            raise
+        finally:
+            room.asking -= 1
+        call.last = result
+        call.last_at = self._now()
+        lease = result.lease
+        if lease is None:
+            return None
+        if call.waiter is not None:
+            room.leave(call.waiter)
+            call.waiter = None
+        return lease
+
+    async def _release_late(self, acquiring: asyncio.Future[AcquireResult]) -> None:
+        """Release the lease of an acquire whose caller was cancelled while it ran."""
+        result = await acquiring
+        if result.lease is not None:
+            await self._backend.release(result.lease, _CANCELLED)
+
+    async def wait_turn(
+        self, call: CallState, room: WaitingRoom, stalled_s: float, sources: tuple[str, ...]
+    ) -> None:
+        """Wait in the scope's FIFO after finding nothing runnable (the stall rule passed).
+
+        The head polls every ``[0.5p, 1.0p]`` of ``poll_interval_s`` (jitter
+        against herds) and is woken early by a local release. A call behind
+        the head sleeps until promoted or until its own stall deadline (one
+        timer, no polling). ``stalled_s`` is the call's non-productive time now.
+        """
+        if call.waiter is None:
+            call.waiter = room.enter()
+        stall = self._policy.stall_window_s
+        poll = self._policy.poll_interval_s
+        if room.is_head(call.waiter):
+            timeout = self._rng.uniform(0.5 * poll, poll)
+        else:
+            local_left = stall - stalled_s
+            if local_left >= 0.0:
+                timeout = local_left + _STALL_TIMER_SLACK_S
+            else:
+                # Our window is spent but the scope serves others: look again when
+                # its progress would go stale if nobody served meanwhile.
+                age = call.age if call.age is not None else 0.0
+                timeout = max(stall - age + _STALL_TIMER_SLACK_S, poll)
+        left = self.time_left(call)
+        if left is not None:
+            timeout = min(timeout, max(left, 0.0))
+        await room.wait(call.waiter, timeout, self._sleep)
+        failure = call.waiter.failure
+        if failure is not None:
+            raise GovernanceBackendError(
+                f"the backend failed for a call ahead of this one in the queue: {failure}",
+                operation=getattr(failure, "operation", "acquire"),
+                scope=self._scope,
+                sources=sources,
+            ) from failure
