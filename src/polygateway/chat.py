@@ -44,6 +44,16 @@ Messages = Sequence[Mapping[str, Any]]
 
 def _check_messages(messages: object, scope: str) -> list[Mapping[str, Any]]:
     """The caller's messages, or ``RequestRejected`` before any request is sent."""
+    if type(messages) is list and messages:
+        # The common case, checked without the ABCs' slower isinstance.
+        for message in messages:
+            if type(message) is not dict:
+                break
+            role = message.get("role")
+            if type(role) is not str or not role:
+                break
+        else:
+            return list(messages)
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
         raise RequestRejected("messages must be a list of message dicts", scope=scope)
     if not messages:
@@ -277,7 +287,8 @@ class ChatStream:
         opened = served.value
         if not opened.buffered and not opened.ended:
             await self._fill(opened, served.ctx)
-            await served.renew_if_due()
+            if served.renew_due():
+                await served.renew_if_due()
         if opened.buffered:
             self._delivered += 1
             return opened.buffered.popleft()
@@ -363,28 +374,23 @@ class ChatStream:
         return self
 
     async def _iterate_entered(self) -> AsyncGenerator[ChatChunk, None]:
-        while True:
-            chunk = await self._next_entered()
+        served, call = self._served, self._call
+        if served is None or call is None:
+            return
+        while self._cm is not None:
+            try:
+                async with call.running():
+                    chunk = await self._read(served)
+            except TransientError as exc:
+                await self._exit(type(exc), exc, exc.__traceback__)
+                raise self._interrupted(exc) from exc
+            except BaseException as exc:
+                await self._exit(type(exc), exc, exc.__traceback__)
+                raise
             if chunk is None:
+                await self._exit(None, None, None)
                 return
             yield chunk
-
-    async def _next_entered(self) -> ChatChunk | None:
-        served, call = self._served, self._call
-        if served is None or call is None or self._cm is None:
-            return None
-        try:
-            async with call.running():
-                chunk = await self._read(served)
-        except TransientError as exc:
-            await self._exit(type(exc), exc, exc.__traceback__)
-            raise self._interrupted(exc) from exc
-        except BaseException as exc:
-            await self._exit(type(exc), exc, exc.__traceback__)
-            raise
-        if chunk is None:
-            await self._exit(None, None, None)
-        return chunk
 
     async def _exit(
         self,

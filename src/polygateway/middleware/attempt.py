@@ -140,6 +140,10 @@ class Served(Generic[T]):
         """The work ended cleanly: the permit is released as a success."""
         self._completed = True
 
+    def renew_due(self) -> bool:
+        """Whether a third of the TTL has passed since the last renewal (sync: runs per chunk)."""
+        return self._now() - self._renewed_at >= self.ctx.lease.ttl_s / 3.0
+
     async def renew_if_due(self) -> bool:
         """Renew the lease once a third of its TTL has passed; ``True`` when a renewal was sent.
 
@@ -147,9 +151,9 @@ class Served(Generic[T]):
         renewal is logged, not raised: the answer is already flowing, and the
         next chunk tries again.
         """
-        lease = self.ctx.lease
-        if self._now() - self._renewed_at < lease.ttl_s / 3.0:
+        if not self.renew_due():
             return False
+        lease = self.ctx.lease
         try:
             alive = await self._backend.renew(lease)
         except GovernanceBackendError as exc:

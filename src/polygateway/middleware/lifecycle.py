@@ -71,27 +71,21 @@ class InFlight:
         if self._task is not None:
             self._task.cancel()
 
-    def running(self) -> _Running:
-        """Context of one stretch of work on the call, in the current task."""
-        return _Running(self)
+    def running(self) -> InFlight:
+        """Context of one stretch of work on the call, in the current task.
 
-
-class _Running:
-    """Class-based (not a generator): a stream enters one per chunk."""
-
-    __slots__ = ("_call",)
-
-    def __init__(self, call: InFlight) -> None:
-        self._call = call
+        The call is its own context manager (stretches of one call never
+        overlap): a stream enters one stretch per chunk, so no object is made per stretch.
+        """
+        return self
 
     async def __aenter__(self) -> None:
-        call = self._call
-        if call.closing:
-            raise GatewayError("client closed", scope=call.scope)
+        if self.closing:
+            raise GatewayError("client closed", scope=self.scope)
         task = asyncio.current_task()
         if task is not None:
-            call._task = task
-            call._baseline = task.cancelling()
+            self._task = task
+            self._baseline = task.cancelling()
 
     async def __aexit__(
         self,
@@ -99,16 +93,15 @@ class _Running:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        call = self._call
-        task, call._task = call._task, None
+        task, self._task = self._task, None
         if (
             exc_type is asyncio.CancelledError
-            and call.closing
+            and self.closing
             and task is not None
-            and task.uncancel() <= call._baseline
+            and task.uncancel() <= self._baseline
         ):
             # Our own cancellation (the close ran out of grace), not the caller's.
-            raise GatewayError("client closed while the call was in flight", scope=call.scope)
+            raise GatewayError("client closed while the call was in flight", scope=self.scope)
 
 
 class Lifecycle:
