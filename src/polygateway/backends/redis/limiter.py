@@ -3,8 +3,11 @@
 Every operation is one Lua script (``scripts.py``), so it is atomic on the
 server and costs one round trip: a call that does not wait costs exactly two
 (acquire, release); a stream adds one per renewal. Scripts run by EVALSHA and
-are reloaded by redis-py on NOSCRIPT, so a ``SCRIPT FLUSH`` or a restarted
-server is survived without a restart of the process.
+are reloaded on NOSCRIPT, so a ``SCRIPT FLUSH`` or a restarted server is
+survived without a restart of the process. They are sent by ``wire.py``
+(pre-packed commands over a lean pool of redis-py connections), not through
+``redis.asyncio.Redis``: that cut the client CPU of a governed call on Redis
+by more than half (its docstring says where the time went).
 
 Time is the server's (``redis.call('TIME')``) unless a ``now`` is injected,
 which only tests do, so the contract suite runs its time-dependent cases under
@@ -17,8 +20,8 @@ the one boundary where redis exceptions are translated); no request goes
 upstream ungoverned. The password of the URL never appears in a message or
 repr.
 
-Late replies: every operation runs as its own task, shielded, and its caller
-waits for it at most ``socket_timeout_s``. A caller that stops waiting (its
+Late replies: every operation runs as its own task, and its caller waits for
+it at most ``socket_timeout_s`` (``_bounded``). A caller that stops waiting (its
 timeout, or its own cancellation) leaves the task behind: the script may
 already be on the server, which runs it whenever it can (a frozen server, on
 waking), so the reply is still read, for up to ``_LATE_REPLY_S``. An acquire
@@ -35,10 +38,9 @@ import hashlib
 import itertools
 import logging
 import math
-import uuid
+import os
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from functools import partial
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Final, Literal, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 try:
@@ -92,8 +94,9 @@ changed from accumulating keys. Lease keys empty themselves as leases end.
 _LATE_REPLY_S = 60.0
 """How long a reply is still read after its caller stopped waiting for it.
 
-This is the pool's socket read timeout; callers are bounded by
-``socket_timeout_s`` on their own side. Without it a timed-out acquire that a
+Work left behind is cancelled after it (its connection has no socket timeout
+of its own; an injected client's connections keep theirs); callers are
+bounded by ``socket_timeout_s`` on their own side. Without it a timed-out acquire that a
 frozen server runs on waking would hold its permit, unseen, until its lease
 expired (``timeout_s + lease_grace_s``), for every connection that had one in
 flight when the server froze.
@@ -110,6 +113,8 @@ number of permits; more would only load the server.
 _MAX_LEFT_BEHIND = _MAX_CONNECTIONS // 2
 """Operations left behind (their reply still read) at most; past it a timed-out one is abandoned.
 
+(Half the pool: with an injected client, half of that client's pool size.)
+
 Each holds a pool connection while it waits: half the pool stays for new
 operations, so a server that never answers (a blackholed address after a
 failover) cannot keep the pool busy for ``_LATE_REPLY_S``. The loop asks Redis
@@ -119,7 +124,7 @@ server runs later holds its permit until its lease expires, as a crash would.
 """
 
 _MAX_SPEC_CACHE = 1024
-"""Specs whose ARGV strings are kept; configs hold a few dozen, so this only bounds misuse."""
+"""Specs (and sources' keys) kept packed; configs hold a few dozen, so this only bounds misuse."""
 
 _REDACTED = "***"
 
@@ -215,10 +220,30 @@ def _script(text: str) -> Script:
     return Script(text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest())
 
 
-def _wake(waiter: asyncio.Future[None], _: object) -> None:
-    """Resolve a caller's waiter (its work is done, or its time is up), unless it already is."""
+_TIMED_OUT: Final = object()
+"""What a caller's waiter holds when ``socket_timeout_s`` passed before the work's reply."""
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    """The caller's time is up: wake it, unless the work's outcome already did."""
     if not waiter.done():
-        waiter.set_result(None)
+        waiter.set_result(_TIMED_OUT)
+
+
+async def _relay(work: Coroutine[Any, Any, T], waiter: asyncio.Future[Any]) -> T:
+    """Run ``work`` and hand its outcome to a caller still waiting, in the same step."""
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        waiter.cancel()  # the work was cancelled (closing, abandoned): so is its caller's wait
+        raise
+    except Exception as exc:  # relayed and re-raised: the task keeps its own outcome
+        if not waiter.done():
+            waiter.set_exception(exc)
+        raise
+    if not waiter.done():
+        waiter.set_result(result)
+    return result
 
 
 def _pool_size(client: aioredis.Redis) -> int | None:
@@ -232,8 +257,9 @@ def _pool_size(client: aioredis.Redis) -> int | None:
 class RedisBackend:
     """Governance state shared by every process that points at one Redis; implements ``Backend``.
 
-    ``cancel_safe``: every operation runs shielded in a task of its own and a
-    late grant of an abandoned acquire is given back (see "Late replies").
+    ``cancel_safe``: every operation runs in a task of its own that its caller's
+    cancellation never reaches, and a late grant of an abandoned acquire is
+    given back (see "Late replies").
 
     Args:
         url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``, ``unix://``).
@@ -242,8 +268,9 @@ class RedisBackend:
             the background (see the module docstring).
         now: tests only: a clock passed to every script instead of the server's TIME.
         client: an existing ``redis.asyncio.Redis`` to use instead of opening a
-            pool (its owner closes it; ``url`` then only names it in messages;
-            its own socket timeout bounds how long a late reply is read).
+            pool (its owner closes it; ``url`` then only names it in messages).
+            Its pool makes the connections (its URL, timeouts, TLS, auth) and
+            sizes the backend's own pool of them (``max_inflight_ops``).
     """
 
     __slots__ = (
@@ -396,28 +423,35 @@ class RedisBackend:
         A cancelled caller leaves it behind the same way.
 
         Built from one Task, one future and one timer handle: the caller waits
-        on the future, which the task's completion or the timer resolves, so
-        a cancelled or timed-out caller never touches the task (what
-        ``asyncio.shield`` inside ``asyncio.timeout`` did, for about half the
-        CPU: no second future chained to the task, no Timeout object with its
-        own rescheduling).
+        on the future, which the task (``_relay``) or the timer resolves, so a
+        cancelled or timed-out caller never touches the task. That is what
+        ``asyncio.shield`` inside ``asyncio.timeout`` did, for less CPU and
+        two event-loop turns fewer per operation: no second future chained to
+        the task by a done callback, no Timeout object with its own
+        rescheduling.
         """
         loop = asyncio.get_running_loop()
-        task = loop.create_task(work)
-        waiter: asyncio.Future[None] = loop.create_future()
-        task.add_done_callback(partial(_wake, waiter))
-        timer = loop.call_later(self._timeout_s, _wake, waiter, None)
+        waiter: asyncio.Future[Any] = loop.create_future()
+        task = loop.create_task(_relay(work, waiter))
+        timer = loop.call_later(self._timeout_s, _expire, waiter)
         try:
-            await waiter
+            result = await waiter
         except asyncio.CancelledError:
             timer.cancel()
             self._leave_behind(task, late)
             raise
+        except Exception:
+            # The work's own failure (already translated), relayed in the step that ended
+            # the task: mark the task's copy retrieved, so asyncio does not log it again.
+            timer.cancel()
+            if task.done():
+                task.exception()
+            raise
         timer.cancel()
-        if task.done():
-            return task.result()
+        if result is not _TIMED_OUT:
+            return cast(T, result)
         # Only our own timeout: inside the task every error is already translated.
-        if len(self._background) >= self._max_left_behind:
+        if len(self._background) >= self._max_left_behind:  # _MAX_LEFT_BEHIND
             task.cancel()  # closes its connection; see _MAX_LEFT_BEHIND
         self._leave_behind(task, late)
         detail = f"TimeoutError: no reply within {self._timeout_s:g} s"
@@ -496,10 +530,11 @@ class RedisBackend:
         if not candidates:
             return AcquireResult(None)
         specs = tuple(candidates)
-        # Unique fleet-wide (uuid4), and sorting in order of issue within this process (the
-        # counter in front), as the memory backend's ids do: ordering leases by id is then
-        # stable from run to run, and a lease zset reads chronologically.
-        lease_id = f"{next(self._serial):012x}{uuid.uuid4().hex}"
+        # Unique fleet-wide (128 random bits, as many as a uuid4's 122 and cheaper to make),
+        # and sorting in order of issue within this process (the counter in front), as the
+        # memory backend's ids do: ordering leases by id is then stable from run to run, and
+        # a lease zset reads chronologically.
+        lease_id = f"{next(self._serial):012x}{os.urandom(16).hex()}"
         packed = [bulk(_key(scope, "sources"))]
         packed += [self._keys_of(scope, spec.name) for spec in specs]
         packed += (
