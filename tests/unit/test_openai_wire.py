@@ -27,6 +27,7 @@ from polygateway.transport.openai import (
     parse_chat_response,
     parse_embedding_response,
 )
+from polygateway.transport.wire import endpoint, json_target, source_headers
 
 KEY = "sk-test-SECRET-123"
 
@@ -118,6 +119,28 @@ def test_chat_request_params_cannot_override_model_or_stream() -> None:
 def test_chat_request_repr_shows_no_key() -> None:
     """The request's repr never shows the Authorization header."""
     assert KEY not in repr(chat_request(Source(), MESSAGES, {}, stream=False, timeout_s=1.0))
+
+
+def test_json_target_is_built_once_but_handed_out_fresh() -> None:
+    """URL and headers as endpoint/source_headers give them; each caller gets its own dict."""
+    source = Source()
+    url, headers = json_target(source, "chat/completions")
+    assert url == endpoint(source, "chat/completions")
+    assert headers == source_headers(source, content_type="application/json")
+    headers["X-Org"] = "changed"
+    assert json_target(source, "chat/completions")[1]["X-Org"] == "acme"
+    assert json_target(source, "embeddings")[0] == "http://127.0.0.1:8001/v1/embeddings"
+
+
+def test_json_target_follows_each_source_past_its_table_size() -> None:
+    """Hundreds of distinct sources (more than the table keeps) each get their own target."""
+    sources = [
+        Source(name=f"s{i}", base_url=f"http://127.0.0.1:9/{i}", api_key=None) for i in range(600)
+    ]
+    for source in sources:
+        url, headers = json_target(source, "chat/completions")
+        assert url == f"http://127.0.0.1:9/{source.name[1:]}/chat/completions"
+        assert "Authorization" not in headers
 
 
 # --- parse_chat_response ---

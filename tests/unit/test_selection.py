@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polygateway.governance.selection import order_candidates, untried_first
+from polygateway.governance.selection import (
+    SelectionOrder,
+    _key,
+    order_candidates,
+    untried_first,
+)
 
 
 @dataclass(frozen=True)
@@ -91,3 +96,26 @@ def test_order_is_a_permutation_sorted_by_tier(specs: list[tuple[int, float]], s
     order = _order(sources, random.Random(seed))
     assert sorted(s.name for s in order) == sorted(s.name for s in sources)
     assert [s.priority for s in order] == sorted(s.priority for s in sources)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from([0.0, -1.0, 0.5, 1.0, 1.0, 3.0])),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(0, 2**32),
+)
+def test_selection_order_is_order_candidates_draw_for_draw(
+    spec: list[tuple[int, float]], seed: int
+) -> None:
+    """SelectionOrder (tiers and weights read once) orders as the key sort does, same draws."""
+    sources = [Src(f"s{i}", p, w) for i, (p, w) in enumerate(spec)]
+    order = SelectionOrder(sources, priority=lambda s: s.priority, weight=lambda s: s.weight)
+    fast, plain = random.Random(seed), random.Random(seed)
+    for _ in range(5):
+        keyed = sorted(
+            (s.priority, -_key(plain.random(), s.weight), i) for i, s in enumerate(sources)
+        )
+        assert order.order(fast) == [sources[i] for _, _, i in keyed]
+    assert fast.random() == plain.random()  # the same number of draws were made

@@ -87,15 +87,16 @@ class MemoryBackend:
     ) -> AcquireResult:
         """Lease the first admissible candidate, in order; see governance/source_state.py."""
         now = self._now()
-        sc = self._scope(scope)
+        sc = self._scopes.get(scope)
+        if sc is None:
+            sc = self._scope(scope)
+        sources = sc.sources
         rejections: list[Rejection] = []
         for spec in candidates:
-            src = sc.sources.get(spec.name)
+            src = sources.get(spec.name)
             if src is None:
-                src = sc.sources[spec.name] = _Source(
-                    spec, source_state.new_source_state(spec, now)
-                )
-            else:
+                src = sources[spec.name] = _Source(spec, source_state.new_source_state(spec, now))
+            elif src.spec is not spec:
                 src.spec = spec
             verdict = source_state.admit(src.state, spec, now, cost_tokens)
             if not isinstance(verdict, Admission):
@@ -119,7 +120,7 @@ class MemoryBackend:
                 tokens=cost_tokens,
                 probe=verdict.probe,
             )
-            return AcquireResult(lease, tuple(rejections))
+            return AcquireResult(lease, tuple(rejections) if rejections else ())
         return AcquireResult(None, tuple(rejections))
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:

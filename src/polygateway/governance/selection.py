@@ -46,7 +46,7 @@ class SelectionOrder(Generic[T]):
     source, so the rng's later values (back-off jitter) are the same either way.
     """
 
-    __slots__ = ("_fixed", "_keyed", "_sources")
+    __slots__ = ("_fixed", "_keyed", "_pair", "_sources")
 
     def __init__(
         self,
@@ -61,6 +61,14 @@ class SelectionOrder(Generic[T]):
         self._fixed: tuple[T, ...] | None = None
         if len(set(tiers)) == len(tiers):
             self._fixed = tuple(self._sources[i] for _, _, i in sorted(self._keyed))
+        # Two sources of one tier and one positive weight (a common scope): the keys
+        # order as the draws do, so the draws are compared without logs or a sort.
+        self._pair = (
+            len(self._keyed) == 2
+            and tiers[0] == tiers[1]
+            and self._keyed[0][1] == self._keyed[1][1]
+            and self._keyed[0][1] > 0
+        )
 
     @property
     def sources(self) -> tuple[T, ...]:
@@ -74,6 +82,9 @@ class SelectionOrder(Generic[T]):
             for _ in self._keyed:
                 draw()
             return list(self._fixed)
+        if self._pair:
+            first, second = self._sources
+            return [first, second] if draw() >= draw() else [second, first]
         keyed = [(p, -_key(draw(), w), i) for p, w, i in self._keyed]
         keyed.sort()
         sources = self._sources

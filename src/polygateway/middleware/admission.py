@@ -167,9 +167,9 @@ class Admitter:
     def timeouts(self, source: SourceConfig, call: CallState) -> Timeouts:
         """(timeout, TTFT, idle) of one attempt at ``source``, each clipped to the time left."""
         timeouts = self._timeouts[source.name]
-        left = self.time_left(call)
-        if left is None:
+        if call.deadline_at is None:
             return timeouts
+        left = call.deadline_at - self._now()
         timeout_s, ttft_s, idle_s = timeouts
         return min(timeout_s, left), min(ttft_s, left), min(idle_s, left)
 
@@ -192,7 +192,7 @@ class Admitter:
         every = [self.timeouts(source, call) for source, _ in candidates]
         return self._longest(every, streaming=call.streaming)
 
-    def _busy(self, room: WaitingRoom) -> bool:
+    def _must_queue(self, room: WaitingRoom) -> bool:
         """Whether a new call must queue: others wait, or the backend has no room to ask.
 
         The head of the queue asks whatever the count (nobody else would ask
@@ -214,7 +214,7 @@ class Admitter:
         otherwise it joins the tail of the FIFO and only the head asks.
         ``fail_fast`` calls never queue: they ask once.
         """
-        if call.waiter is None and not call.fail_fast and self._busy(room):
+        if call.waiter is None and not call.fail_fast and self._must_queue(room):
             call.waiter = room.enter()
         if call.waiter is not None and not room.is_head(call.waiter):
             return None
@@ -248,9 +248,9 @@ class Admitter:
         finally:
             room.asking -= 1
         call.last = result
-        call.last_at = self._now()
         lease = result.lease
         if lease is None:
+            call.last_at = self._now()  # retry_after_s is aged from here
             return None
         if call.waiter is not None:
             room.leave(call.waiter)

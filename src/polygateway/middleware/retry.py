@@ -186,11 +186,13 @@ class RetryMW:
         "_admit",
         "_backend",
         "_by_name",
+        "_emits",
         "_emitter",
         "_names",
         "_now",
         "_policy",
         "_rng",
+        "_room",
         "_scope",
         "_secrets",
         "_sleep",
@@ -218,6 +220,8 @@ class RetryMW:
         self._sleep = sleep
         self._rng = rng
         self._emitter: Emitter = emitter if emitter is not None else NullEmitter()
+        # Records are built for the call's attempts anyway; only a real emitter is called.
+        self._emits = type(self._emitter) is not NullEmitter
         self._names = tuple(s.name for s in self._sources)
         self._by_name = {s.name: s for s in self._sources}
         # Defence in depth: transports scrub their messages already, but nothing
@@ -239,6 +243,8 @@ class RetryMW:
             )
             for s in self._sources
         }
+        # One FIFO per scope and process, the backend's: looked up once, not per call.
+        self._room = backend.waiting_room(scope)
         self._admit = Admitter(
             scope=scope,
             sources=self._sources,
@@ -288,7 +294,7 @@ class RetryMW:
         """
         call = self._begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=False)
         clock = StallClock(self._now)  # one per call, never an attribute
-        room = self._backend.waiting_room(self._scope)
+        room = self._room
         try:
             served, span = await self._serve(call, clock, room, attempt_fn)
             served.complete()
@@ -361,13 +367,15 @@ class RetryMW:
         the caller after the release: for a stream it outlives this method.
         """
         admit = self._admit
+        # Chat only: 429s are not charged, so the stall rule is what bounds a saturated scope.
+        stall = self._policy.stall_window_s if self._policy.exempt_429 else None
         while True:
             call.age = None
-            # Chat only: 429s are not charged, so this is what bounds a saturated scope.
-            if self._policy.exempt_429 and await self._stalled(call, clock):
+            # The local measure first: a call that has not waited long needs no await.
+            if stall is not None and clock.stalled_s() > stall and await self._stalled(call, clock):
                 raise await self._exhausted(call, "stalled")
-            left = admit.time_left(call)
-            if left is not None and left <= _DEADLINE_EPSILON_S:
+            deadline_at = call.deadline_at
+            if deadline_at is not None and deadline_at - self._now() <= _DEADLINE_EPSILON_S:
                 raise await self._exhausted(call, "deadline")
             lease = await admit.pick(call, room)
             if lease is None:
@@ -565,7 +573,8 @@ class RetryMW:
             error=error,
         )
         call.records.append(record)
-        self._emitter.emit_attempt(record)
+        if self._emits:
+            self._emitter.emit_attempt(record)
 
     # --- the error that ends a call --------------------------------------------
 
@@ -650,7 +659,7 @@ class _Session(Generic[T]):
         op_name, cost_tokens, fail_fast, deadline_s, streaming = self._args
         call = mw._begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=streaming)
         clock = StallClock(mw._now)  # one per call, never an attribute
-        room = mw._backend.waiting_room(mw._scope)
+        room = mw._room
         try:
             served, span = await mw._serve(call, clock, room, self._attempt_fn)
         except BaseException:

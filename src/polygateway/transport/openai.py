@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage
 from polygateway.transport.http import HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
-    endpoint,
+    json_target,
     malformed_body,
     opt_int,
     opt_str,
     req_list,
     req_obj,
     req_str,
-    source_headers,
 )
 
 if TYPE_CHECKING:
@@ -59,9 +58,13 @@ _CHARS_PER_TOKEN = 4
 _RESERVED = frozenset({"model", "messages", "input", "stream"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ParsedChat:
-    """A chat completion as read off the wire; the client adds source and attempts."""
+    """A chat completion as read off the wire; the client adds source and attempts.
+
+    Slotted but not frozen: it lives for one call, and a frozen dataclass
+    pays an ``object.__setattr__`` per field on every call.
+    """
 
     text: str
     finish_reason: str | None
@@ -92,7 +95,7 @@ def chat_request(
     carries the TTFT timeout as its ``timeout_s`` and the idle timeout
     separately; each defaults to ``timeout_s``.
     """
-    body: dict[str, Any] = _passthrough(params)
+    body: dict[str, Any] = _passthrough(params) if params else {}
     body["model"] = source.model
     body["messages"] = [dict(m) for m in messages]
     body["stream"] = stream
@@ -100,11 +103,12 @@ def chat_request(
         options = dict(body.get("stream_options") or {})
         options.setdefault("include_usage", True)
         body["stream_options"] = options
+    url, headers = json_target(source, "chat/completions")
     return HttpRequest(
         source=source.name,
-        url=endpoint(source, "chat/completions"),
+        url=url,
         timeout_s=(ttft_timeout_s or timeout_s) if stream else timeout_s,
-        headers=source_headers(source, content_type="application/json"),
+        headers=headers,
         json=body,
         idle_timeout_s=(idle_timeout_s or timeout_s) if stream else None,
         connect_timeout_s=source.connect_timeout_s,
@@ -160,23 +164,27 @@ def _choices(body: dict[str, Any]) -> list[Any]:
     return req_list(body.get("choices"), "choices")
 
 
-def _plain_count(value: Any) -> int | None:
-    """A token count in its common form (absent or a non-negative ``int``), else ``None``."""
-    if value is None:
-        return 0
-    if type(value) is int and value >= 0:
-        return value
-    return None
-
-
 def _plain_usage(value: Any) -> Usage | None:
-    """``usage`` in its common form (an object of plain counts), else ``None``: walk it."""
+    """``usage`` in its common form (counts absent or plain ints), else ``None``: walk it."""
     if type(value) is not dict:
         return None
-    prompt = _plain_count(value.get("prompt_tokens"))
-    completion = _plain_count(value.get("completion_tokens"))
-    total = _plain_count(value.get("total_tokens"))
-    if prompt is None or completion is None or total is None:
+    prompt = value.get("prompt_tokens", 0)
+    completion = value.get("completion_tokens", 0)
+    total = value.get("total_tokens", 0)
+    if prompt is None:
+        prompt = 0
+    if completion is None:
+        completion = 0
+    if total is None:
+        total = 0
+    if (
+        type(prompt) is not int
+        or type(completion) is not int
+        or type(total) is not int
+        or prompt < 0
+        or completion < 0
+        or total < 0
+    ):
         return None
     return Usage(prompt, completion, total or prompt + completion)
 
@@ -348,11 +356,12 @@ def embedding_request(
     body: dict[str, Any] = _passthrough(params)
     body["model"] = source.model
     body["input"] = list(texts)
+    url, headers = json_target(source, "embeddings")
     return HttpRequest(
         source=source.name,
-        url=endpoint(source, "embeddings"),
+        url=url,
         timeout_s=timeout_s,
-        headers=source_headers(source, content_type="application/json"),
+        headers=headers,
         json=body,
         connect_timeout_s=source.connect_timeout_s,
     )
@@ -452,7 +461,7 @@ def estimate_chat_tokens(
         chars += c
         images += i
     completion = DEFAULT_MAX_TOKENS_ESTIMATE if max_tokens is None else max_tokens
-    return _chars_to_tokens(chars) + images * IMAGE_PART_TOKENS + completion
+    return -(-chars // _CHARS_PER_TOKEN) + images * IMAGE_PART_TOKENS + completion
 
 
 def estimate_embedding_tokens(texts: Sequence[str]) -> int:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "endpoint",
+    "json_target",
     "malformed_body",
     "opt_int",
     "opt_str",
@@ -48,6 +49,31 @@ def source_headers(source: SourceConfig, *, content_type: str | None = None) -> 
             headers["Authorization"] = f"Bearer {key}"
     headers.update(source.headers)
     return headers
+
+
+_JSON = "application/json"
+
+_TARGETS_MAX = 256
+"""Sources whose JSON target ``json_target`` keeps; past it the table starts afresh."""
+
+_targets: dict[tuple[int, str], tuple[SourceConfig, str, dict[str, str]]] = {}
+
+
+def json_target(source: SourceConfig, path: str) -> tuple[str, dict[str, str]]:
+    """``endpoint(source, path)`` and a fresh copy of the source's JSON request headers.
+
+    Computed once per source and path: a ``SourceConfig`` is frozen, and
+    building the URL and the headers was a cost per request. The table holds
+    the source itself, so its ``id`` cannot be reused while its entry lives.
+    """
+    key = (id(source), path)
+    entry = _targets.get(key)
+    if entry is None or entry[0] is not source:
+        if len(_targets) >= _TARGETS_MAX:
+            _targets.clear()
+        entry = (source, endpoint(source, path), source_headers(source, content_type=_JSON))
+        _targets[key] = entry
+    return entry[1], dict(entry[2])
 
 
 def malformed_body(detail: str) -> TransientError:
