@@ -11,8 +11,10 @@ failure does, back-off, release, telemetry); this module gets the permit:
   nobody waits and the backend has room for another operation
   (``Backend.max_inflight_ops``), otherwise it queues and only the head asks;
 - the wait of a call that found nothing runnable: the head polls, the
-  others sleep until promoted or until their stall deadline.
+  others sleep until promoted or until their stall deadline;
+- how long until a source reopens, for the error that ends a call.
 
+A call's state (``CallState``) begins here: both halves read it.
 What is fixed for a scope (selection tiers and weights, each source's
 timeouts, the TTL of a call without a deadline) is read once, not per call.
 """
@@ -20,12 +22,14 @@ timeouts, the TTL of a call without a deadline) is read once, not per call.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
-from polygateway.errors import GovernanceBackendError
+from polygateway.errors import GovernanceBackendError, RequestRejected
 from polygateway.governance.selection import SelectionOrder, untried_first
 from polygateway.middleware.attempt import keep_until_done
 from polygateway.middleware.policy import LoopPolicy
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
 __all__ = ["Admitter", "CallState"]
 
 Sleep = Callable[[float], Awaitable[None]]
+
+_log = logging.getLogger("polygateway.retry")
 
 _STALL_TIMER_SLACK_S: Final = 1e-3
 """A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
@@ -106,6 +112,13 @@ class CallState:
         self.age: float | None = None  # progress age read in this iteration, if any
 
 
+def _valid_deadline(deadline_s: object) -> bool:
+    """A per-call deadline is a real number of seconds, finite and not negative (NaN is not)."""
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
+        return False
+    return math.isfinite(deadline_s) and deadline_s >= 0.0
+
+
 def _candidate_name(candidate: _Candidate) -> str:
     return candidate[0].name
 
@@ -130,7 +143,6 @@ class Admitter:
         *,
         scope: str,
         sources: Sequence[SourceConfig],
-        specs: Sequence[SourceSpec],
         policy: LoopPolicy,
         backend: Backend,
         now: Callable[[], float],
@@ -143,6 +155,20 @@ class Admitter:
         self._now = now
         self._sleep = sleep
         self._rng = rng
+        specs = [
+            SourceSpec(
+                name=s.name,
+                max_concurrency=s.max_concurrency,
+                rpm=s.rpm,
+                rpm_burst=s.rpm_burst,
+                tpm=s.tpm,
+                tpm_burst=s.tpm_burst,
+                breaker_failures=policy.breaker_failures,
+                cooldown_s=policy.breaker_cooldown_s,
+                cooldown_max_s=policy.breaker_cooldown_max_s,
+            )
+            for s in sources
+        ]
         self._order: SelectionOrder[_Candidate] = SelectionOrder(
             tuple(zip(sources, specs, strict=True)),
             priority=lambda c: c[0].priority,
@@ -158,6 +184,33 @@ class Admitter:
         self._free_ttl = (
             self._longest(every, streaming=False),
             self._longest(every, streaming=True),
+        )
+
+    def begin(
+        self,
+        op_name: str,
+        cost_tokens: int,
+        fail_fast: bool,
+        deadline_s: float | None,
+        *,
+        streaming: bool,
+    ) -> CallState:
+        """A new call's state; ``RequestRejected`` for a deadline that is not a number."""
+        if deadline_s is not None and not _valid_deadline(deadline_s):
+            raise RequestRejected(
+                f"{op_name}: deadline_s must be a finite, non-negative number of seconds, "
+                f"not {deadline_s!r}",
+                scope=self._scope,
+                sources=tuple(source.name for source, _ in self._order.sources),
+            )
+        started = self._now()
+        return CallState(
+            op_name=op_name,
+            cost_tokens=cost_tokens,
+            fail_fast=fail_fast,
+            streaming=streaming,
+            deadline_at=None if deadline_s is None else started + deadline_s,
+            pick_started_at=started,
         )
 
     def time_left(self, call: CallState) -> float | None:
@@ -300,3 +353,32 @@ class Admitter:
                 scope=self._scope,
                 sources=sources,
             ) from failure
+
+    async def retry_after(self, call: CallState) -> float | None:
+        """Seconds until the earliest source reopens by time alone, or ``None``.
+
+        From this call's last rejected acquire when there is one (aged by the
+        time since), else from a snapshot of the backend.
+        """
+        last = call.last
+        if last is not None and last.lease is None:
+            reopen = last.retry_after_s
+            return None if reopen is None else max(0.0, reopen - (self._now() - call.last_at))
+        try:
+            snap = await self._backend.snapshot(self._scope)
+        except GovernanceBackendError as exc:
+            _log.warning("snapshot for retry_after_s failed: %s", exc)
+            return None
+        times: list[float] = []
+        for _, spec in self._order.sources:
+            s = snap.source(spec.name)
+            if s is None:
+                continue
+            if s.breaker == "open" and s.reopen_in_s is not None:
+                times.append(s.reopen_in_s)
+            if s.paced_for_s:
+                times.append(s.paced_for_s)
+            rpm = spec.rpm
+            if rpm and s.rpm_tokens is not None and s.rpm_tokens < 1:
+                times.append((1.0 - s.rpm_tokens) * 60.0 / rpm)
+        return min(times) if times else None

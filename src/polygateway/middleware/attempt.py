@@ -15,14 +15,21 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from polygateway.backends.base import Backend, Lease
+from polygateway.backends.base import AttemptOutcome, Backend, Lease
 from polygateway.errors import GovernanceBackendError
 from polygateway.models import AttemptRecord, Usage
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
-__all__ = ["AttemptContext", "AttemptFn", "Served", "keep_until_done", "shielded"]
+__all__ = [
+    "AttemptContext",
+    "AttemptFn",
+    "Served",
+    "keep_until_done",
+    "release_quietly",
+    "shielded",
+]
 
 T = TypeVar("T")
 
@@ -193,3 +200,24 @@ async def shielded(coro: Coroutine[Any, Any, T]) -> T:
     except asyncio.CancelledError:
         keep_until_done(task)
         raise
+
+
+async def release_quietly(
+    backend: Backend, lease: Lease, outcome: AttemptOutcome, text: Callable[[BaseException], str]
+) -> None:
+    """Free the permit, shielded from cancellation; a backend failure is logged, not raised.
+
+    The upstream has answered by now: losing the answer to a backend
+    hiccup would be worse than a permit the lease's expiry frees anyway.
+    ``text`` gives the failure's message without the scope's credentials.
+    """
+    try:
+        release = backend.release(lease, outcome)
+        await (release if backend.cancel_safe else shielded(release))
+    except GovernanceBackendError as exc:
+        _log.warning(
+            "release of a %s lease at %s failed (its expiry frees the permit): %s",
+            outcome.kind,
+            lease.source,
+            text(exc),
+        )

@@ -6,11 +6,11 @@ One call, whatever the client::
     loop:
         exempt_429 and stall rule            -> AllSourcesExhausted("stalled")
         no time left before the deadline     -> AllSourcesExhausted("deadline")
-        _pick_runnable: selection order + one backend.acquire (or wait our turn)
+        admission (admission.py): selection order + one backend.acquire, or queue
         nothing runnable -> _on_no_runnable: fail_fast -> "no_runnable";
                             stall rule -> "stalled"; else wait in the scope's FIFO
-        async with clock.attempting():       productive time: request, release, telemetry
-            _attempt(...)
+        clock.attempting():                  productive time: request, release, telemetry
+            _attempt(...)                    (for a stream, until the stream closes)
         success -> return; request_rejected -> RequestRejected at once
         exempt 429 -> not charged; else fails += 1 -> "retry_exhausted" at max_attempts
         back-off sleep, then back to the tail of the waiting room
@@ -29,7 +29,6 @@ open, and releases when the body ends (see ``Served``).
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -37,19 +36,17 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
-from polygateway.backends.base import AttemptOutcome, Backend, Lease, SourceSpec
+from polygateway.backends.base import AttemptOutcome, Backend, Lease
 from polygateway.errors import (
     AllSourcesExhausted,
     ExhaustedReason,
-    GovernanceBackendError,
     RequestRejected,
 )
 from polygateway.middleware.admission import Admitter, CallState, Sleep
-from polygateway.middleware.attempt import AttemptContext, AttemptFn, Served, shielded
+from polygateway.middleware.attempt import AttemptContext, AttemptFn, Served, release_quietly
 from polygateway.middleware.classify import FAILURE_TABLE, FailureRule, Verdict, verdict_for
 from polygateway.middleware.policy import LoopPolicy
-from polygateway.middleware.telemetry import Emitter, NullEmitter
-from polygateway.models import AttemptRecord
+from polygateway.middleware.telemetry import Emitter, NullEmitter, attempt_record
 from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
 
@@ -145,13 +142,6 @@ class _Span:
         self.close()
 
 
-def _valid_deadline(deadline_s: object) -> bool:
-    """A per-call deadline is a real number of seconds, finite and not negative (NaN is not)."""
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
-        return False
-    return math.isfinite(deadline_s) and deadline_s >= 0.0
-
-
 def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
     """Capped exponential back-off with equal jitter: a delay in ``[d/2, d]``.
 
@@ -197,7 +187,6 @@ class RetryMW:
         "_secrets",
         "_sleep",
         "_sources",
-        "_specs",
     )
 
     def __init__(
@@ -229,26 +218,11 @@ class RetryMW:
         self._secrets = tuple(
             sorted({v for s in self._sources for v in secrets_in(source_headers(s))}, key=len)[::-1]
         )
-        self._specs = {
-            s.name: SourceSpec(
-                name=s.name,
-                max_concurrency=s.max_concurrency,
-                rpm=s.rpm,
-                rpm_burst=s.rpm_burst,
-                tpm=s.tpm,
-                tpm_burst=s.tpm_burst,
-                breaker_failures=policy.breaker_failures,
-                cooldown_s=policy.breaker_cooldown_s,
-                cooldown_max_s=policy.breaker_cooldown_max_s,
-            )
-            for s in self._sources
-        }
         # One FIFO per scope and process, the backend's: looked up once, not per call.
         self._room = backend.waiting_room(scope)
         self._admit = Admitter(
             scope=scope,
             sources=self._sources,
-            specs=[self._specs[s.name] for s in self._sources],
             policy=policy,
             backend=backend,
             now=now,
@@ -292,7 +266,7 @@ class RetryMW:
 
         ``session`` with an empty body, without a context manager object per call.
         """
-        call = self._begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=False)
+        call = self._admit.begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=False)
         clock = StallClock(self._now)  # one per call, never an attribute
         room = self._room
         try:
@@ -330,33 +304,6 @@ class RetryMW:
         )
 
     # --- the steps of the loop -------------------------------------------------
-
-    def _begin(
-        self,
-        op_name: str,
-        cost_tokens: int,
-        fail_fast: bool,
-        deadline_s: float | None,
-        *,
-        streaming: bool,
-    ) -> CallState:
-        """A new call's state; ``RequestRejected`` for a deadline that is not a number."""
-        if deadline_s is not None and not _valid_deadline(deadline_s):
-            raise RequestRejected(
-                f"{op_name}: deadline_s must be a finite, non-negative number of seconds, "
-                f"not {deadline_s!r}",
-                scope=self._scope,
-                sources=self._names,
-            )
-        started = self._now()
-        return CallState(
-            op_name=op_name,
-            cost_tokens=cost_tokens,
-            fail_fast=fail_fast,
-            streaming=streaming,
-            deadline_at=None if deadline_s is None else started + deadline_s,
-            pick_started_at=started,
-        )
 
     async def _serve(
         self, call: CallState, clock: StallClock, room: WaitingRoom, attempt_fn: AttemptFn[T]
@@ -531,21 +478,8 @@ class RetryMW:
         return scrub(str(error), self._secrets)
 
     async def _release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        """Free the permit, shielded from cancellation; a backend failure is logged, not raised.
-
-        The upstream has answered by now: losing the answer to a backend
-        hiccup would be worse than a permit the lease's expiry frees anyway.
-        """
-        try:
-            release = self._backend.release(lease, outcome)
-            await (release if self._backend.cancel_safe else shielded(release))
-        except GovernanceBackendError as exc:
-            _log.warning(
-                "release of a %s lease at %s failed (its expiry frees the permit): %s",
-                outcome.kind,
-                lease.source,
-                self._text(exc),
-            )
+        """Free the permit whatever befalls the caller; a backend failure is only logged."""
+        await release_quietly(self._backend, lease, outcome, self._text)
 
     def _emit(
         self,
@@ -556,21 +490,13 @@ class RetryMW:
         error: str | None,
     ) -> None:
         """Keep one attempt's record on the call and hand it to telemetry, inside the attempt."""
-        usage = ctx.usage
-        record = AttemptRecord(
-            call_id=call.call_id,
+        record = attempt_record(
+            ctx,
             scope=self._scope,
-            source=ctx.lease.source,
-            attempt=ctx.attempt,
             outcome=outcome,
             status_code=status_code,
-            latency_s=max(0.0, self._now() - ctx.started_at),
-            ttft_s=ctx.ttft_s,
-            prompt_tokens=usage.prompt_tokens if usage is not None else 0,
-            completion_tokens=usage.completion_tokens if usage is not None else 0,
-            permit_wait_s=ctx.permit_wait_s,
-            stalled_s=ctx.stalled_s,
             error=error,
+            ended_at=self._now(),
         )
         call.records.append(record)
         if self._emits:
@@ -590,38 +516,9 @@ class RetryMW:
             reason=reason,
             scope=self._scope,
             sources=self._names,
-            retry_after_s=await self._retry_after(call),
+            retry_after_s=await self._admit.retry_after(call),
             attempts=tuple(call.records),
         )
-
-    async def _retry_after(self, call: CallState) -> float | None:
-        """Seconds until the earliest source reopens by time alone, or ``None``.
-
-        From this call's last rejected acquire when there is one (aged by the
-        time since), else from a snapshot of the backend.
-        """
-        last = call.last
-        if last is not None and last.lease is None:
-            reopen = last.retry_after_s
-            return None if reopen is None else max(0.0, reopen - (self._now() - call.last_at))
-        try:
-            snap = await self._backend.snapshot(self._scope)
-        except GovernanceBackendError as exc:
-            _log.warning("snapshot for retry_after_s failed: %s", exc)
-            return None
-        times: list[float] = []
-        for name in self._names:
-            s = snap.source(name)
-            if s is None:
-                continue
-            if s.breaker == "open" and s.reopen_in_s is not None:
-                times.append(s.reopen_in_s)
-            if s.paced_for_s:
-                times.append(s.paced_for_s)
-            rpm = self._specs[name].rpm
-            if rpm and s.rpm_tokens is not None and s.rpm_tokens < 1:
-                times.append((1.0 - s.rpm_tokens) * 60.0 / rpm)
-        return min(times) if times else None
 
 
 _EXPLAINED: Final[Mapping[ExhaustedReason, str]] = {
@@ -657,7 +554,7 @@ class _Session(Generic[T]):
     async def __aenter__(self) -> Served[T]:
         mw = self._mw
         op_name, cost_tokens, fail_fast, deadline_s, streaming = self._args
-        call = mw._begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=streaming)
+        call = mw._admit.begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=streaming)
         clock = StallClock(mw._now)  # one per call, never an attribute
         room = mw._room
         try:

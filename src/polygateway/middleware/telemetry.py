@@ -22,9 +22,38 @@ from dataclasses import asdict
 from typing import Any, Protocol, runtime_checkable
 
 from polygateway.errors import ConfigError
+from polygateway.middleware.attempt import AttemptContext
 from polygateway.models import AttemptRecord
 
-__all__ = ["Emitter", "LoggingEmitter", "NullEmitter", "PrometheusEmitter"]
+__all__ = ["Emitter", "LoggingEmitter", "NullEmitter", "PrometheusEmitter", "attempt_record"]
+
+
+def attempt_record(
+    ctx: AttemptContext,
+    *,
+    scope: str,
+    outcome: str,
+    status_code: int | None,
+    error: str | None,
+    ended_at: float,
+) -> AttemptRecord:
+    """The record of one attempt, from what its context collected; ``error`` already scrubbed."""
+    usage = ctx.usage
+    return AttemptRecord(
+        call_id=ctx.call_id,
+        scope=scope,
+        source=ctx.lease.source,
+        attempt=ctx.attempt,
+        outcome=outcome,
+        status_code=status_code,
+        latency_s=max(0.0, ended_at - ctx.started_at),
+        ttft_s=ctx.ttft_s,
+        prompt_tokens=usage.prompt_tokens if usage is not None else 0,
+        completion_tokens=usage.completion_tokens if usage is not None else 0,
+        permit_wait_s=ctx.permit_wait_s,
+        stalled_s=ctx.stalled_s,
+        error=error,
+    )
 
 
 @runtime_checkable
