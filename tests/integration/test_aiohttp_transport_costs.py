@@ -144,6 +144,20 @@ async def test_trickling_body_is_cut_at_timeout_s() -> None:
     assert elapsed < 4.0
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, -0.5])
+async def test_deadline_already_reached_expires_at_once(timeout_s: float) -> None:
+    """A timeout_s clipped to zero or below times out at once (aiohttp reads it as no bound)."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _until_client_closes(reader)
+
+    async with _serving(silent) as (up, transport):
+        with pytest.raises(TransientError) as info:
+            await asyncio.wait_for(transport.send(_chat(up, timeout_s=timeout_s)), WAIT_S)
+    assert (info.value.failure, info.value.timeout) == ("transient", True)
+    assert "request timed out" in str(info.value)
+
+
 async def test_timeout_s_over_aiohttp_ceil_threshold_is_not_rounded() -> None:
     """The cached ClientTimeout carries the exact total and connect bounds, never rounded up."""
     timeout = _client_timeout(7.25, 2.0)

@@ -88,6 +88,10 @@ _STREAM_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
 """What every stream request adds to its source's headers."""
 
 
+_LEAST_TOTAL_S = 1e-6
+"""The smallest total aiohttp is given: expires on the loop's next turn, as asyncio.timeout(0)."""
+
+
 @functools.lru_cache(maxsize=256)
 def _client_timeout(total: float | None, connect: float) -> aiohttp.ClientTimeout:
     """The ``ClientTimeout`` of one (total, connect) pair, built once, not per request.
@@ -198,7 +202,11 @@ class AiohttpTransport:
                 # Redirects are not followed (as with httpx): a redirect could carry
                 # the key to another host, and a 3xx is an answer to classify.
                 allow_redirects=False,
-                timeout=_client_timeout(request.timeout_s, connect_limit(request)),
+                # aiohttp reads a total <= 0 as "no bound": a deadline already reached
+                # (timeout_s clipped to zero or below) must expire at once instead.
+                timeout=_client_timeout(
+                    max(request.timeout_s, _LEAST_TOTAL_S), connect_limit(request)
+                ),
             ) as response:
                 body = await response.read()
                 status, headers = response.status, response.headers
