@@ -13,16 +13,19 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from polygateway.backends.base import Lease
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import ConfigError
+from polygateway.middleware.attempt import AttemptContext
 from polygateway.middleware.telemetry import (
     Emitter,
     LoggingEmitter,
     NullEmitter,
     PrometheusEmitter,
+    attempt_record,
 )
-from polygateway.models import AttemptRecord
+from polygateway.models import AttemptRecord, Usage
 from polygateway.testing import (
     BoundedSleep,
     Delay,
@@ -88,6 +91,40 @@ class TestRecords:
         assert second.permit_wait_s == 0  # a permit was free at once
         assert 0 < second.stalled_s <= 0.5  # the back-off: non-productive, the 3 s attempt not
         assert (second.prompt_tokens, second.completion_tokens) == (5, 2)
+
+    def test_record_takes_every_field_from_its_attempt(self) -> None:
+        """attempt_record puts each value in its own field (built positionally, so pinned here)."""
+        ctx = AttemptContext(
+            "call-1",
+            2,
+            Lease("scope-x", "src-y", "lease-9", 40.0),
+            11.0,
+            12.0,
+            13.0,
+            100.0,
+            permit_wait_s=0.25,
+            stalled_s=0.5,
+        )
+        ctx.usage = Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10)
+        ctx.ttft_s = 0.125
+        made = attempt_record(
+            ctx, scope="chat", outcome="transient", status_code=502, error="boom", ended_at=104.0
+        )
+        assert dataclasses.asdict(made) == {
+            "call_id": "call-1",
+            "scope": "chat",
+            "source": "src-y",
+            "attempt": 2,
+            "outcome": "transient",
+            "status_code": 502,
+            "latency_s": 4.0,
+            "ttft_s": 0.125,
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "permit_wait_s": 0.25,
+            "stalled_s": 0.5,
+            "error": "boom",
+        }
 
     def test_records_are_frozen(self) -> None:
         """User code cannot change what the gateway recorded."""

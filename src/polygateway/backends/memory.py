@@ -112,14 +112,8 @@ class MemoryBackend:
                 cost_tokens=cost_tokens,
                 probe=verdict.probe,
             )
-            lease = Lease(
-                scope=scope,
-                source=spec.name,
-                lease_id=lease_id,
-                ttl_s=ttl_s,
-                tokens=cost_tokens,
-                probe=verdict.probe,
-            )
+            # Positional (scope, source, lease_id, ttl_s, tokens, probe): cheaper per grant.
+            lease = Lease(scope, spec.name, lease_id, ttl_s, cost_tokens, verdict.probe)
             return AcquireResult(lease, tuple(rejections) if rejections else ())
         return AcquireResult(None, tuple(rejections))
 

@@ -86,7 +86,6 @@ class CallState:
 
     def __init__(
         self,
-        *,
         op_name: str,
         cost_tokens: int,
         fail_fast: bool,
@@ -204,14 +203,8 @@ class Admitter:
                 sources=tuple(source.name for source, _ in self._order.sources),
             )
         started = self._now()
-        return CallState(
-            op_name=op_name,
-            cost_tokens=cost_tokens,
-            fail_fast=fail_fast,
-            streaming=streaming,
-            deadline_at=None if deadline_s is None else started + deadline_s,
-            pick_started_at=started,
-        )
+        deadline_at = None if deadline_s is None else started + deadline_s
+        return CallState(op_name, cost_tokens, fail_fast, streaming, deadline_at, started)
 
     def time_left(self, call: CallState) -> float | None:
         """Seconds before the call's deadline, or ``None`` without one."""

@@ -63,7 +63,6 @@ class AttemptContext:
 
     def __init__(
         self,
-        *,
         call_id: str,
         attempt: int,
         lease: Lease,

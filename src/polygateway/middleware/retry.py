@@ -382,15 +382,15 @@ class RetryMW:
         timeout_s, ttft_s, idle_s = self._admit.timeouts(source, call)
         started = self._now()
         ctx = AttemptContext(
-            call_id=call.call_id,
-            attempt=len(call.records) + 1,
-            lease=lease,
-            timeout_s=timeout_s,
-            ttft_timeout_s=ttft_s,
-            idle_timeout_s=idle_s,
-            started_at=started,
-            permit_wait_s=max(0.0, started - call.pick_started_at),
-            stalled_s=clock.stalled_s(),
+            call.call_id,
+            len(call.records) + 1,  # attempt
+            lease,
+            timeout_s,
+            ttft_s,
+            idle_s,
+            started,  # started_at
+            max(0.0, started - call.pick_started_at),  # permit_wait_s
+            clock.stalled_s(),
         )
         try:
             value = await attempt_fn(source, ctx)
