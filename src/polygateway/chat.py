@@ -163,11 +163,6 @@ class _Opened:
         self.finish_seen = False
 
 
-def _deliverable(chunk: ChatChunk) -> bool:
-    """A chunk worth handing to the caller (a bare role announcement is not)."""
-    return bool(chunk.text or chunk.tool_calls or chunk.finish_reason or chunk.usage)
-
-
 class ChatStream:
     """A streamed chat answer: an async iterator of ``ChatChunk`` and an async context manager.
 
@@ -279,7 +274,8 @@ class ChatStream:
                 ctx.usage = chunk.usage
             if chunk.finish_reason is not None:
                 opened.finish_seen = True
-            if _deliverable(chunk):
+            # Worth handing to the caller (a bare role announcement is not).
+            if chunk.text or chunk.tool_calls or chunk.finish_reason or chunk.usage:
                 opened.buffered.append(chunk)
 
     async def _read(self, served: Served[_Opened]) -> ChatChunk | None:

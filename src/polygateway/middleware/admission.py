@@ -232,9 +232,7 @@ class Admitter:
         return longest + self._policy.lease_grace_s
 
     def _ttl(self, call: CallState, candidates: Sequence[_Candidate]) -> float:
-        """The TTL of the lease this call asks for now."""
-        if call.deadline_at is None:
-            return self._free_ttl[call.streaming]
+        """The TTL of the lease a call with a deadline asks for now (clipped timeouts)."""
         every = [self.timeouts(source, call) for source, _ in candidates]
         return self._longest(every, streaming=call.streaming)
 
@@ -267,12 +265,16 @@ class Admitter:
         candidates = self._order.order(self._rng)
         if call.tried:
             candidates = untried_first(candidates, call.tried, name=_candidate_name)
+        if call.deadline_at is None:
+            ttl_s = self._free_ttl[call.streaming]
+        else:
+            ttl_s = self._ttl(call, candidates)
         backend = self._backend
         acquire = backend.acquire(
             self._scope,
             [spec for _, spec in candidates],
             cost_tokens=call.cost_tokens,
-            ttl_s=self._ttl(call, candidates),
+            ttl_s=ttl_s,
         )
         room.asking += 1
         try:

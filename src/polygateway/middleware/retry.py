@@ -425,7 +425,8 @@ class RetryMW:
             status, error = exc.status_code, self._text(exc)
         elif exc is None and served.completed:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
-            outcome = AttemptOutcome("success", tokens_used=used or None)
+            # Positional (kind, aimd_decrease, retry_after_s, tokens_used): one per call.
+            outcome = AttemptOutcome("success", False, None, used or None)
         else:
             outcome = _CANCELLED
             error = "cancelled"

@@ -270,39 +270,34 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     afterwards to add it (``dataclasses.replace``) was a per-chunk cost.
     The usage-only chunk that ``include_usage`` adds has empty ``choices``.
     An in-band error event is a transient failure.
-    """
-    plain = _plain_chat_chunk(event, source)
-    return plain if plain is not None else _walk_chat_chunk(event, source)
 
-
-def _plain_chat_chunk(event: Any, source: str) -> ChatChunk | None:
-    """The common chunk (a text delta, no tool calls) read directly, else ``None``: walk it.
-
-    Exact checks only, as in ``_plain_chat_response``: one runs per chunk.
+    The common chunk (a text delta, no tool calls) is read directly here,
+    with exact checks as in ``_plain_chat_response``, inline because it runs
+    per chunk; anything else is walked field by field (``_walk_chat_chunk``).
     """
     if type(event) is not dict or event.get("error") is not None:
-        return None
+        return _walk_chat_chunk(event, source)
     raw_usage = event.get("usage")
     usage: Usage | None = None
     if raw_usage is not None and (usage := _plain_usage(raw_usage)) is None:
-        return None
+        return _walk_chat_chunk(event, source)
     choices = event.get("choices")
     if type(choices) is not list:
-        return None
+        return _walk_chat_chunk(event, source)
     if not choices:
         return ChatChunk(source=source, usage=usage)
     choice = choices[0]
     if type(choice) is not dict:
-        return None
+        return _walk_chat_chunk(event, source)
     delta = choice.get("delta") or {}
     if type(delta) is not dict or delta.get("tool_calls"):
-        return None
+        return _walk_chat_chunk(event, source)
     content = delta.get("content")
     finish = choice.get("finish_reason")
     if (content is not None and type(content) is not str) or (
         finish is not None and type(finish) is not str
     ):
-        return None
+        return _walk_chat_chunk(event, source)
     return ChatChunk(content or "", (), finish, source, usage)
 
 
