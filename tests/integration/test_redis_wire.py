@@ -1,11 +1,13 @@
-"""The Redis backend's own connection pool (``wire.py``) and its bound on work left behind.
+"""The Redis backend's own connection pool (``wire.py``), its timeouts (``bounded.py``).
 
 The backend sends its scripts over a small pool of redis-py connections of
 its own rather than through ``redis.asyncio.Redis``; these tests pin what
 that pool promises: never more connections than its size, every operation
 served however many wait, a connection the server dropped while idle
 reconnected rather than failing an operation, a failed exchange never
-reused, and work whose caller left cut off after ``_LATE_REPLY_S``.
+reused, and work whose caller left cut off after ``_LATE_REPLY_S``. And of
+its timeouts: each operation fails at its own deadline, although one timer
+serves them all.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import redis.asyncio as aioredis
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, limiter
+from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines
 from polygateway.errors import GovernanceBackendError
 
 SCOPE = "chat"
@@ -154,3 +157,68 @@ async def test_work_left_behind_is_cut_off_after_the_late_reply_bound(
         assert await backend.progress_age_s(SCOPE) == float("inf")
     finally:
         await backend.aclose()
+
+
+# --- timeouts: one deadline queue for every operation -------------------------------------
+
+
+async def test_each_operation_times_out_at_its_own_deadline(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """On a frozen server, an operation started later fails later: each waits its own timeout."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=0.3)
+    ended: dict[str, float] = {}
+
+    async def timed(name: str) -> None:
+        with pytest.raises(GovernanceBackendError):
+            await backend.progress_age_s(SCOPE)
+        ended[name] = time.monotonic()
+
+    try:
+        await backend.progress_age_s(SCOPE)  # connections open, script loaded
+        server.pause()
+        try:
+            started = time.monotonic()
+            first = asyncio.ensure_future(timed("first"))
+            await asyncio.sleep(0.2)
+            await asyncio.gather(first, timed("second"))
+        finally:
+            server.resume()
+        assert 0.25 <= ended["first"] - started < 0.45
+        assert 0.45 <= ended["second"] - started < 0.7
+    finally:
+        await backend.aclose()
+
+
+async def test_deadlines_wake_only_the_futures_still_waiting_then_disarm() -> None:
+    """Futures done in time keep their result; the others get TIMED_OUT; no timer is left."""
+    deadlines = Deadlines(0.05)
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(4)]
+    for future in futures:
+        deadlines.add(loop, future)
+    futures[0].set_result("early")
+    futures[2].cancel()
+    await asyncio.sleep(0.12)
+    assert futures[0].result() == "early"
+    assert futures[1].result() is TIMED_OUT
+    assert futures[2].cancelled()
+    assert futures[3].result() is TIMED_OUT
+    assert (deadlines._timer, len(deadlines._entries)) == (None, 0)
+
+
+def test_deadlines_keep_working_in_a_new_event_loop() -> None:
+    """A backend's deadline queue used from a second event loop still times its futures out."""
+    deadlines = Deadlines(0.05)
+
+    async def one_timeout() -> object:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[object] = loop.create_future()
+        deadlines.add(loop, future)
+        # A second future, left pending when the loop ends: the next loop must not wait on it.
+        deadlines.add(loop, loop.create_future())
+        return await future
+
+    assert asyncio.run(one_timeout()) is TIMED_OUT
+    assert asyncio.run(asyncio.wait_for(one_timeout(), 1.0)) is TIMED_OUT

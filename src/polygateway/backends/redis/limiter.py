@@ -40,7 +40,7 @@ import logging
 import math
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 try:
@@ -64,6 +64,7 @@ from polygateway.backends.base import (
     SourceSpec,
 )
 from polygateway.backends.redis import scripts
+from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, relay
 from polygateway.backends.redis.wire import Script, Wire, bulk, pack
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.errors import ConfigError, GovernanceBackendError
@@ -220,32 +221,6 @@ def _script(text: str) -> Script:
     return Script(text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest())
 
 
-_TIMED_OUT: Final = object()
-"""What a caller's waiter holds when ``socket_timeout_s`` passed before the work's reply."""
-
-
-def _expire(waiter: asyncio.Future[Any]) -> None:
-    """The caller's time is up: wake it, unless the work's outcome already did."""
-    if not waiter.done():
-        waiter.set_result(_TIMED_OUT)
-
-
-async def _relay(work: Coroutine[Any, Any, T], waiter: asyncio.Future[Any]) -> T:
-    """Run ``work`` and hand its outcome to a caller still waiting, in the same step."""
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        waiter.cancel()  # the work was cancelled (closing, abandoned): so is its caller's wait
-        raise
-    except Exception as exc:  # relayed and re-raised: the task keeps its own outcome
-        if not waiter.done():
-            waiter.set_exception(exc)
-        raise
-    if not waiter.done():
-        waiter.set_result(result)
-    return result
-
-
 def _pool_size(client: aioredis.Redis) -> int | None:
     """The connection pool's ``max_connections``, or ``None`` when the client does not say."""
     size = getattr(getattr(client, "connection_pool", None), "max_connections", None)
@@ -275,6 +250,7 @@ class RedisBackend:
 
     __slots__ = (
         "_background",
+        "_deadlines",
         "_max_inflight_ops",
         "_max_left_behind",
         "_now",
@@ -335,6 +311,7 @@ class RedisBackend:
         self._wire = Wire(factory.make_connection, size)
         self._max_left_behind = max(1, size // 2)
         self._timeout_s = socket_timeout_s
+        self._deadlines = Deadlines(socket_timeout_s)
         self._now = now
         self._scripts = {
             "acquire": _script(scripts.ACQUIRE),
@@ -422,33 +399,25 @@ class RedisBackend:
         (when given) to act on its result: an acquire gives a late grant back.
         A cancelled caller leaves it behind the same way.
 
-        Built from one Task, one future and one timer handle: the caller waits
-        on the future, which the task (``_relay``) or the timer resolves, so a
-        cancelled or timed-out caller never touches the task. That is what
-        ``asyncio.shield`` inside ``asyncio.timeout`` did, for less CPU and
-        two event-loop turns fewer per operation: no second future chained to
-        the task by a done callback, no Timeout object with its own
-        rescheduling.
+        One Task, one future and one entry in a deadline queue per operation
+        (``bounded.py`` says why, and what it replaced).
         """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Any] = loop.create_future()
-        task = loop.create_task(_relay(work, waiter))
-        timer = loop.call_later(self._timeout_s, _expire, waiter)
+        task = loop.create_task(relay(work, waiter))
+        self._deadlines.add(loop, waiter)
         try:
             result = await waiter
         except asyncio.CancelledError:
-            timer.cancel()
             self._leave_behind(task, late)
             raise
         except Exception:
             # The work's own failure (already translated), relayed in the step that ended
             # the task: mark the task's copy retrieved, so asyncio does not log it again.
-            timer.cancel()
             if task.done():
                 task.exception()
             raise
-        timer.cancel()
-        if result is not _TIMED_OUT:
+        if result is not TIMED_OUT:
             return cast(T, result)
         # Only our own timeout: inside the task every error is already translated.
         if len(self._background) >= self._max_left_behind:  # _MAX_LEFT_BEHIND
