@@ -41,7 +41,6 @@ import math
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 try:
     import redis.asyncio as aioredis
@@ -65,6 +64,7 @@ from polygateway.backends.base import (
 )
 from polygateway.backends.redis import scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, relay
+from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Script, Wire, bulk, pack
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.errors import ConfigError, GovernanceBackendError
@@ -127,8 +127,6 @@ server runs later holds its permit until its lease expires, as a crash would.
 _MAX_SPEC_CACHE = 1024
 """Specs (and sources' keys) kept packed; configs hold a few dozen, so this only bounds misuse."""
 
-_REDACTED = "***"
-
 # Arguments that never change, packed once (see wire.py for why packing is ours).
 _EMPTY = bulk("")
 _AIMD_DECREASE = bulk("1")
@@ -180,40 +178,6 @@ def _age(reply: Any) -> float:
     """A progress age from a script; ``""`` means never served."""
     age = _opt_float(reply)
     return math.inf if age is None else age
-
-
-def _mask_url(url: str) -> str:
-    """The URL with its password (userinfo or ``?password=``) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable redis url>"
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, host = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:{_REDACTED}@{host}"
-    query = parts.query
-    if "password" in query.lower():
-        pairs = [
-            (k, _REDACTED if k.lower() == "password" else v)
-            for k, v in parse_qsl(query, keep_blank_values=True)
-        ]
-        query = urlencode(pairs, safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def _secrets_of(url: str) -> tuple[str, ...]:
-    """Every spelling of the URL's password that a foreign message could contain."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return ()
-    found = [parts.password or ""]
-    found += [v for k, v in parse_qsl(parts.query) if k.lower() == "password"]
-    spelled = {s for raw in found if raw for s in (raw, unquote(raw))}
-    # Longest first, so a password containing another is masked whole.
-    return tuple(sorted(spelled, key=len, reverse=True))
 
 
 def _script(text: str) -> Script:
@@ -275,8 +239,8 @@ class RedisBackend:
         now: Callable[[], float] | None = None,
         client: aioredis.Redis | None = None,
     ) -> None:
-        self._url = _mask_url(url)
-        self._secrets = _secrets_of(url)
+        self._url = mask_url(url)
+        self._secrets = secrets_of(url)
         if not socket_timeout_s > 0:
             raise ConfigError(
                 f"socket_timeout_s must be positive, not {socket_timeout_s!r}",
@@ -343,7 +307,7 @@ class RedisBackend:
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
-            text = text.replace(secret, _REDACTED)
+            text = text.replace(secret, REDACTED)
         return text
 
     def _failure(
