@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from polygateway.config import SourceConfig
+from polygateway.transport.exchange import EventStream
 from polygateway.transport.http import (
     STREAM_END,
     HttpRequest,
@@ -520,6 +521,32 @@ async def test_leaving_stream_context_early_closes_response() -> None:
                 break
             assert not body.closed
         assert body.closed
+    finally:
+        await transport.aclose()
+
+
+def _stream_timers(loop: asyncio.AbstractEventLoop) -> list[asyncio.TimerHandle]:
+    """Live timer handles on ``loop`` that belong to an event stream."""
+    scheduled: list[asyncio.TimerHandle] = loop._scheduled  # type: ignore[attr-defined]  # the heap
+    return [
+        h
+        for h in scheduled
+        if not h.cancelled() and isinstance(getattr(h._callback, "__self__", None), EventStream)  # type: ignore[attr-defined]
+    ]
+
+
+async def test_leaving_stream_context_early_cancels_the_stream_timer() -> None:
+    """A stream left between events leaves no idle timer of its own on the loop."""
+    body = _Body([*_sse({"n": 1}), None])
+    transport = _transport(_stream_handler(body))
+    loop = asyncio.get_running_loop()
+    try:
+        async with transport.stream(_stream_request()) as events:
+            async for event in events:
+                assert event == {"n": 1}
+                break
+            assert _stream_timers(loop) != []
+        assert _stream_timers(loop) == []
     finally:
         await transport.aclose()
 

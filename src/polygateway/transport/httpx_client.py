@@ -34,6 +34,7 @@ from httpx_sse import ServerSentEvent, aconnect_sse
 
 from polygateway.transport.exchange import (
     EventStream,
+    RequestSecrets,
     answer_error,
     check_opened,
     connect_limit,
@@ -48,7 +49,6 @@ from polygateway.transport.http import (
     malformed,
     network_error,
     parse_json_body,
-    secrets_in,
     timeout_error,
 )
 from polygateway.transport.pool import (
@@ -213,7 +213,7 @@ class HttpxTransport:
     async def send(self, request: HttpRequest) -> Any:
         """Send one request and return the JSON of a 2xx answer; every failure is classified."""
         group = self._group(request.source)
-        secrets = secrets_in(request.headers)
+        secrets = RequestSecrets(request.headers)
         shard, client = group.acquire()
         try:
             # httpx's timeouts bound each phase; asyncio.timeout bounds the whole
@@ -250,7 +250,7 @@ class HttpxTransport:
         Exiting the context, normally, by error or by cancellation, closes the response.
         """
         group = self._group(request.source)
-        secrets = secrets_in(request.headers)
+        secrets = RequestSecrets(request.headers)
         loop = asyncio.get_running_loop()
         # edge: asyncio.timeout_at measures the loop's own clock, so the deadline must too.
         first_deadline = loop.time() + request.timeout_s
@@ -283,7 +283,10 @@ class HttpxTransport:
             sse = source.aiter_sse()
             # LIFO: the event generator is closed before its response.
             stack.push_async_callback(sse.aclose)
-            yield _HttpxEvents(sse, request, secrets, loop, first_deadline)
+            events = _HttpxEvents(sse, request, secrets, loop, first_deadline)
+            # A stream left between events must not keep its idle timer on the loop.
+            stack.callback(events.close)
+            yield events
 
     async def aclose(self) -> None:
         """Close every pooled client; idempotent."""
