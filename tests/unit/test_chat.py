@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -121,6 +122,8 @@ class TestInput:
             [{"content": "no role"}],
             ["not a dict"],
             [{"role": "", "content": "empty role"}],
+            [{"role": "user", "content": "fine"}, {"content": "second has no role"}],
+            [{"role": "user", "content": "fine"}, {"role": 5, "content": "role not text"}],
             None,
         ],
     )
@@ -132,6 +135,13 @@ class TestInput:
             await chat.complete(messages)
         assert caught.value.scope == "chat"
         assert transport.requests == []
+
+    async def test_messages_as_a_tuple_of_mappings_are_sent_as_dicts(self) -> None:
+        """Any sequence of mappings with roles is accepted and sent as a list of plain dicts."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(clock, [chat_completion()])
+        await chat.complete((MappingProxyType({"role": "user", "content": "hi"}),))
+        assert transport.requests[0].json["messages"] == [{"role": "user", "content": "hi"}]
 
     def test_scope_of_another_kind_is_a_config_error(self) -> None:
         """A ChatClient on an embed scope fails at construction, naming the field."""

@@ -119,6 +119,7 @@ def _valid_deadline(deadline_s: object) -> bool:
 
 
 def _candidate_name(candidate: _Candidate) -> str:
+    """The source name of a candidate, for ``untried_first``."""
     return candidate[0].name
 
 
@@ -236,15 +237,13 @@ class Admitter:
         every = [self.timeouts(source, call) for source, _ in candidates]
         return self._longest(every, streaming=call.streaming)
 
-    def _must_queue(self, room: WaitingRoom) -> bool:
-        """Whether a new call must queue: others wait, or the backend has no room to ask.
+    def _full(self, room: WaitingRoom) -> bool:
+        """Whether a call that finds nobody waiting must still queue: the backend has no room.
 
         The head of the queue asks whatever the count (nobody else would ask
         for it), so the fast path stops one short of the backend's bound: at
         most ``max_inflight_ops`` acquires of the scope at once in this process.
         """
-        if not room.empty:
-            return True
         bound = self._backend.max_inflight_ops
         return bound is not None and room.asking >= bound - 1
 
@@ -258,7 +257,7 @@ class Admitter:
         otherwise it joins the tail of the FIFO and only the head asks.
         ``fail_fast`` calls never queue: they ask once.
         """
-        if call.waiter is None and not call.fail_fast and self._must_queue(room):
+        if call.waiter is None and not call.fail_fast and (not room.empty or self._full(room)):
             call.waiter = room.enter()
         if call.waiter is not None and not room.is_head(call.waiter):
             return None

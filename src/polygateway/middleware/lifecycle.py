@@ -134,7 +134,8 @@ class Lifecycle:
 
     def begin(self) -> InFlight:
         """Track a new call; ``end()`` must follow, whatever happens."""
-        self.check_open()
+        if self._closed:
+            raise GatewayError("client closed", scope=self._scope)
         call = InFlight(self._scope)
         self._calls.add(call)
         return call

@@ -431,7 +431,7 @@ class RetryMW:
             outcome = _CANCELLED
             error = "cancelled"
         try:
-            await self._release(ctx.lease, outcome)
+            await release_quietly(self._backend, ctx.lease, outcome, self._text)
         finally:
             # A cancellation during the release must not lose the served attempt's record.
             self._emit(call, ctx, outcome.kind, status, error)

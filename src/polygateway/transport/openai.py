@@ -105,9 +105,9 @@ def chat_request(
         body["stream_options"] = options
     url, headers = json_target(source, "chat/completions")
     return HttpRequest(
-        source=source.name,
-        url=url,
-        timeout_s=(ttft_timeout_s or timeout_s) if stream else timeout_s,
+        source.name,
+        url,
+        (ttft_timeout_s or timeout_s) if stream else timeout_s,  # timeout_s
         headers=headers,
         json=body,
         idle_timeout_s=(idle_timeout_s or timeout_s) if stream else None,
@@ -189,44 +189,36 @@ def _plain_usage(value: Any) -> Usage | None:
     return Usage(prompt, completion, total or prompt + completion)
 
 
-def _plain_chat_response(body: Any) -> ParsedChat | None:
-    """The common completion (text, no tool calls) read directly, else ``None``: walk it.
+def parse_chat_response(body: Any) -> ParsedChat:
+    """Read a chat completion; any shape but the promised one is a malformed body.
 
-    Every check here is exact (``type(x) is dict``), so whatever it accepts
-    the generic walk reads to the same result; anything else, odd or wrong,
-    goes to the walk, which accepts the variations or names the fault.
+    The common completion (text, no tool calls) is read directly here. Every
+    check is exact (``type(x) is dict``), so whatever it accepts the generic
+    walk (``_walk_chat_response``) reads to the same result; anything else,
+    odd or wrong, goes to the walk, which accepts the variations or names the fault.
     """
     if type(body) is not dict or body.get("error") is not None:
-        return None
+        return _walk_chat_response(body)
     choices = body.get("choices")
     if type(choices) is not list or not choices:
-        return None
+        return _walk_chat_response(body)
     choice = choices[0]
     if type(choice) is not dict:
-        return None
+        return _walk_chat_response(body)
     message = choice.get("message")
     if type(message) is not dict or message.get("tool_calls"):
-        return None
+        return _walk_chat_response(body)
     content = message.get("content")
     finish = choice.get("finish_reason")
     if (content is not None and type(content) is not str) or (
         finish is not None and type(finish) is not str
     ):
-        return None
+        return _walk_chat_response(body)
     raw_usage = body.get("usage")
-    if raw_usage is None:
-        usage = Usage()
-    elif (usage_or_none := _plain_usage(raw_usage)) is not None:
-        usage = usage_or_none
-    else:
-        return None
+    usage = Usage() if raw_usage is None else _plain_usage(raw_usage)
+    if usage is None:
+        return _walk_chat_response(body)
     return ParsedChat(content or "", finish, (), usage, body)
-
-
-def parse_chat_response(body: Any) -> ParsedChat:
-    """Read a chat completion; any shape but the promised one is a malformed body."""
-    plain = _plain_chat_response(body)
-    return plain if plain is not None else _walk_chat_response(body)
 
 
 def _walk_chat_response(body: Any) -> ParsedChat:
@@ -272,7 +264,7 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     An in-band error event is a transient failure.
 
     The common chunk (a text delta, no tool calls) is read directly here,
-    with exact checks as in ``_plain_chat_response``, inline because it runs
+    with exact checks as in ``parse_chat_response``, inline because it runs
     per chunk; anything else is walked field by field (``_walk_chat_chunk``).
     """
     if type(event) is not dict or event.get("error") is not None:
