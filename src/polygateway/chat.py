@@ -142,10 +142,18 @@ class ChatClient(GovernedClient):
         there. After the first chunk, a failure raises ``StreamInterrupted``.
 
         Raises:
-            RequestRejected: invalid messages (at once, before anything is sent).
+            RequestRejected: invalid messages, or ``stream_options`` that is not
+                an object (at once, before anything is sent).
             GatewayError: the client is closed.
         """
         checked = _check_messages(messages, self._scope)
+        options = params.get("stream_options")
+        if options is not None and not isinstance(options, Mapping):
+            # A stream's request adds include_usage to these options: they must be an object.
+            raise RequestRejected(
+                f"stream_options must be an object, not {type(options).__name__}",
+                scope=self._scope,
+            )
         self._life.check_open()
         return ChatStream(self, checked, params, fail_fast=fail_fast, deadline_s=deadline_s)
 

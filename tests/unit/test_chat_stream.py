@@ -385,3 +385,22 @@ class TestStreamCalls:
         with pytest.raises(GatewayError, match="client closed"):
             chat.stream(MESSAGES)
         assert transport.requests == []
+
+    @pytest.mark.parametrize("options", [b"bytes", "text", 3, [("include_usage", True)]])
+    async def test_stream_options_that_are_not_an_object_are_rejected_at_once(
+        self, options: Any
+    ) -> None:
+        """stream_options must be an object: anything else is RequestRejected, nothing sent."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(clock, [StreamScript(chat_chunk_events(["x"]))])
+        with pytest.raises(RequestRejected, match="stream_options must be an object") as caught:
+            chat.stream(MESSAGES, stream_options=options)
+        assert caught.value.scope == "chat"
+        assert transport.requests == []
+
+    async def test_caller_stream_options_are_kept_beside_include_usage(self) -> None:
+        """An object of stream_options passes through, with include_usage added unless set."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(clock, [StreamScript(chat_chunk_events(["x"]))])
+        _ = [c async for c in chat.stream(MESSAGES, stream_options={"x": 1})]
+        assert transport.requests[0].json["stream_options"] == {"x": 1, "include_usage": True}
