@@ -112,3 +112,33 @@ def test_limit_never_leaves_one_to_max(
             aimd.on_overload(a, now)
         assert 1.0 <= a.limit <= max_concurrency
         assert 1 <= aimd.concurrency_cap(a, max_concurrency) <= max_concurrency
+
+
+@given(
+    limit=st.floats(min_value=-10.0, max_value=1e6, allow_nan=False),
+    max_concurrency=st.integers(min_value=-2, max_value=1000),
+)
+def test_concurrency_cap_is_the_spec_formula(limit: float, max_concurrency: int) -> None:
+    """The cap equals ``max(1, min(max_concurrency, floor(limit)))`` for any limit and max."""
+    expected = max(1, min(max_concurrency, math.floor(limit)))
+    assert aimd.concurrency_cap(Aimd(limit=limit), max_concurrency) == expected
+
+
+@given(
+    limit=st.floats(min_value=1.0, max_value=1e4, allow_nan=False),
+    max_concurrency=st.integers(min_value=1, max_value=1000),
+)
+def test_success_is_the_spec_formula_bit_for_bit(limit: float, max_concurrency: int) -> None:
+    """Success gives exactly ``min(max, limit + 1/limit)``, the Lua twin's float, at the cap too."""
+    a = Aimd(limit=limit)
+    aimd.on_success(a, max_concurrency)
+    assert a.limit == min(float(max_concurrency), limit + 1.0 / limit)
+
+
+def test_success_at_the_cap_leaves_the_limit_and_above_a_lowered_cap_brings_it_down() -> None:
+    """At ``max_concurrency`` a success changes nothing; above a lowered max it lands on the max."""
+    a = Aimd(limit=8.0)
+    aimd.on_success(a, 8)
+    assert a.limit == 8.0
+    aimd.on_success(a, 3)
+    assert a.limit == 3.0

@@ -165,3 +165,19 @@ def test_refill_is_stored_even_when_refused() -> None:
     assert state.tpm is not None
     assert state.tpm.at == T0 + 1
     assert state.tpm.tokens == pytest.approx(10)
+
+
+@given(
+    tokens=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    elapsed=st.floats(min_value=0.0, max_value=1e5, allow_nan=False),
+    rate=st.floats(min_value=1e-3, max_value=1e7, allow_nan=False),
+    cap=st.floats(min_value=1.0, max_value=1e6, allow_nan=False),
+)
+def test_refilled_tokens_is_the_spec_expression_bit_for_bit(
+    tokens: float, elapsed: float, rate: float, cap: float
+) -> None:
+    """Refill is ``min(cap, tokens + (now - at) * rate / 60)``, the float the Lua twin computes."""
+    bucket = TokenBucket(tokens=tokens, at=T0)
+    now = T0 + elapsed
+    expected = min(cap, tokens + (now - T0) * rate / 60)
+    assert ratelimit.refilled_tokens(bucket, rate, cap, now) == expected

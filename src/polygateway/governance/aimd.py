@@ -38,12 +38,20 @@ class Aimd:
 
 def concurrency_cap(a: Aimd, max_concurrency: int) -> int:
     """Permits the source may hold now: ``floor(limit)``, at least 1, at most the configured max."""
-    return max(1, min(max_concurrency, math.floor(a.limit)))
+    # Comparisons, not max()/min(): this runs for every candidate of every acquire,
+    # and the builtins' call overhead is most of its cost. Same value, same order.
+    cap = math.floor(a.limit)
+    if cap > max_concurrency:
+        cap = max_concurrency
+    return cap if cap >= 1 else 1
 
 
 def on_success(a: Aimd, max_concurrency: int) -> None:
     """Additive increase, capped at ``max_concurrency``."""
-    a.limit = min(float(max_concurrency), a.limit + 1.0 / a.limit)
+    # A healthy source sits at its cap, where the increase is a no-op: skip the float work.
+    # (A limit above a lowered cap is not equal to it, so it is still brought down.)
+    if a.limit != max_concurrency:
+        a.limit = min(float(max_concurrency), a.limit + 1.0 / a.limit)
 
 
 def on_overload(a: Aimd, now: float) -> bool:

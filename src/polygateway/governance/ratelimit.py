@@ -38,7 +38,9 @@ def new_bucket(capacity: float, now: float) -> TokenBucket:
 
 def refilled_tokens(bucket: TokenBucket, rate: float, capacity: float, now: float) -> float:
     """The tokens the bucket would hold at ``now``, without changing it."""
-    return min(capacity, bucket.tokens + (now - bucket.at) * rate / 60)
+    tokens = bucket.tokens + (now - bucket.at) * rate / 60
+    # min(capacity, tokens) without the builtin's call cost (every acquire of a limited source).
+    return tokens if tokens < capacity else capacity
 
 
 def refill(bucket: TokenBucket, rate: float, capacity: float, now: float) -> None:
