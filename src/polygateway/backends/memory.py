@@ -91,31 +91,30 @@ class MemoryBackend:
         if sc is None:
             sc = self._scope(scope)
         sources = sc.sources
-        rejections: list[Rejection] = []
+        # Built only on a first refusal: the common grant on the first candidate needs no list.
+        rejections: list[Rejection] | None = None
         for spec in candidates:
-            src = sources.get(spec.name)
+            name = spec.name
+            src = sources.get(name)
             if src is None:
-                src = sources[spec.name] = _Source(spec, source_state.new_source_state(spec, now))
+                src = sources[name] = _Source(spec, source_state.new_source_state(spec, now))
             elif src.spec is not spec:
                 src.spec = spec
-            verdict = source_state.admit(src.state, spec, now, cost_tokens)
-            if not isinstance(verdict, Admission):
-                rejections.append(Rejection(spec.name, verdict.reason, verdict.reopen_in_s))
-                continue
-            lease_id = str(next(self._ids))
-            source_state.commit(
-                src.state,
-                spec,
-                lease_id,
-                now,
-                ttl_s=ttl_s,
-                cost_tokens=cost_tokens,
-                probe=verdict.probe,
-            )
-            # Positional (scope, source, lease_id, ttl_s, tokens, probe): cheaper per grant.
-            lease = Lease(scope, spec.name, lease_id, ttl_s, cost_tokens, verdict.probe)
-            return AcquireResult(lease, tuple(rejections) if rejections else ())
-        return AcquireResult(None, tuple(rejections))
+            state = src.state
+            verdict = source_state.admit(state, spec, now, cost_tokens)
+            if isinstance(verdict, Admission):
+                probe = verdict.probe
+                lease_id = str(next(self._ids))
+                source_state.commit(
+                    state, spec, lease_id, now, ttl_s=ttl_s, cost_tokens=cost_tokens, probe=probe
+                )
+                # Positional (scope, source, lease_id, ttl_s, tokens, probe): cheaper per grant.
+                lease = Lease(scope, name, lease_id, ttl_s, cost_tokens, probe)
+                return AcquireResult(lease, tuple(rejections) if rejections else ())
+            if rejections is None:
+                rejections = []
+            rejections.append(Rejection(name, verdict.reason, verdict.reopen_in_s))
+        return AcquireResult(None, tuple(rejections) if rejections else ())
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit, record the outcome, wake the waiting room; a dead lease is a no-op."""
