@@ -548,6 +548,40 @@ async def test_stream_idle_timeout(transport: Transport, upstream: Upstream) -> 
     assert "stream idle" in str(info.value)
 
 
+async def test_stream_flowing_past_its_end_is_cut_as_the_calls_deadline(
+    transport: Transport, upstream: Upstream
+) -> None:
+    """An event every 50 ms forever, deadline_in_s=0.3: cut as the call's deadline, well in time."""
+
+    async def trickle(seen: Seen, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await start_events(w)
+        n = 0
+        try:
+            while True:  # until the client goes: a write then fails
+                await send_chunk(w, event({"n": n}))
+                n += 1
+                await asyncio.sleep(0.05)
+        finally:
+            upstream.client_closed.set()
+
+    upstream.behaviour = trickle
+    got: list[Any] = []
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(TransientError) as info:
+        async with asyncio.timeout(WAIT_S):
+            await drain(transport, chat(upstream, deadline_in_s=0.3), got)
+    elapsed = loop.time() - started
+    assert info.value.timeout
+    assert (info.value.failure, info.value.status_code) == ("transient", None)
+    assert "call deadline reached" in str(info.value)
+    assert_no_key(info.value)
+    assert got  # events flowed before the end: neither idle nor TTFT cut it
+    assert got == [{"n": i} for i in range(len(got))]
+    assert elapsed < 1.0  # the trickle never stops: only the end ends it
+    await asyncio.wait_for(upstream.client_closed.wait(), WAIT_S)
+
+
 @pytest.mark.parametrize(
     ("status", "failure_class"),
     [

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import pytest
 
-from polygateway.transport.exchange import EventStream, RequestSecrets
+from polygateway.transport.exchange import (
+    EventStream,
+    RequestSecrets,
+    open_timed_out,
+    stream_deadlines,
+)
 from polygateway.transport.http import HttpRequest, TransientError
 
 KEY = "sk-test-SECRET-123"
@@ -81,9 +87,13 @@ class _Scripted(EventStream):
     _FAILURES: ClassVar[tuple[type[Exception], ...]] = (_LibraryError,)
 
     def __init__(
-        self, request: HttpRequest, loop: asyncio.AbstractEventLoop, first_deadline: float
+        self,
+        request: HttpRequest,
+        loop: asyncio.AbstractEventLoop,
+        first_deadline: float,
+        end: float = math.inf,
     ) -> None:
-        super().__init__(request, RequestSecrets(request.headers), loop, first_deadline)
+        super().__init__(request, RequestSecrets(request.headers), loop, first_deadline, end)
         self.feed: asyncio.Queue[str | Exception | None] = asyncio.Queue()
 
     async def _next_data(self) -> str | None:
@@ -96,13 +106,18 @@ class _Scripted(EventStream):
         return TransientError(f"library failure at {self._request.source}", failure="transient")
 
 
-def _request(timeout_s: float = 10.0, idle_timeout_s: float | None = 1.0) -> HttpRequest:
+def _request(
+    timeout_s: float = 10.0,
+    idle_timeout_s: float | None = 1.0,
+    deadline_in_s: float | None = None,
+) -> HttpRequest:
     return HttpRequest(
         source="primary",
         url="http://upstream.test/v1/chat/completions",
         timeout_s=timeout_s,
         idle_timeout_s=idle_timeout_s,
         headers={"Authorization": f"Bearer {KEY}"},
+        deadline_in_s=deadline_in_s,
     )
 
 
@@ -407,4 +422,138 @@ async def test_real_loop_idle_expiry_is_a_stream_idle_timeout() -> None:
     with pytest.raises(TransientError, match="stream idle") as info:
         await events.__anext__()
     assert info.value.timeout is True
+    assert _our_handles(loop, events) == []
+
+
+# --- The call's end (HttpRequest.deadline_in_s) ---
+
+
+def _ending_stream(
+    timers: _ManualTimers, deadline_in_s: float | None, timeout_s: float = 10.0, idle_s: float = 1.0
+) -> _Scripted:
+    """A stream opened now whose deadlines come from ``stream_deadlines``, as a transport's do."""
+    loop = cast(asyncio.AbstractEventLoop, timers)
+    request = _request(timeout_s, idle_s, deadline_in_s)
+    first, end = stream_deadlines(request, loop)
+    return _Scripted(request, loop, first, end)
+
+
+def test_stream_deadlines_count_from_the_request_start() -> None:
+    """The first deadline is the TTFT from now, never past the end; no deadline_in_s: no end."""
+    timers = _ManualTimers()
+    loop = cast(asyncio.AbstractEventLoop, timers)
+    assert stream_deadlines(_request(10.0, 1.0, 3.0), loop) == (1003.0, 1003.0)
+    assert stream_deadlines(_request(2.0, 1.0, 3.0), loop) == (1002.0, 1003.0)
+    assert stream_deadlines(_request(2.0, 1.0, None), loop) == (1002.0, math.inf)
+
+
+def test_opening_cut_says_which_bound_cut_it() -> None:
+    """An opening cut at the end is the call's deadline; before it, a 'no first event'."""
+    request = _request(2.0, 1.0, 3.0)
+    assert "call deadline reached" in str(open_timed_out(request, 1003.0, 1003.0))
+    assert str(open_timed_out(request, 1002.0, 1003.0)) == "no first event at primary after 2 s"
+
+
+async def test_end_earlier_than_the_idle_deadline_cuts_with_the_deadline_message() -> None:
+    """Events 0.9 s apart (idle 1 s) flow until the end at 2.5 s, which cuts the read then."""
+    timers = _ManualTimers()
+    events = _ending_stream(timers, deadline_in_s=2.5)
+    got = [await _event_after(events, timers, 0.9, n) for n in range(2)]  # at 0.9 and 1.8 s
+    assert got == [{"n": 0}, {"n": 1}]
+    task = await _reading(events)
+    timers.advance(0.69)  # t = 2.49: the idle deadline (2.8) is later than the end
+    assert not task.done()
+    timers.advance(0.02)
+    with pytest.raises(TransientError) as info:
+        await task
+    assert info.value.timeout is True
+    assert info.value.failure == "transient"
+    assert str(info.value) == "call deadline reached at primary after 2.5 s"
+    assert KEY not in str(info.value)
+    assert KEY not in repr(info.value)
+    assert timers.pending() == []
+    with pytest.raises(StopAsyncIteration):
+        await events.__anext__()
+
+
+async def test_idle_earlier_than_the_end_still_fails_as_stream_idle() -> None:
+    """With an end far away, a gap past the idle timeout is 'stream idle', not the deadline."""
+    timers = _ManualTimers()
+    events = _ending_stream(timers, deadline_in_s=100.0)
+    await _event_after(events, timers, 0.1, 1)
+    task = await _reading(events)
+    timers.advance(1.01)
+    with pytest.raises(TransientError, match="stream idle at primary after 1 s"):
+        await task
+
+
+async def test_no_end_lets_a_flowing_stream_run_on() -> None:
+    """Without deadline_in_s, events 0.9 s apart keep coming for 90 s and more."""
+    timers = _ManualTimers()
+    events = _ending_stream(timers, deadline_in_s=None)
+    got = [await _event_after(events, timers, 0.9, n) for n in range(100)]
+    assert got[-1] == {"n": 99}
+    assert timers.now > 1089.0
+
+
+async def test_end_keeps_one_timer_for_many_events() -> None:
+    """Fifty quick events with an end still schedule two timer handles, not fifty."""
+    timers = _ManualTimers()
+    events = _ending_stream(timers, deadline_in_s=30.0)
+    for n in range(50):
+        assert await _event_after(events, timers, 0.01, n) == {"n": n}
+    assert len(timers.handles) == 2
+
+
+async def test_no_first_event_before_an_earlier_end_is_the_deadline() -> None:
+    """A TTFT (10 s) longer than the time left (2 s): silence is cut at 2 s as the deadline."""
+    timers = _ManualTimers()
+    events = _ending_stream(timers, deadline_in_s=2.0, timeout_s=10.0)
+    task = await _reading(events)
+    timers.advance(1.99)
+    assert not task.done()
+    timers.advance(0.02)
+    with pytest.raises(TransientError, match="call deadline reached"):
+        await task
+
+
+async def test_end_passed_while_the_consumer_held_an_event_reads_nothing_more() -> None:
+    """A consumer busy past the end: its next read fails at once, without waiting or a timer."""
+    timers = _ManualTimers()
+    events = _ending_stream(timers, deadline_in_s=2.0)
+    await _event_after(events, timers, 0.1, 1)
+    timers.advance(5.0)  # the consumer's own work runs past the end
+    events.feed.put_nowait('{"n": 2}')  # already there, yet past the end
+    with pytest.raises(TransientError, match="call deadline reached"):
+        await events.__anext__()
+    assert timers.pending() == []
+    assert events.feed.qsize() == 1  # not read
+
+
+async def test_real_loop_end_cuts_a_flowing_stream() -> None:
+    """On the real loop, events every 10 ms with a 0.1 s end are cut as the deadline."""
+    loop = asyncio.get_running_loop()
+    request = _request(timeout_s=30.0, idle_timeout_s=30.0, deadline_in_s=0.1)
+    first, end = stream_deadlines(request, loop)
+    events = _Scripted(request, loop, first, end)
+
+    async def feed() -> None:
+        for n in range(1000):
+            events.feed.put_nowait(f'{{"n": {n}}}')
+            await asyncio.sleep(0.01)
+
+    async def read_all(got: list[Any]) -> None:
+        async with asyncio.timeout(5.0):
+            async for item in events:
+                got.append(item)
+
+    feeder = asyncio.create_task(feed())
+    got: list[Any] = []
+    try:
+        with pytest.raises(TransientError, match="call deadline reached") as info:
+            await read_all(got)
+    finally:
+        feeder.cancel()
+    assert info.value.timeout is True
+    assert 0 < len(got) < 1000
     assert _our_handles(loop, events) == []

@@ -46,7 +46,9 @@ from polygateway.transport.exchange import (
     connect_limit,
     connect_timed_out,
     json_content,
+    open_timed_out,
     phase_timed_out,
+    stream_deadlines,
     unusable_url,
 )
 from polygateway.transport.http import (
@@ -224,14 +226,14 @@ class AiohttpTransport:
         """Open an SSE stream; yields an iterator of parsed ``data:`` events up to ``[DONE]``.
 
         Same contract as ``HttpxTransport.stream``: ``timeout_s`` is the TTFT,
-        ``idle_timeout_s`` each later gap; a non-2xx answer raises before any
-        event; leaving the context by any path closes the response.
+        ``idle_timeout_s`` each later gap, ``deadline_in_s`` the whole stream; a
+        non-2xx answer raises before any event; leaving the context by any path
+        closes the response.
         """
         session, proxy = self._session(request.source)
         secrets = RequestSecrets(request.headers)
         loop = asyncio.get_running_loop()
-        # edge: asyncio.timeout_at measures the loop's own clock, so the deadline must too.
-        first_deadline = loop.time() + request.timeout_s
+        first_deadline, end = stream_deadlines(request, loop)
         async with AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout_at(first_deadline):
@@ -258,8 +260,8 @@ class AiohttpTransport:
             except aiohttp.ClientError as exc:
                 raise _translate(exc, request, secrets) from exc
             except TimeoutError as exc:
-                raise timeout_error("no first event", request.source, request.timeout_s) from exc
-            events = _AiohttpEvents(response, request, secrets, loop, first_deadline)
+                raise open_timed_out(request, first_deadline, end) from exc
+            events = _AiohttpEvents(response, request, secrets, loop, first_deadline, end)
             # First out (LIFO): the stream's timer goes before the response closes.
             stack.callback(events.close)
             yield events
@@ -285,8 +287,9 @@ class _AiohttpEvents(EventStream):
         secrets: Sequence[str],
         loop: asyncio.AbstractEventLoop,
         first_deadline: float,
+        end: float,
     ) -> None:
-        super().__init__(request, secrets, loop, first_deadline)
+        super().__init__(request, secrets, loop, first_deadline, end)
         self._response = response
         self._parser = SSEParser()
         self._ready: deque[str] = deque()

@@ -12,9 +12,11 @@
 - ``RequestSecrets``: a request's credential values, scanned only when a
   failure's message needs them (the success path never pays for the scan).
 - ``EventStream``: the parsed ``data:`` events of one stream with the TTFT and
-  idle deadlines enforced by one timer per stream. A client module subclasses
-  it with its library's read (``_next_data``) and its exception boundary
-  (``_FAILURES``, ``_translate``).
+  idle deadlines, and the call's end (``HttpRequest.deadline_in_s``), enforced
+  by one timer per stream. A client module subclasses it with its library's
+  read (``_next_data``) and its exception boundary (``_FAILURES``, ``_translate``);
+  ``stream_deadlines`` fixes the first deadline and the end when the request
+  starts, and ``open_timed_out`` says which of them cut the opening.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ __all__ = [
     "check_opened",
     "connect_limit",
     "connect_timed_out",
+    "deadline_reached",
     "json_content",
+    "open_timed_out",
     "phase_timed_out",
+    "stream_deadlines",
     "unusable_url",
 ]
 
@@ -70,6 +75,39 @@ def connect_timed_out(request: HttpRequest) -> TransientError:
 def phase_timed_out(request: HttpRequest, exc: Exception) -> TransientError:
     """The library's own timeout of a phase (read, write, pool), named by its class."""
     return timeout_error(f"timed out ({type(exc).__name__})", request.source, request.timeout_s)
+
+
+def deadline_reached(request: HttpRequest) -> TransientError:
+    """A stream cut because the call's deadline was reached, however well it flowed.
+
+    Classified like any timeout (transient, ``timeout=True``); the loop tells
+    the caller's deadline apart from the source's own timeouts by its clock.
+    """
+    return timeout_error("call deadline reached", request.source, request.deadline_in_s)
+
+
+def stream_deadlines(request: HttpRequest, loop: asyncio.AbstractEventLoop) -> tuple[float, float]:
+    """(first event, end) of a stream starting now, on the loop's clock; end ``inf`` without one.
+
+    Both count from the request's start: the TTFT (``timeout_s``) and the
+    time left before the call's deadline (``deadline_in_s``), which the first
+    deadline never outlasts.
+    """
+    # edge: asyncio.timeout_at and call_at measure the loop's own clock, so the deadlines must too.
+    started = loop.time()
+    first = started + request.timeout_s
+    left = request.deadline_in_s
+    if left is None:
+        return first, math.inf
+    end = started + left
+    return min(first, end), end
+
+
+def open_timed_out(request: HttpRequest, first_deadline: float, end: float) -> TransientError:
+    """No first event by ``first_deadline``: a TTFT timeout, or the call's end if it came first."""
+    if first_deadline >= end:
+        return deadline_reached(request)
+    return timeout_error("no first event", request.source, request.timeout_s)
 
 
 def unusable_url(request: HttpRequest, exc: Exception) -> TransientError:
@@ -176,17 +214,21 @@ class RequestSecrets(Sequence[str]):
 
 
 class EventStream:
-    """Parsed ``data:`` events of one stream, with the TTFT and idle deadlines enforced.
+    """Parsed ``data:`` events of one stream, with the TTFT and idle deadlines and the end enforced.
 
     The first event must arrive by ``first_deadline`` (on the loop's clock);
     each later one within ``idle_timeout_s`` (default: ``timeout_s``) of the
-    call that asks for it. Any way out but an event ends the iteration for
-    good, and so does ``close()`` (the transport calls it when its context exits).
+    call that asks for it, and none after ``end``, the call's deadline
+    (``stream_deadlines``; ``inf``: none), however well the stream flows.
+    Any way out but an event ends the iteration for good, and so does
+    ``close()`` (the transport calls it when its context exits).
 
     One timer per stream, not one per event: each read only stores its
     deadline (pushed forward per event), and a single ``loop.call_at`` handle,
     when it fires, re-arms itself at the stored deadline if that has not
-    passed yet, or cancels the reading task if it has. The expiry is then told
+    passed yet, or cancels the reading task if it has. The end costs one
+    ``min()`` per event: each read's deadline is the earlier of its idle
+    deadline and the end. The expiry is then told
     apart from an outside cancellation exactly as ``asyncio.Timeout`` does it
     (``uncancel()`` against the count seen when the read began), so a
     consumer's own cancellation still passes through as ``CancelledError``.
@@ -196,6 +238,7 @@ class EventStream:
         "_armed",
         "_cancelling",
         "_deadline",
+        "_end",
         "_expiring",
         "_finished",
         "_first_deadline",
@@ -217,11 +260,15 @@ class EventStream:
         secrets: Sequence[str],
         loop: asyncio.AbstractEventLoop,
         first_deadline: float,
+        end: float = math.inf,
     ) -> None:
         self._request = request
         self._secrets = secrets
         self._loop = loop
+        first_deadline = min(first_deadline, end)
         self._first_deadline = first_deadline
+        self._end = end
+        """The call's deadline on the loop's clock: no event is waited for past it."""
         self._idle_s = request.idle_timeout_s or request.timeout_s
         self._seen = False
         self._finished = False
@@ -301,8 +348,10 @@ class EventStream:
         return reader.uncancel() <= self._cancelling
 
     def _timed_out(self) -> TransientError:
-        """The classified expiry of a read: TTFT before the first event, idle after it."""
+        """The classified expiry of a read: the call's end, else TTFT (no event yet) or idle."""
         request = self._request
+        if self._deadline >= self._end:
+            return deadline_reached(request)
         if self._seen:
             return timeout_error("stream idle", request.source, self._idle_s)
         return timeout_error("no first event", request.source, request.timeout_s)
@@ -313,8 +362,17 @@ class EventStream:
         reader = asyncio.current_task()
         if reader is None:
             raise RuntimeError("an event stream must be read inside a task")
-        # edge: the loop's own clock, the one call_at measures.
-        deadline = self._loop.time() + self._idle_s if self._seen else self._first_deadline
+        if self._seen:
+            # edge: the loop's own clock, the one call_at measures.
+            now = self._loop.time()
+            deadline = min(now + self._idle_s, self._end)
+            if deadline <= now:
+                # The end passed while the consumer held the last event: read nothing more.
+                self._deadline = deadline
+                self.close()
+                raise self._timed_out()
+        else:
+            deadline = self._first_deadline
         self._deadline = deadline
         if deadline < self._armed:
             # First read, or a deadline earlier than the armed one (idle shorter than

@@ -125,6 +125,9 @@ class HttpRequest:
     stream it bounds the wait for the first event (TTFT), and
     ``idle_timeout_s`` bounds each gap between events. Both are the *effective*
     timeouts of this attempt (already clipped to the call's deadline).
+    ``deadline_in_s`` bounds a whole stream: seconds from the request's start
+    until the call's deadline, when the stream is cut however well it flows
+    (``None``: the call has no deadline).
     """
 
     source: str
@@ -138,6 +141,7 @@ class HttpRequest:
     params: Mapping[str, str] | None = None
     idle_timeout_s: float | None = None
     connect_timeout_s: float | None = None
+    deadline_in_s: float | None = None
 
 
 @runtime_checkable

@@ -40,7 +40,9 @@ from polygateway.transport.exchange import (
     connect_limit,
     connect_timed_out,
     json_content,
+    open_timed_out,
     phase_timed_out,
+    stream_deadlines,
     unusable_url,
 )
 from polygateway.transport.http import (
@@ -246,14 +248,14 @@ class HttpxTransport:
 
         ``request.timeout_s`` bounds the wait from now to the first event
         (TTFT), ``request.idle_timeout_s`` (default: ``timeout_s``) each later
-        gap. A non-2xx answer raises its classified error before any event.
+        gap, and ``request.deadline_in_s`` the whole stream from now. A non-2xx
+        answer raises its classified error before any event.
         Exiting the context, normally, by error or by cancellation, closes the response.
         """
         group = self._group(request.source)
         secrets = RequestSecrets(request.headers)
         loop = asyncio.get_running_loop()
-        # edge: asyncio.timeout_at measures the loop's own clock, so the deadline must too.
-        first_deadline = loop.time() + request.timeout_s
+        first_deadline, end = stream_deadlines(request, loop)
         async with AsyncExitStack() as stack:
             shard, client = group.acquire()
             # Pushed first, so it runs last: the shard is free once its response is closed.
@@ -277,13 +279,13 @@ class HttpxTransport:
                         response.status_code, response.headers, response.aread, request, secrets
                     )
             except TimeoutError as exc:
-                raise timeout_error("no first event", request.source, request.timeout_s) from exc
+                raise open_timed_out(request, first_deadline, end) from exc
             except _HTTPX_FAILURES as exc:
                 raise _translate(exc, request, secrets) from exc
             sse = source.aiter_sse()
             # LIFO: the event generator is closed before its response.
             stack.push_async_callback(sse.aclose)
-            events = _HttpxEvents(sse, request, secrets, loop, first_deadline)
+            events = _HttpxEvents(sse, request, secrets, loop, first_deadline, end)
             # A stream left between events must not keep its idle timer on the loop.
             stack.callback(events.close)
             yield events
@@ -307,8 +309,9 @@ class _HttpxEvents(EventStream):
         secrets: Sequence[str],
         loop: asyncio.AbstractEventLoop,
         first_deadline: float,
+        end: float,
     ) -> None:
-        super().__init__(request, secrets, loop, first_deadline)
+        super().__init__(request, secrets, loop, first_deadline, end)
         self._sse = sse
 
     async def _next_data(self) -> str | None:
