@@ -10,11 +10,14 @@ closed, or, for a bare ``async for`` that breaks early, the event loop
 finalizes the iterator. Before the first chunk reaches the caller a failure
 or a TTFT timeout fails over like any transient failure; after it, the
 caller gets ``StreamInterrupted``. A stream that ends without ``[DONE]`` and
-without a ``finish_reason`` is a failure.
+without a ``finish_reason`` is a failure. ``deadline_s`` is a hard bound for
+a stream too: the transport cuts it at the call's deadline however well it
+flows, and the caller gets ``AllSourcesExhausted(reason="deadline")``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -139,7 +142,9 @@ class ChatClient(GovernedClient):
 
         Nothing is sent until iteration (or the ``async with``) begins; the
         loop's errors (``AllSourcesExhausted``, ``RequestRejected``, ...) surface
-        there. After the first chunk, a failure raises ``StreamInterrupted``.
+        there. After the first chunk, a failure raises ``StreamInterrupted``;
+        a stream still flowing at ``deadline_s`` is cut there and raises
+        ``AllSourcesExhausted(reason="deadline")``.
 
         Raises:
             RequestRejected: invalid messages, or ``stream_options`` that is not
@@ -178,9 +183,12 @@ class ChatStream:
     at context exit at the latest; a bare ``async for c in chat.stream(...)``
     releases it when iteration ends or, if the loop breaks early, when the
     event loop finalizes the iterator (a few loop turns later). A stream is
-    consumed once. ``deadline_s`` bounds the search for a stream that starts:
+    consumed once. ``deadline_s`` bounds the whole call, stream included:
     the TTFT and idle timeouts of each attempt are clipped to the time left
-    when it begins, and a stream already flowing is not cut at the deadline.
+    when it begins, and a stream still flowing when the deadline comes is cut
+    there, after the chunks delivered before it, with
+    ``AllSourcesExhausted(reason="deadline")`` (the attempt released as
+    cancelled: the caller's deadline is not the source's failure).
     A consumer that stops early releases the permit as cancelled (only a
     clean end counts as a success).
     """
@@ -250,6 +258,9 @@ class ChatStream:
             ttft_timeout_s=ctx.ttft_timeout_s,
             idle_timeout_s=ctx.idle_timeout_s,
         )
+        if ctx.deadline_in_s is not None:
+            # The stream's end: the transport cuts it there, however well it flows.
+            request = dataclasses.replace(request, deadline_in_s=ctx.deadline_in_s)
         stack = AsyncExitStack()
         try:
             events = await stack.enter_async_context(self._client._transport.stream(request))

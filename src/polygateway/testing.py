@@ -19,11 +19,12 @@ import asyncio
 import heapq
 import inspect
 import itertools
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import SecretStr
 
@@ -38,6 +39,7 @@ from polygateway.backends.base import (
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.config import GatewaySettings, ScopeConfig, ScopeKind, SourceConfig
 from polygateway.models import AttemptRecord
+from polygateway.transport.exchange import deadline_reached
 from polygateway.transport.http import HttpRequest, TransientError
 
 __all__ = [
@@ -170,7 +172,8 @@ async def settle(turns: int = 20) -> None:
 class Hang:
     """An upstream that never answers: time moves by exactly the attempt's timeout, then it fails.
 
-    The timeout is the request's effective ``timeout_s`` (for a stream, its TTFT).
+    The timeout is the request's effective ``timeout_s`` (for a stream, its
+    TTFT, or the stream's end, ``deadline_in_s``, when that comes first).
     """
 
     __slots__ = ()
@@ -181,10 +184,17 @@ class Hang:
 
 @dataclass(frozen=True, slots=True)
 class Delay:
-    """Sleep ``seconds`` on the transport's fake sleep (other tasks run), then play ``outcome``."""
+    """Sleep ``seconds`` on the transport's fake sleep (other tasks run), then play ``outcome``.
+
+    ``cut_at_timeout``: a delay longer than the request's effective timeout
+    (for a stream, its TTFT or its end) is cut there and fails as a timeout,
+    as a real transport would: a healthy source slower than a call's deadline.
+    Off by default, so a script can also play an attempt of any length.
+    """
 
     seconds: float
     outcome: Outcome
+    cut_at_timeout: bool = False
 
 
 class Gate:
@@ -236,7 +246,12 @@ class StreamScript:
         fail_after: after this many events, raise ``error`` (default: a reset).
         hang_before_first: time out waiting for the first event (TTFT).
         hang_after: after this many events, time out waiting for the next (idle).
-        gap_s: fake time before each event after the first.
+        gap_s: fake time before each event after the first; a gap longer than
+            the idle timeout fails as "stream idle" at that timeout.
+
+    A request with ``deadline_in_s`` is cut at that end as a real transport
+    cuts it (the clock advanced to the end, then a timeout saying the call's
+    deadline was reached), however well the script flows.
     """
 
     events: Sequence[Any]
@@ -333,18 +348,26 @@ class FakeTransport:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    async def _resolve(self, outcome: Outcome, request: HttpRequest, *, stream: bool) -> Any:
-        """Play an outcome up to the value it comes to: a body or a ``StreamScript``."""
+    async def _resolve(
+        self, outcome: Outcome, request: HttpRequest, *, stream: bool, end: float
+    ) -> Any:
+        """Play an outcome up to the value it comes to: a body or a ``StreamScript``.
+
+        ``end``: the fake clock's time when a stream is cut (``inf``: never).
+        """
+        spent = 0.0  # fake time this request's delays took so far
         while True:
             if isinstance(outcome, TransientError):
                 raise outcome
             if isinstance(outcome, Hang):
-                await self._sleep(request.timeout_s)
-                raise TransientError(
-                    f"timed out at {request.source} after {request.timeout_s:g} s", timeout=True
-                )
+                await self._time_out(request, request.timeout_s, end)
             if isinstance(outcome, Delay):
+                if outcome.cut_at_timeout and outcome.seconds > min(
+                    request.timeout_s - spent, end - self._clock()
+                ):
+                    await self._time_out(request, request.timeout_s - spent, end)
                 await self._sleep(outcome.seconds)
+                spent += outcome.seconds
                 outcome = outcome.outcome
             elif isinstance(outcome, Gate):
                 outcome = await outcome._pass()
@@ -357,11 +380,28 @@ class FakeTransport:
                 result = outcome(request)
                 outcome = await result if inspect.isawaitable(result) else result
 
+    async def _time_out(self, request: HttpRequest, timeout_s: float, end: float) -> NoReturn:
+        """Wait out ``timeout_s`` (or until ``end``, if sooner), then fail as that bound's."""
+        left = end - self._clock()
+        if left <= timeout_s:
+            await self._sleep(max(0.0, left))
+            raise deadline_reached(request)
+        await self._sleep(timeout_s)
+        raise TransientError(
+            f"timed out at {request.source} after {request.timeout_s:g} s", timeout=True
+        )
+
+    def _end(self, request: HttpRequest) -> float:
+        """When a stream starting now is cut: ``deadline_in_s`` from now on the fake clock."""
+        left = request.deadline_in_s
+        return math.inf if left is None else self._clock() + left
+
     async def send(self, request: HttpRequest) -> Any:
         """Play the next outcome for the request's source."""
         self._enter(request)
         try:
-            return await self._resolve(self._next(request), request, stream=False)
+            # Only streams have an end: a request's timeout_s is already clipped to the deadline.
+            return await self._resolve(self._next(request), request, stream=False, end=math.inf)
         finally:
             self.in_flight -= 1
 
@@ -371,8 +411,9 @@ class FakeTransport:
         self._enter(request)
         self.open_streams += 1
         try:
-            script = await self._resolve(self._next(request), request, stream=True)
-            yield _ScriptedEvents(script, request, self._sleep)
+            end = self._end(request)
+            script = await self._resolve(self._next(request), request, stream=True, end=end)
+            yield _ScriptedEvents(script, request, self._sleep, self._clock, end)
         finally:
             self.open_streams -= 1
             self.in_flight -= 1
@@ -383,36 +424,57 @@ class FakeTransport:
 
 
 class _ScriptedEvents:
-    """The events of one ``StreamScript``, failing where it says."""
+    """The events of one ``StreamScript``, failing where it says, and cut at the stream's end."""
 
-    __slots__ = ("_i", "_request", "_script", "_sleep")
+    __slots__ = ("_clock", "_end", "_i", "_request", "_script", "_sleep")
 
     def __init__(
-        self, script: StreamScript, request: HttpRequest, sleep: Callable[[float], Awaitable[None]]
+        self,
+        script: StreamScript,
+        request: HttpRequest,
+        sleep: Callable[[float], Awaitable[None]],
+        clock: FakeClock,
+        end: float,
     ) -> None:
         self._script = script
         self._request = request
         self._sleep = sleep
+        self._clock = clock
+        self._end = end
         self._i = 0
 
     def __aiter__(self) -> _ScriptedEvents:
         return self
 
+    async def _cut(self, timeout_s: float, what: str) -> NoReturn:
+        """Wait out ``timeout_s`` (or until the end, if sooner), then fail as that bound's."""
+        request = self._request
+        left = self._end - self._clock()
+        if left <= timeout_s:
+            await self._sleep(max(0.0, left))
+            raise deadline_reached(request)
+        await self._sleep(timeout_s)
+        raise TransientError(f"{what} at {request.source}", timeout=True)
+
     async def __anext__(self) -> Any:
         script, request, i = self._script, self._request, self._i
         if i == 0 and script.hang_before_first:
-            await self._sleep(request.timeout_s)
-            raise TransientError(f"no first event at {request.source}", timeout=True)
+            await self._cut(request.timeout_s, "no first event")
         if script.fail_after is not None and i >= script.fail_after:
             raise script.error or TransientError(f"connection reset at {request.source}")
+        if i > 0 and self._clock() >= self._end:
+            # The end passed while the consumer held the last event.
+            raise deadline_reached(request)
+        idle_s = request.idle_timeout_s or request.timeout_s
         if script.hang_after is not None and i >= script.hang_after:
-            await self._sleep(request.idle_timeout_s or request.timeout_s)
-            raise TransientError(f"stream idle at {request.source}", timeout=True)
+            await self._cut(idle_s, "stream idle")
         if i >= len(script.events):
             if script.done:
                 raise StopAsyncIteration
             raise TransientError(f"stream ended without [DONE] at {request.source}", truncated=True)
         if i > 0 and script.gap_s:
+            if script.gap_s > min(idle_s, self._end - self._clock()):
+                await self._cut(idle_s, "stream idle")
             await self._sleep(script.gap_s)
         self._i = i + 1
         return script.events[i]

@@ -29,6 +29,7 @@ from polygateway.testing import (
     Hang,
     Recorder,
     ScriptExhausted,
+    StreamScript,
     TransientError,
     chat_completion,
     embedding_body,
@@ -923,6 +924,13 @@ class TestRetryMWDirectly:
 # --- the test kit itself ------------------------------------------------------------------
 
 
+async def drain_stream(transport: FakeTransport, request: HttpRequest, got: list[Any]) -> None:
+    """Read a scripted stream into ``got`` until it ends or fails."""
+    async with transport.stream(request) as events:
+        async for item in events:
+            got.append(item)
+
+
 class TestFakeTransport:
     """The scripted upstream behaves as documented."""
 
@@ -937,6 +945,56 @@ class TestFakeTransport:
         assert caught.value.timeout
         assert caught.value.aimd_decrease
         assert clock() - started == 7.5
+
+    async def test_delay_cut_at_timeout_times_out_at_the_requests_timeout(self) -> None:
+        """Delay(30, body, cut_at_timeout=True) under a 5 s timeout fails as a timeout at 5 s."""
+        clock = FakeClock()
+        late = Delay(30.0, chat_completion("late"), cut_at_timeout=True)
+        transport = FakeTransport([late, late], clock=clock)
+        started = clock()
+        with pytest.raises(TransientError) as caught:
+            await transport.send(HttpRequest("s", "http://127.0.0.1:9/x", 5.0))
+        assert caught.value.timeout
+        assert clock() - started == 5.0
+        body = await transport.send(HttpRequest("s", "http://127.0.0.1:9/x", 60.0))
+        assert body["choices"][0]["message"]["content"] == "late"
+        assert clock() - started == 35.0
+
+    async def test_plain_delay_plays_past_the_timeout(self) -> None:
+        """Without cut_at_timeout a Delay longer than timeout_s still plays its outcome."""
+        clock = FakeClock()
+        transport = FakeTransport([Delay(30.0, {"n": 1})], clock=clock)
+        assert await transport.send(HttpRequest("s", "http://127.0.0.1:9/x", 5.0)) == {"n": 1}
+
+    async def test_stream_is_cut_at_its_end_with_the_deadline_message(self) -> None:
+        """A stream with deadline_in_s=2.5 and 1 s gaps yields 3 events, then fails at 2.5 s."""
+        clock = FakeClock()
+        transport = FakeTransport(
+            [StreamScript([{"n": i} for i in range(10)], gap_s=1.0)], clock=clock
+        )
+        request = HttpRequest(
+            "s", "http://127.0.0.1:9/x", 5.0, idle_timeout_s=5.0, deadline_in_s=2.5
+        )
+        started = clock()
+        got: list[Any] = []
+        with pytest.raises(TransientError, match="call deadline reached") as caught:
+            await drain_stream(transport, request, got)
+        assert caught.value.timeout
+        assert got == [{"n": 0}, {"n": 1}, {"n": 2}]
+        assert clock() - started == pytest.approx(2.5)
+
+    async def test_stream_gap_longer_than_idle_fails_as_stream_idle(self) -> None:
+        """A scripted gap of 3 s under a 2 s idle timeout fails as 'stream idle' at 2 s."""
+        clock = FakeClock()
+        transport = FakeTransport([StreamScript([{"n": 0}, {"n": 1}], gap_s=3.0)], clock=clock)
+        request = HttpRequest("s", "http://127.0.0.1:9/x", 5.0, idle_timeout_s=2.0)
+        started = clock()
+        got: list[Any] = []
+        with pytest.raises(TransientError, match="stream idle") as caught:
+            await drain_stream(transport, request, got)
+        assert caught.value.timeout
+        assert got == [{"n": 0}]
+        assert clock() - started == 2.0
 
     async def test_per_source_scripts_fall_back_to_the_shared_one(self) -> None:
         """A source's own script is used first, then the shared script, then the default."""

@@ -12,7 +12,8 @@ failure does, back-off, release, telemetry); this module gets the permit:
   (``Backend.max_inflight_ops``), otherwise it queues and only the head asks;
 - the wait of a call that found nothing runnable: the head polls, the
   others sleep until promoted or until their stall deadline;
-- how long until a source reopens, for the error that ends a call.
+- the error that ends a call, with how long until a source reopens;
+- whether an attempt's timeout was the caller's deadline (``cut_by_deadline``).
 
 A call's state (``CallState``) begins here: both halves read it.
 What is fixed for a scope (selection tiers and weights, each source's
@@ -25,11 +26,16 @@ import asyncio
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
-from polygateway.errors import GovernanceBackendError, RequestRejected
+from polygateway.errors import (
+    AllSourcesExhausted,
+    ExhaustedReason,
+    GovernanceBackendError,
+    RequestRejected,
+)
 from polygateway.governance.selection import SelectionOrder, untried_first
 from polygateway.middleware.attempt import keep_until_done
 from polygateway.middleware.policy import LoopPolicy
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
     from polygateway.config import SourceConfig
     from polygateway.models import AttemptRecord
 
-__all__ = ["Admitter", "CallState"]
+__all__ = ["DEADLINE_EPSILON_S", "Admitter", "CallState"]
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -51,6 +57,12 @@ _STALL_TIMER_SLACK_S: Final = 1e-3
 """A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
 
 _CANCELLED: Final = AttemptOutcome("cancelled")
+
+DEADLINE_EPSILON_S: Final = 1e-3
+"""No attempt starts with less time left than this: it could only time out.
+
+A timeout this close to the deadline is the deadline's: timers and the
+injected clock may disagree by a hair."""
 
 Timeouts = tuple[float, float, float]
 """(timeout, TTFT, idle) of one attempt, in seconds."""
@@ -129,6 +141,7 @@ class Admitter:
     __slots__ = (
         "_backend",
         "_free_ttl",
+        "_names",
         "_now",
         "_order",
         "_policy",
@@ -155,6 +168,7 @@ class Admitter:
         self._now = now
         self._sleep = sleep
         self._rng = rng
+        self._names = tuple(s.name for s in sources)
         specs = [
             SourceSpec(
                 name=s.name,
@@ -213,12 +227,28 @@ class Admitter:
 
     def timeouts(self, source: SourceConfig, call: CallState) -> Timeouts:
         """(timeout, TTFT, idle) of one attempt at ``source``, each clipped to the time left."""
+        return self.clip(source, self.time_left(call))
+
+    def clip(self, source: SourceConfig, left: float | None) -> Timeouts:
+        """(timeout, TTFT, idle) of ``source``, each clipped to ``left`` (``None``: unclipped)."""
         timeouts = self._timeouts[source.name]
-        if call.deadline_at is None:
+        if left is None:
             return timeouts
-        left = call.deadline_at - self._now()
         timeout_s, ttft_s, idle_s = timeouts
         return min(timeout_s, left), min(ttft_s, left), min(idle_s, left)
+
+    def cut_by_deadline(self, call: CallState, timeout_s: float, source: str) -> bool:
+        """Whether an attempt's timeout was the caller's deadline rather than the source's own.
+
+        Only once no time is left (a timeout before that is the source's). A
+        request's one bound is ``timeout_s`` (its effective value given), so
+        the deadline cut it only if it clipped it; a stream's end is the
+        deadline itself.
+        """
+        deadline_at = call.deadline_at
+        if deadline_at is None or deadline_at - self._now() > DEADLINE_EPSILON_S:
+            return False
+        return call.streaming or timeout_s < self._timeouts[source][0]
 
     def _longest(self, timeouts: Sequence[Timeouts], *, streaming: bool) -> float:
         """Lease TTL: the longest effective attempt among the candidates, plus the grace.
@@ -376,3 +406,27 @@ class Admitter:
             if rpm and s.rpm_tokens is not None and s.rpm_tokens < 1:
                 times.append((1.0 - s.rpm_tokens) * 60.0 / rpm)
         return min(times) if times else None
+
+    async def exhausted(self, call: CallState, reason: ExhaustedReason) -> AllSourcesExhausted:
+        """The error that ends a call, with the time until the earliest source reopens."""
+        message = f"{call.op_name}: all sources exhausted: {_EXPLAINED[reason]}"
+        last = call.records[-1] if call.records else None
+        if last is not None and last.error:
+            # Already scrubbed of credentials when the record was made.
+            message += f"; last: {last.source}: {last.error}"
+        return AllSourcesExhausted(
+            message,
+            reason=reason,
+            scope=self._scope,
+            sources=self._names,
+            retry_after_s=await self.retry_after(call),
+            attempts=tuple(call.records),
+        )
+
+
+_EXPLAINED: Final[Mapping[ExhaustedReason, str]] = {
+    "retry_exhausted": "every charged attempt failed",
+    "stalled": "this call waited past the stall window and the scope made no progress",
+    "no_runnable": "no source could take the call at once (fail_fast)",
+    "deadline": "the call's deadline passed",
+}

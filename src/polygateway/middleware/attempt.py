@@ -44,12 +44,15 @@ class AttemptContext:
 
     The attempt function sets ``usage`` (tpm reconciliation, telemetry) and,
     for streams, ``ttft_s``. ``permit_wait_s`` and ``stalled_s`` describe the
-    wait before the attempt, for its telemetry record.
+    wait before the attempt, for its telemetry record. ``deadline_in_s`` is
+    the time left before the call's deadline when the attempt began (``None``:
+    no deadline): a stream's request carries it, so the stream ends there.
     """
 
     __slots__ = (
         "attempt",
         "call_id",
+        "deadline_in_s",
         "idle_timeout_s",
         "lease",
         "permit_wait_s",
@@ -72,6 +75,7 @@ class AttemptContext:
         started_at: float,
         permit_wait_s: float = 0.0,
         stalled_s: float = 0.0,
+        deadline_in_s: float | None = None,
     ) -> None:
         self.call_id = call_id
         self.attempt = attempt
@@ -82,6 +86,7 @@ class AttemptContext:
         self.started_at = started_at
         self.permit_wait_s = permit_wait_s
         self.stalled_s = stalled_s
+        self.deadline_in_s = deadline_in_s
         self.usage: Usage | None = None
         self.ttft_s: float | None = None
 

@@ -10,6 +10,13 @@ is the one place that says what each class does to shared state (the
     transient             transient       failure    on timeout/503/529   retry, charged
     source_misconfigured  misconfigured   trip long  -                    retry elsewhere, charged
     request_rejected      rejected        -          -                    RequestRejected at once
+
+One row stands outside the table because the upstream's answer does not
+decide it: a timeout that the caller's ``deadline_s`` cut short (``DEADLINE_CUT``)
+is released as ``cancelled``, like a caller's cancellation: no breaker
+failure, no AIMD decrease. The source was not shown slow by its own
+measure, only slower than this caller would wait. The call then ends with
+``AllSourcesExhausted(reason="deadline")``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from polygateway.backends.base import AttemptOutcome, OutcomeKind
 from polygateway.models import FailureClass
 from polygateway.transport.http import TransientError
 
-__all__ = ["FAILURE_TABLE", "Decrease", "FailureRule", "Verdict", "verdict_for"]
+__all__ = ["DEADLINE_CUT", "FAILURE_TABLE", "Decrease", "FailureRule", "Verdict", "verdict_for"]
 
 
 Decrease = Literal["always", "on_overload", "never"]
@@ -64,6 +71,10 @@ class Verdict:
     outcome: AttemptOutcome
     charged: bool
     raises: bool
+
+
+DEADLINE_CUT: Final = Verdict(AttemptOutcome("cancelled"), charged=False, raises=False)
+"""An attempt cut by the caller's deadline: released as cancelled; the call ends "deadline"."""
 
 
 def verdict_for(error: TransientError, *, exempt_429: bool) -> Verdict:

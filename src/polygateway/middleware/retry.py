@@ -12,6 +12,7 @@ One call, whatever the client::
         clock.attempting():                  productive time: request, release, telemetry
             _attempt(...)                    (for a stream, until the stream closes)
         success -> return; request_rejected -> RequestRejected at once
+        timeout cut by the caller's deadline -> released cancelled, "deadline" at once
         exempt 429 -> not charged; else fails += 1 -> "retry_exhausted" at max_attempts
         back-off sleep, then back to the tail of the waiting room
 
@@ -24,27 +25,33 @@ check is off, exactly as the seed design section 5.4 says.
 A stream is one attempt that outlives the loop: ``session()`` hands the open
 attempt to its body with the permit still held and ``attempting()`` still
 open, and releases when the body ends (see ``Served``).
+
+``deadline_s`` is a hard bound: attempts' timeouts are clipped to the time
+left, a stream is cut at it, and a timeout the deadline caused is released as
+cancelled (``classify.DEADLINE_CUT``), not charged to the source.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 from polygateway.backends.base import AttemptOutcome, Backend, Lease
-from polygateway.errors import (
-    AllSourcesExhausted,
-    ExhaustedReason,
-    RequestRejected,
-)
-from polygateway.middleware.admission import Admitter, CallState, Sleep
+from polygateway.errors import RequestRejected
+from polygateway.middleware.admission import DEADLINE_EPSILON_S, Admitter, CallState, Sleep
 from polygateway.middleware.attempt import AttemptContext, AttemptFn, Served, release_quietly
-from polygateway.middleware.classify import FAILURE_TABLE, FailureRule, Verdict, verdict_for
+from polygateway.middleware.classify import (
+    DEADLINE_CUT,
+    FAILURE_TABLE,
+    FailureRule,
+    Verdict,
+    verdict_for,
+)
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import Emitter, NullEmitter, attempt_record
 from polygateway.transport.http import TransientError, scrub, secrets_in
@@ -71,9 +78,6 @@ __all__ = [
 T = TypeVar("T")
 
 _log = logging.getLogger("polygateway.retry")
-
-_DEADLINE_EPSILON_S: Final = 1e-3
-"""No attempt starts with less time left than this: it could only time out."""
 
 _CANCELLED: Final = AttemptOutcome("cancelled")
 
@@ -295,7 +299,9 @@ class RetryMW:
         The attempt (and ``attempting()``) lasts until the body ends, so a
         stream's attempt spans request to close. A body that raises releases
         with the matching outcome and re-raises; one that ends without
-        ``complete()`` releases as cancelled.
+        ``complete()`` releases as cancelled. A body cut by the call's deadline
+        (a timeout once no time is left) releases as cancelled and ends the
+        call with ``AllSourcesExhausted(reason="deadline")`` instead.
         """
         return _Session(
             self,
@@ -320,10 +326,10 @@ class RetryMW:
             call.age = None
             # The local measure first: a call that has not waited long needs no await.
             if stall is not None and clock.stalled_s() > stall and await self._stalled(call, clock):
-                raise await self._exhausted(call, "stalled")
+                raise await self._admit.exhausted(call, "stalled")
             deadline_at = call.deadline_at
-            if deadline_at is not None and deadline_at - self._now() <= _DEADLINE_EPSILON_S:
-                raise await self._exhausted(call, "deadline")
+            if deadline_at is not None and deadline_at - self._now() <= DEADLINE_EPSILON_S:
+                raise await self._admit.exhausted(call, "deadline")
             lease = await admit.pick(call, room)
             if lease is None:
                 await self._on_no_runnable(call, room, clock)
@@ -364,9 +370,9 @@ class RetryMW:
         """Nothing runnable: fail fast, apply the stall rule, or wait our turn in the FIFO."""
         if call.fail_fast:
             # Never the stall rule: the caller asked not to wait at all.
-            raise await self._exhausted(call, "no_runnable")
+            raise await self._admit.exhausted(call, "no_runnable")
         if await self._stalled(call, clock):
-            raise await self._exhausted(call, "stalled")
+            raise await self._admit.exhausted(call, "stalled")
         await self._admit.wait_turn(call, room, clock.stalled_s(), self._names)
 
     async def _attempt(
@@ -379,7 +385,9 @@ class RetryMW:
         """
         source = self._by_name[lease.source]
         call.tried.add(source.name)
-        timeout_s, ttft_s, idle_s = self._admit.timeouts(source, call)
+        admit = self._admit
+        left = admit.time_left(call)
+        timeout_s, ttft_s, idle_s = admit.clip(source, left)
         started = self._now()
         ctx = AttemptContext(
             call.call_id,
@@ -391,11 +399,15 @@ class RetryMW:
             started,  # started_at
             max(0.0, started - call.pick_started_at),  # permit_wait_s
             clock.stalled_s(),
+            left,  # deadline_in_s
         )
         try:
             value = await attempt_fn(source, ctx)
         except TransientError as error:
-            verdict = verdict_for(error, exempt_429=self._policy.exempt_429)
+            if error.timeout and admit.cut_by_deadline(call, ctx.timeout_s, source.name):
+                verdict = DEADLINE_CUT
+            else:
+                verdict = verdict_for(error, exempt_429=self._policy.exempt_429)
             try:
                 await self._release(lease, verdict.outcome)
             finally:
@@ -415,13 +427,19 @@ class RetryMW:
 
     async def _finish(
         self, call: CallState, served: Served[Any], exc: BaseException | None
-    ) -> None:
-        """Release the serving attempt's permit according to how its body ended; emit its record."""
+    ) -> bool:
+        """Release the serving attempt's permit according to how its body ended; emit its record.
+
+        Returns whether the body was cut by the call's deadline.
+        """
         ctx = served.ctx
         status: int | None = None
         error: str | None = None
+        cut = False
         if isinstance(exc, TransientError):
-            outcome = verdict_for(exc, exempt_429=self._policy.exempt_429).outcome
+            cut = exc.timeout and self._admit.cut_by_deadline(call, ctx.timeout_s, ctx.source)
+            verdict = DEADLINE_CUT if cut else verdict_for(exc, exempt_429=self._policy.exempt_429)
+            outcome = verdict.outcome
             status, error = exc.status_code, self._text(exc)
         elif exc is None and served.completed:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
@@ -435,10 +453,14 @@ class RetryMW:
         finally:
             # A cancellation during the release must not lose the served attempt's record.
             self._emit(call, ctx, outcome.kind, status, error)
+        return cut
 
     async def _after_failure(self, call: CallState, failed: _Failed) -> None:
         """Apply the table's verdict to the loop: raise, charge, then back off."""
         verdict, error = failed.verdict, failed.error
+        if verdict is DEADLINE_CUT:
+            # No time is left: another attempt could only time out at once.
+            raise await self._admit.exhausted(call, "deadline")
         if verdict.raises:
             raise RequestRejected(
                 f"{call.op_name}: {failed.source} rejected the request: {self._text(error)}",
@@ -454,7 +476,7 @@ class RetryMW:
             # Every source refused this call's credentials or model (401/403/404) and
             # is tripped long: waiting out its cool-down cannot serve the call.
             if call.fails >= self._policy.max_attempts or call.refused.issuperset(self._names):
-                raise await self._exhausted(call, "retry_exhausted")
+                raise await self._admit.exhausted(call, "retry_exhausted")
             step = call.fails
         else:
             # An exempt 429: free of charge, but a saturated scope still backs off
@@ -503,32 +525,6 @@ class RetryMW:
         if self._emits:
             self._emitter.emit_attempt(record)
 
-    # --- the error that ends a call --------------------------------------------
-
-    async def _exhausted(self, call: CallState, reason: ExhaustedReason) -> AllSourcesExhausted:
-        """The error that ends a call, with the time until the earliest source reopens."""
-        message = f"{call.op_name}: all sources exhausted: {_EXPLAINED[reason]}"
-        last = call.records[-1] if call.records else None
-        if last is not None and last.error:
-            # Already scrubbed of credentials when the record was made.
-            message += f"; last: {last.source}: {last.error}"
-        return AllSourcesExhausted(
-            message,
-            reason=reason,
-            scope=self._scope,
-            sources=self._names,
-            retry_after_s=await self._admit.retry_after(call),
-            attempts=tuple(call.records),
-        )
-
-
-_EXPLAINED: Final[Mapping[ExhaustedReason, str]] = {
-    "retry_exhausted": "every charged attempt failed",
-    "stalled": "this call waited past the stall window and the scope made no progress",
-    "no_runnable": "no source could take the call at once (fail_fast)",
-    "deadline": "the call's deadline passed",
-}
-
 
 class _Session(Generic[T]):
     """What ``RetryMW.session`` returns: the loop runs on entry, the release on exit.
@@ -576,12 +572,17 @@ class _Session(Generic[T]):
         if call is None or room is None or served is None or span is None:
             return
         self._call = self._room = self._served = self._span = None
+        mw = self._mw
         try:
             try:
                 # The body's exception (stream cut, consumer gone, cancellation) passes
                 # on after the release, which records how the body ended.
-                await self._mw._finish(call, served, exc)
+                cut = await mw._finish(call, served, exc)
             finally:
                 span.close()
+            if cut:
+                # Cut at the call's deadline: the call ends as the loop ends any call
+                # whose time is up, with the stream's attempt among its records.
+                raise await mw._admit.exhausted(call, "deadline") from exc
         finally:
             RetryMW._leave(call, room)
