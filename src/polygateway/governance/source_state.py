@@ -15,6 +15,11 @@ passed in. A backend makes each operation atomic around these functions.
 - ``renew`` extends a live lease (and the probe slot it may hold).
 - ``view`` is the read-only, relative-time picture for snapshots
   (``SourceSnapshot``, which ``backends.base`` re-exports).
+
+The spec drops expired leases at every operation; here ``drop_expired`` does
+so lazily (see ``SourceState.next_expiry``), which decides exactly the same:
+after it, every lease left is live, and it walks the leases only once the
+earliest expiry has passed.
 """
 
 from __future__ import annotations
@@ -284,9 +289,10 @@ def apply_outcome(
 
     The caller sets the scope's progress when this returns ``True`` for a success.
     """
-    # Popped before the sweep: a lease that expired is gone either way and frees nothing.
+    # One dict operation finds and removes the lease. Had it expired, the sweep
+    # would drop it anyway, and the check below makes its release a no-op.
     entry = state.leases.pop(lease_id, None)
-    if now >= state.next_expiry:
+    if now >= state.next_expiry:  # drop_expired's guard, inline as in admit
         _sweep(state, now)
     if entry is None or entry.expiry <= now:
         return False
