@@ -140,3 +140,22 @@ async def test_released_lease_cannot_be_released_twice(kind: OutcomeKind) -> Non
     await backend.release(lease, outcome)
     await backend.release(lease, outcome)
     assert (await backend.snapshot("s")).in_flight == 1
+
+
+async def test_a_changed_burst_sets_the_bucket_capacity_from_the_next_acquire() -> None:
+    """Capacities are derived once per spec seen: a new spec's burst caps refills and snapshots."""
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    small = SourceSpec(name="a", max_concurrency=5, rpm=60, rpm_burst=2)
+    assert (await backend.acquire("s", [small], ttl_s=1)).lease is not None
+    clock.advance(100)
+    snap = (await backend.snapshot("s")).source("a")
+    assert snap is not None
+    assert snap.rpm_tokens == 2
+    large = SourceSpec(name="a", max_concurrency=5, rpm=60, rpm_burst=10)
+    grants = [(await backend.acquire("s", [large], ttl_s=1)).lease for _ in range(3)]
+    assert all(g is not None for g in grants)
+    clock.advance(100)
+    snap = (await backend.snapshot("s")).source("a")
+    assert snap is not None
+    assert snap.rpm_tokens == 10

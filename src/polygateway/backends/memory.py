@@ -31,11 +31,45 @@ from polygateway.governance.source_state import Admission, SourceState
 __all__ = ["MemoryBackend"]
 
 
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """A spec's limits as plain fields, read by the policy on every acquire and release.
+
+    ``SourceSpec`` computes its bucket capacities in properties at every read
+    (about 0.2 µs each, two per acquire of a source with rpm and tpm); this copy
+    computes them once per spec seen.
+    """
+
+    max_concurrency: int
+    rpm: float | None
+    rpm_capacity: float
+    tpm: float | None
+    tpm_capacity: float
+    breaker_failures: int
+    cooldown_s: float
+    cooldown_max_s: float
+
+    @classmethod
+    def of(cls, spec: SourceSpec) -> _Limits:
+        """The limits of ``spec``, capacities computed now."""
+        return cls(
+            spec.max_concurrency,
+            spec.rpm,
+            spec.rpm_capacity,
+            spec.tpm,
+            spec.tpm_capacity,
+            spec.breaker_failures,
+            spec.cooldown_s,
+            spec.cooldown_max_s,
+        )
+
+
 @dataclass(slots=True)
 class _Source:
-    """One source's state plus the last spec seen for it (snapshots need its rates)."""
+    """One source's state plus the last spec seen for it (release and snapshots need its limits)."""
 
     spec: SourceSpec
+    limits: _Limits
     state: SourceState
 
 
@@ -97,16 +131,21 @@ class MemoryBackend:
             name = spec.name
             src = sources.get(name)
             if src is None:
-                src = sources[name] = _Source(spec, source_state.new_source_state(spec, now))
+                src = sources[name] = _Source(
+                    spec, _Limits.of(spec), source_state.new_source_state(spec, now)
+                )
             elif src.spec is not spec:
+                # A client builds its specs once, so this identity test almost always holds.
                 src.spec = spec
+                src.limits = _Limits.of(spec)
             state = src.state
-            verdict = source_state.admit(state, spec, now, cost_tokens)
+            limits = src.limits
+            verdict = source_state.admit(state, limits, now, cost_tokens)
             if isinstance(verdict, Admission):
                 probe = verdict.probe
                 lease_id = str(next(self._ids))
                 source_state.commit(
-                    state, spec, lease_id, now, ttl_s=ttl_s, cost_tokens=cost_tokens, probe=probe
+                    state, limits, lease_id, now, ttl_s=ttl_s, cost_tokens=cost_tokens, probe=probe
                 )
                 # Positional (scope, source, lease_id, ttl_s, tokens, probe): cheaper per grant.
                 lease = Lease(scope, name, lease_id, ttl_s, cost_tokens, probe)
@@ -125,7 +164,7 @@ class MemoryBackend:
         now = self._now()
         freed = source_state.apply_outcome(
             src.state,
-            src.spec,
+            src.limits,
             lease.lease_id,
             now,
             outcome.kind,
@@ -164,7 +203,7 @@ class MemoryBackend:
             return ScopeSnapshot(scope=scope, progress_age_s=math.inf)
         age = math.inf if sc.progress_at is None else max(0.0, now - sc.progress_at)
         sources = tuple(
-            source_state.view(src.state, src.spec, now, name=name)
+            source_state.view(src.state, src.limits, now, name=name)
             for name, src in sc.sources.items()
         )
         return ScopeSnapshot(scope=scope, progress_age_s=age, sources=sources)
