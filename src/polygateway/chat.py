@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from polygateway.errors import RequestRejected, StreamInterrupted
 from polygateway.middleware.attempt import AttemptContext, Served
 from polygateway.middleware.lifecycle import GovernedClient, InFlight
-from polygateway.models import AttemptRecord, ChatChunk, ChatResponse
+from polygateway.models import AttemptRecord, ChatChunk, ChatResponse, positional_builder
 from polygateway.transport.http import TransientError
 from polygateway.transport.openai import (
     ParsedChat,
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["ChatClient", "ChatStream"]
 
 Messages = Sequence[Mapping[str, Any]]
+
+_new_response = positional_builder(ChatResponse)
+"""``ChatResponse`` without the frozen dataclass's per-field ``__setattr__`` (one per call)."""
 
 
 def _check_messages(messages: object, scope: str) -> list[Mapping[str, Any]]:
@@ -109,7 +112,9 @@ class ChatClient(GovernedClient):
             return parsed
 
         try:
-            async with call.running():
+            # call.running() entered and left by hand: no two coroutines per call.
+            call.enter()
+            try:
                 served = await self._mw.run(
                     attempt,
                     cost_tokens=_cost(checked, params),
@@ -117,17 +122,23 @@ class ChatClient(GovernedClient):
                     deadline_s=deadline_s,
                     op_name="chat.complete",
                 )
+            except BaseException as exc:
+                call.leave(type(exc))
+                raise
+            call.leave(None)
         finally:
             self._life.end(call)
         parsed = served.value
-        return ChatResponse(
-            text=parsed.text,
-            source=served.source,
-            finish_reason=parsed.finish_reason,
-            tool_calls=parsed.tool_calls,
-            usage=parsed.usage,
-            attempts=served.attempts,
-            raw=parsed.raw,
+        # ChatResponse's fields in order: text, source, finish_reason, tool_calls, usage,
+        # attempts, raw.
+        return _new_response(
+            parsed.text,
+            served.source,
+            parsed.finish_reason,
+            parsed.tool_calls,
+            parsed.usage,
+            served.attempts,
+            parsed.raw,
         )
 
     def stream(

@@ -27,6 +27,7 @@ __all__ = [
     "AttemptFn",
     "Served",
     "keep_until_done",
+    "release_failed",
     "release_quietly",
     "shielded",
 ]
@@ -219,9 +220,19 @@ async def release_quietly(
         release = backend.release(lease, outcome)
         await (release if backend.cancel_safe else shielded(release))
     except GovernanceBackendError as exc:
-        _log.warning(
-            "release of a %s lease at %s failed (its expiry frees the permit): %s",
-            outcome.kind,
-            lease.source,
-            text(exc),
-        )
+        release_failed(lease, outcome, exc, text)
+
+
+def release_failed(
+    lease: Lease,
+    outcome: AttemptOutcome,
+    exc: GovernanceBackendError,
+    text: Callable[[BaseException], str],
+) -> None:
+    """Log a release the backend failed: the lease's expiry frees the permit, nothing is raised."""
+    _log.warning(
+        "release of a %s lease at %s failed (its expiry frees the permit): %s",
+        outcome.kind,
+        lease.source,
+        text(exc),
+    )

@@ -79,7 +79,8 @@ class InFlight:
         """
         return self
 
-    async def __aenter__(self) -> None:
+    def enter(self) -> None:
+        """Begin a stretch in the current task: ``__aenter__`` without its coroutine."""
         if self.closing:
             raise GatewayError("client closed", scope=self.scope)
         task = asyncio.current_task()
@@ -87,12 +88,8 @@ class InFlight:
             self._task = task
             self._baseline = task.cancelling()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def leave(self, exc_type: type[BaseException] | None) -> None:
+        """End the stretch as ``__aexit__`` does; the caller re-raises what ended it."""
         task, self._task = self._task, None
         if (
             exc_type is asyncio.CancelledError
@@ -102,6 +99,17 @@ class InFlight:
         ):
             # Our own cancellation (the close ran out of grace), not the caller's.
             raise GatewayError("client closed while the call was in flight", scope=self.scope)
+
+    async def __aenter__(self) -> None:
+        self.enter()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.leave(exc_type)
 
 
 class Lifecycle:

@@ -23,9 +23,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from polygateway.errors import ConfigError
 from polygateway.middleware.attempt import AttemptContext
-from polygateway.models import AttemptRecord
+from polygateway.models import AttemptRecord, positional_builder
 
 __all__ = ["Emitter", "LoggingEmitter", "NullEmitter", "PrometheusEmitter", "attempt_record"]
+
+_new_record = positional_builder(AttemptRecord)
+"""``AttemptRecord`` without the frozen dataclass's per-field ``__setattr__``."""
 
 
 def attempt_record(
@@ -39,8 +42,8 @@ def attempt_record(
 ) -> AttemptRecord:
     """The record of one attempt, from what its context collected; ``error`` already scrubbed."""
     usage = ctx.usage
-    # Positional, in AttemptRecord's field order: keywords cost a third more per record.
-    return AttemptRecord(
+    # Every field, positionally in AttemptRecord's order: one record per attempt.
+    return _new_record(
         ctx.call_id,
         scope,
         ctx.lease.source,

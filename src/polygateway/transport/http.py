@@ -296,9 +296,17 @@ def truncated_stream(source: str) -> TransientError:
     )
 
 
+_OPEN_BRACE = ord("{")
+"""No BOM starts with it: a body opening with it and a non-zero byte is UTF-8 to ``json``."""
+
+
 def parse_json_body(body: bytes, source: str) -> Any:
     """The JSON of a 2xx body; anything undecodable is a malformed answer."""
     try:
+        if len(body) > 1 and body[0] == _OPEN_BRACE and body[1]:
+            # What json.detect_encoding decides for these first bytes (UTF-8), decoded as
+            # json.loads decodes bytes, without running detect_encoding in Python per body.
+            return json.loads(body.decode("utf-8", "surrogatepass"))
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         # json.JSONDecodeError is a ValueError; the body itself is never quoted

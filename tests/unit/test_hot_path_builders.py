@@ -1,0 +1,117 @@
+"""Hot-path shortcuts that must stay indistinguishable from the plain code they replace:
+``positional_builder`` for frozen records, ``parse_json_body``'s UTF-8 fast path, and
+``complete()`` entering its call's running stretch by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import dataclasses
+import json
+import pickle
+import random
+from typing import Any
+
+import pytest
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.models import AttemptRecord, ChatResponse, Usage, positional_builder
+from polygateway.testing import FakeClock, FakeTransport, Gate, chat_completion, gateway_settings
+from polygateway.transport.http import TransientError, parse_json_body
+
+RECORD_FIELDS = ("c1", "chat", "primary", 2, "success", 200, 0.25, None, 7, 3, 0.5, 0.0, None)
+
+
+class TestPositionalBuilder:
+    """A built record is a ``cls`` in every respect, frozen included."""
+
+    def test_built_record_equals_and_hashes_as_the_plain_one(self) -> None:
+        """Same type, equality, hash, repr and field values as ``AttemptRecord(...)``."""
+        built = positional_builder(AttemptRecord)(*RECORD_FIELDS)
+        plain = AttemptRecord(*RECORD_FIELDS)
+        assert type(built) is AttemptRecord
+        assert built == plain
+        assert hash(built) == hash(plain)
+        assert repr(built) == repr(plain)
+        assert dataclasses.astuple(built) == RECORD_FIELDS
+
+    def test_built_record_is_frozen(self) -> None:
+        """Assigning a field of a built record raises FrozenInstanceError."""
+        built = positional_builder(AttemptRecord)(*RECORD_FIELDS)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            built.outcome = "cancelled"  # type: ignore[misc]  # the point: it is frozen
+        assert built.outcome == "success"
+
+    def test_built_record_replaces_and_pickles(self) -> None:
+        """dataclasses.replace and pickle treat a built record as any other."""
+        built = positional_builder(AttemptRecord)(*RECORD_FIELDS)
+        assert dataclasses.replace(built, attempt=3).attempt == 3
+        assert pickle.loads(pickle.dumps(built)) == built
+
+    def test_chat_response_fields_in_declared_order(self) -> None:
+        """The builder takes ChatResponse's fields positionally, in their declared order."""
+        usage = Usage(1, 2, 3)
+        values = ("hi", "primary", "stop", (), usage, (), {"id": "x"})
+        built = positional_builder(ChatResponse)(*values)
+        assert built == ChatResponse(*values)
+        assert [getattr(built, f.name) for f in dataclasses.fields(ChatResponse)] == list(values)
+
+    def test_a_class_with_another_layout_is_refused_at_once(self) -> None:
+        """A frozen dataclass without slots cannot take the twin's layout: TypeError up front."""
+
+        @dataclasses.dataclass(frozen=True)
+        class Loose:
+            a: int
+
+        with pytest.raises(TypeError):
+            positional_builder(Loose)
+
+
+class TestParseJsonBody:
+    """The UTF-8 fast path decodes exactly as ``json.loads`` does on bytes."""
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            '{"a": "h\u00e9llo \u2603"}'.encode(),
+            b'{"a": "\\ud800"}',  # an escaped lone surrogate
+            b"{}",
+            b'{"a": 1}'.decode().encode("utf-16-le"),
+            b'{"a": 1}'.decode().encode("utf-16"),
+            codecs.BOM_UTF8 + b'{"a": 1}',
+            b"[1, 2]",
+            b'"{"',
+        ],
+    )
+    def test_same_value_as_json_loads(self, body: bytes) -> None:
+        """Every body parses to what json.loads(bytes) gives (fast path or not)."""
+        assert parse_json_body(body, "primary") == json.loads(body)
+
+    @pytest.mark.parametrize("body", [b'{"a": "\xff"}', b'{"a": ', b"{\x00"])
+    def test_undecodable_body_is_malformed(self, body: bytes) -> None:
+        """Invalid UTF-8 or broken JSON after an opening brace is a malformed body."""
+        with pytest.raises(TransientError, match="malformed body from primary"):
+            parse_json_body(body, "primary")
+
+
+async def test_caller_cancelling_complete_gets_cancelled_error_and_frees_the_permit() -> None:
+    """complete() left by the caller's cancellation re-raises CancelledError, permit freed."""
+    clock = FakeClock()
+    gate = Gate()
+    backend = MemoryBackend(now=clock)
+    chat = ChatClient(
+        gateway_settings({"name": "primary"}),
+        backend=backend,
+        transport=FakeTransport([gate, chat_completion("late")], clock=clock),
+        now=clock,
+        rng=random.Random(1),
+    )
+    call: asyncio.Task[Any] = asyncio.create_task(chat.complete([{"role": "user", "content": "x"}]))
+    await gate.wait_entered()
+    assert (await backend.snapshot("chat")).in_flight == 1
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert (await backend.snapshot("chat")).in_flight == 0
+    assert (await chat.complete([{"role": "user", "content": "x"}])).text == "late"
