@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 
+from polygateway.backends.base import AcquireResult, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.models import AttemptRecord, ChatResponse, Usage, positional_builder
+from polygateway.models import AttemptRecord, ChatChunk, ChatResponse, Usage, positional_builder
 from polygateway.testing import FakeClock, FakeTransport, Gate, chat_completion, gateway_settings
 from polygateway.transport.http import TransientError, parse_json_body
+from polygateway.transport.openai import parse_chat_chunk, parse_chat_response
 
 RECORD_FIELDS = ("c1", "chat", "primary", 2, "success", 200, 0.25, None, 7, 3, 0.5, 0.0, None)
 
@@ -115,3 +117,35 @@ async def test_caller_cancelling_complete_gets_cancelled_error_and_frees_the_per
         await call
     assert (await backend.snapshot("chat")).in_flight == 0
     assert (await chat.complete([{"role": "user", "content": "x"}])).text == "late"
+
+
+class TestBuiltRecordsOnThePath:
+    """Records the hot path builds positionally are the frozen types callers know."""
+
+    async def test_memory_grant_is_a_frozen_lease_with_every_field(self) -> None:
+        """A memory-backend grant returns an AcquireResult and a Lease equal to plain ones."""
+        clock = FakeClock()
+        backend = MemoryBackend(now=clock)
+        spec = SourceSpec(name="primary", max_concurrency=2)
+        result = await backend.acquire("chat", [spec], cost_tokens=5, ttl_s=30.0)
+        lease = result.lease
+        assert type(result) is AcquireResult
+        assert type(lease) is Lease
+        assert lease == Lease("chat", "primary", lease.lease_id, 30.0, 5, False)
+        assert result == AcquireResult(lease, ())
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            lease.ttl_s = 1.0  # type: ignore[misc]  # the point: it is frozen
+
+    def test_common_completion_usage_is_a_plain_usage(self) -> None:
+        """parse_chat_response's common path gives a Usage equal to Usage(7, 3, 10)."""
+        parsed = parse_chat_response(chat_completion("hi", prompt_tokens=7, completion_tokens=3))
+        assert type(parsed.usage) is Usage
+        assert parsed.usage == Usage(7, 3, 10)
+
+    def test_common_chunk_is_a_plain_chat_chunk(self) -> None:
+        """parse_chat_chunk's common path gives a ChatChunk equal to the keyword-built one."""
+        event = {"choices": [{"index": 0, "delta": {"content": "he"}, "finish_reason": None}]}
+        chunk = parse_chat_chunk(event, "primary")
+        assert type(chunk) is ChatChunk
+        assert chunk == ChatChunk(text="he", source="primary")
+        assert hash(chunk) == hash(ChatChunk(text="he", source="primary"))

@@ -27,8 +27,14 @@ from polygateway.backends.base import (
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.governance import source_state
 from polygateway.governance.source_state import Admission, SourceState
+from polygateway.models import positional_builder
 
 __all__ = ["MemoryBackend"]
+
+_new_lease = positional_builder(Lease)
+"""A ``Lease`` from every field, positionally: one per grant."""
+_new_result = positional_builder(AcquireResult)
+"""An ``AcquireResult`` from both fields: one per acquire that grants."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +153,10 @@ class MemoryBackend:
                 source_state.commit(
                     state, limits, lease_id, now, ttl_s=ttl_s, cost_tokens=cost_tokens, probe=probe
                 )
-                # Positional (scope, source, lease_id, ttl_s, tokens, probe): cheaper per grant.
-                lease = Lease(scope, name, lease_id, ttl_s, cost_tokens, probe)
-                return AcquireResult(lease, tuple(rejections) if rejections else ())
+                # Every field, in order (scope, source, lease_id, ttl_s, tokens, probe) and
+                # (lease, rejections), without the frozen records' per-field setattr.
+                lease = _new_lease(scope, name, lease_id, ttl_s, cost_tokens, probe)
+                return _new_result(lease, tuple(rejections) if rejections else ())
             if rejections is None:
                 rejections = []
             rejections.append(Rejection(name, verdict.reason, verdict.reopen_in_s))

@@ -60,6 +60,7 @@ from polygateway.middleware.classify import (
 )
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import Emitter, NullEmitter, attempt_record
+from polygateway.models import positional_builder
 from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
 
@@ -86,6 +87,9 @@ T = TypeVar("T")
 _log = logging.getLogger("polygateway.retry")
 
 _CANCELLED: Final = AttemptOutcome("cancelled")
+
+_new_outcome = positional_builder(AttemptOutcome)
+"""``AttemptOutcome`` without the frozen dataclass's per-field ``__setattr__``."""
 
 
 class StallClock:
@@ -455,8 +459,8 @@ class RetryMW:
             status, error = exc.status_code, self._text(exc)
         elif exc is None and served.completed:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
-            # Positional (kind, aimd_decrease, retry_after_s, tokens_used): one per call.
-            outcome = AttemptOutcome("success", False, None, used or None)
+            # Every field, in order (kind, aimd_decrease, retry_after_s, tokens_used): one per call.
+            outcome = _new_outcome("success", False, None, used or None)
         else:
             outcome = _CANCELLED
             error = "cancelled"

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage
+from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage, positional_builder
 from polygateway.transport.http import HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
     json_target,
@@ -56,6 +56,11 @@ would reserve thousands of tokens the provider never charges.
 
 _CHARS_PER_TOKEN = 4
 _RESERVED = frozenset({"model", "messages", "input", "stream"})
+
+_new_usage = positional_builder(Usage)
+"""``Usage`` from its three counts, without the frozen dataclass's per-field ``__setattr__``."""
+_new_chunk = positional_builder(ChatChunk)
+"""``ChatChunk`` from every field, positionally, likewise."""
 
 
 @dataclass(slots=True)
@@ -186,7 +191,7 @@ def _plain_usage(value: Any) -> Usage | None:
         or total < 0
     ):
         return None
-    return Usage(prompt, completion, total or prompt + completion)
+    return _new_usage(prompt, completion, total or prompt + completion)
 
 
 def parse_chat_response(body: Any) -> ParsedChat:
@@ -290,7 +295,8 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
         finish is not None and type(finish) is not str
     ):
         return _walk_chat_chunk(event, source)
-    return ChatChunk(content or "", (), finish, source, usage)
+    # Every field, in order (text, tool_calls, finish_reason, source, usage): one per chunk.
+    return _new_chunk(content or "", (), finish, source, usage)
 
 
 def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
