@@ -2,7 +2,8 @@
 
     python -m bench.run_one CONFIG --scenario chat --n 2000 --concurrency 64 --sim-url URL
 
-The client is built and warmed up first (pools filled, code paths hot), then
+The client is built and warmed up first (pools filled, code paths hot, start-up
+garbage collected), then
 the measured loop runs between two ``getrusage(RUSAGE_SELF)`` readings: the
 CPU figure is this process's user + system time for exactly the measured
 calls. Off-machine connections are refused by an audit hook, so a library
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -270,6 +272,12 @@ async def _measure(client: Client, args: argparse.Namespace, target: Target) -> 
             texts = [f"short text number {i} to embed" for i in range(n)]
             await client.embed(texts[: min(n, 16 * target.batch_size)], _EMBED_CONCURRENCY)
         # The storm has no warm-up: a warm-up would already pace or cool down its sources.
+        # Every configuration starts its measured loop with the start-up garbage collected:
+        # otherwise whichever library made more objects at import and warm-up pays for the
+        # process's first full collection inside the window (~16 ms, 16 us a call over 1,000),
+        # a start-up cost billed as a per-call one. Collections the calls themselves cause
+        # still land in the window.
+        gc.collect()
         if counter is not None:
             counter.reset()
         _reset_peak_rss()
