@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import redis
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
-from polygateway.backends.redis import RedisBackend
+from polygateway.backends.redis import RedisBackend, wire
 from polygateway.errors import ConfigError, GovernanceBackendError
 
 SCOPE = "chat"
@@ -125,36 +125,34 @@ async def test_every_key_of_a_scope_uses_its_hash_tag(
     assert key_slot(b"pgw:{chat}:x") != key_slot(b"pgw:{embed}:x")
 
 
-class _CountingConnection(aioredis.Connection):
-    """A connection that records the name of every command it writes: one per round trip."""
-
-    sent: ClassVar[list[str]] = []
-
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        data = command if isinstance(command, bytes) else b"".join(command)
-        # RESP: *<n>\r\n$<len>\r\n<name>\r\n...
-        self.sent.append(data.split(b"\r\n", 3)[2].decode())
-        await super().send_packed_command(command, check_health)
-
-
-async def test_a_call_that_does_not_wait_costs_exactly_two_round_trips(redis_url: str) -> None:
+async def test_a_call_that_does_not_wait_costs_exactly_two_round_trips(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One acquire and one release write two commands, both EVALSHA of a loaded script."""
-    pool = aioredis.ConnectionPool.from_url(redis_url, connection_class=_CountingConnection)
+    sent: list[str] = []
+    send = wire.Link.send
+
+    def counting(link: wire.Link, data: bytes, on_reply: wire.OnReply) -> None:
+        # RESP: *<n>\r\n$<len>\r\n<name>\r\n...
+        sent.append(data.split(b"\r\n", 3)[2].decode())
+        send(link, data, on_reply)
+
+    monkeypatch.setattr(wire.Link, "send", counting)
+    pool = aioredis.ConnectionPool.from_url(redis_url)
     client = aioredis.Redis(connection_pool=pool)
     backend = RedisBackend(redis_url, client=client)
     try:
         await backend.release(await _grant(backend), SUCCESS)  # warm: scripts loaded, pool open
-        _CountingConnection.sent.clear()
+        sent.clear()
         with _sync(redis_url) as admin:
             admin.config_resetstat()
             await backend.release(await _grant(backend), SUCCESS)
             stats = admin.info("commandstats")
-        assert _CountingConnection.sent == ["EVALSHA", "EVALSHA"]
+        assert sent == ["EVALSHA", "EVALSHA"]
         evalsha = stats["cmdstat_evalsha"]
         assert (evalsha["calls"], evalsha["failed_calls"], evalsha["rejected_calls"]) == (2, 0, 0)
         assert not {"cmdstat_eval", "cmdstat_script|load"} & set(stats)
     finally:
-        _CountingConnection.sent.clear()
         await backend.aclose()
         await client.aclose()
         await pool.disconnect()

@@ -146,11 +146,11 @@ async def test_work_left_behind_is_cut_off_after_the_late_reply_bound(
         try:
             with pytest.raises(GovernanceBackendError, match=r"no reply within 0\.2 s"):
                 await backend.progress_age_s(SCOPE)
-            assert len(backend._background) == 1
+            assert len(backend._left) == 1
             deadline = time.monotonic() + 2.0
-            while backend._background and time.monotonic() < deadline:
+            while backend._left and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert not backend._background
+            assert not backend._left
         finally:
             server.resume()
         # Its connection was closed with it; a new one serves.

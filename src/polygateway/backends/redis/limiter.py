@@ -5,9 +5,10 @@ server and costs one round trip: a call that does not wait costs exactly two
 (acquire, release); a stream adds one per renewal. Scripts run by EVALSHA and
 are reloaded on NOSCRIPT, so a ``SCRIPT FLUSH`` or a restarted server is
 survived without a restart of the process. They are sent by ``wire.py``
-(pre-packed commands over a lean pool of redis-py connections), not through
-``redis.asyncio.Redis``: that cut the client CPU of a governed call on Redis
-by more than half (its docstring says where the time went).
+(pre-packed commands over a few connections that redis-py sets up and a
+protocol of ours reads), not through ``redis.asyncio.Redis``: that cut the
+client CPU of a governed call on Redis by more than half, then by half again
+(its docstring says where the time went).
 
 Time is the server's (``redis.call('TIME')``) unless a ``now`` is injected,
 which only tests do, so the contract suite runs its time-dependent cases under
@@ -20,26 +21,25 @@ the one boundary where redis exceptions are translated); no request goes
 upstream ungoverned. The password of the URL never appears in a message or
 repr.
 
-Late replies: every operation runs as its own task, and its caller waits for
-it at most ``socket_timeout_s`` (``_bounded``). A caller that stops waiting (its
-timeout, or its own cancellation) leaves the task behind: the script may
-already be on the server, which runs it whenever it can (a frozen server, on
-waking), so the reply is still read, for up to ``_LATE_REPLY_S``. An acquire
-granted after its caller left is released at once; a release still frees its
-permit and wakes this process's waiters. Nothing waits for a lease to expire
-unless the server stays silent longer than that.
+Late replies: an operation's caller waits for its reply at most
+``socket_timeout_s`` (``_call``, ``bounded.py``). A caller that stops waiting
+(its timeout, or its own cancellation) leaves the operation behind: the
+script may already be on the server, which runs it whenever it can (a frozen
+server, on waking), so the reply is still read, for up to ``_LATE_REPLY_S``,
+and acted on. An acquire granted after its caller left is released at once;
+a release still frees its permit and wakes this process's waiters. Nothing
+waits for a lease to expire unless the server stays silent longer than that.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar, cast
 
 try:
@@ -63,9 +63,9 @@ from polygateway.backends.base import (
     SourceSpec,
 )
 from polygateway.backends.redis import scripts
-from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, relay
+from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, LeftBehind, Reply
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
-from polygateway.backends.redis.wire import Script, Wire, bulk, pack
+from polygateway.backends.redis.wire import Script, Wire, bulk, command, pack
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.errors import ConfigError, GovernanceBackendError
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
@@ -95,8 +95,8 @@ changed from accumulating keys. Lease keys empty themselves as leases end.
 _LATE_REPLY_S = 60.0
 """How long a reply is still read after its caller stopped waiting for it.
 
-Work left behind is cancelled after it (its connection has no socket timeout
-of its own; an injected client's connections keep theirs); callers are
+Work left behind is cut after it (its connection is closed: the wire has no
+socket timeout of its own); callers are
 bounded by ``socket_timeout_s`` on their own side. Without it a timed-out acquire that a
 frozen server runs on waking would hold its permit, unseen, until its lease
 expired (``timeout_s + lease_grace_s``), for every connection that had one in
@@ -104,7 +104,7 @@ flight when the server froze.
 """
 
 _MAX_CONNECTIONS = 64
-"""Connections of the pool a backend opens; past it, operations wait for a free one.
+"""Connections a backend opens at most; past it, operations queue for a free one.
 
 Each operation holds a connection for one round trip, and the loop keeps a
 process's concurrent acquires per scope bounded, so a few dozen serve any
@@ -116,7 +116,7 @@ _MAX_LEFT_BEHIND = _MAX_CONNECTIONS // 2
 
 (Half the pool: with an injected client, half of that client's pool size.)
 
-Each holds a pool connection while it waits: half the pool stays for new
+Each holds a connection while it waits: half the pool stays for new
 operations, so a server that never answers (a blackholed address after a
 failover) cannot keep the pool busy for ``_LATE_REPLY_S``. The loop asks Redis
 about once per socket timeout per scope while Redis is silent (only the head of
@@ -170,6 +170,10 @@ def _opt_float(value: Any) -> float | None:
     return None if text == "" else float(text)
 
 
+def _texts(reply: Any) -> list[str]:
+    return [_text(item) for item in reply]
+
+
 def _is_one(reply: Any) -> bool:
     return int(reply) == 1
 
@@ -196,9 +200,9 @@ def _pool_size(client: aioredis.Redis) -> int | None:
 class RedisBackend:
     """Governance state shared by every process that points at one Redis; implements ``Backend``.
 
-    ``cancel_safe``: every operation runs in a task of its own that its caller's
-    cancellation never reaches, and a late grant of an abandoned acquire is
-    given back (see "Late replies").
+    ``cancel_safe``: a caller's cancellation never reaches its operation, which
+    goes on without it, and a late grant of an abandoned acquire is given back
+    (see "Late replies").
 
     Args:
         url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``, ``unix://``).
@@ -213,8 +217,8 @@ class RedisBackend:
     """
 
     __slots__ = (
-        "_background",
         "_deadlines",
+        "_left",
         "_max_inflight_ops",
         "_max_left_behind",
         "_now",
@@ -251,10 +255,9 @@ class RedisBackend:
                 # Only a factory of connections (the URL parsed by redis-py): ``Wire`` pools them.
                 factory = aioredis.ConnectionPool.from_url(
                     url,
-                    # No socket timeout: callers wait socket_timeout_s (``_bounded``), and work
-                    # left behind is cancelled after _LATE_REPLY_S, so a late reply is still
-                    # read and acted on, not lost; a socket timeout would only add a Task to
-                    # every write (redis-py's ``wait_for``).
+                    # Used while connecting only: afterwards the wire reads the socket, callers
+                    # wait socket_timeout_s (``_call``), and work left behind is cut after
+                    # _LATE_REPLY_S, so a late reply is still read and acted on, not lost.
                     socket_timeout=None,
                     socket_connect_timeout=socket_timeout_s,
                     # No client-side retry: one failed attempt fails closed at once,
@@ -288,7 +291,7 @@ class RedisBackend:
         self._spec_args: dict[SourceSpec, bytes] = {}
         self._spec_keys: dict[tuple[str, str], bytes] = {}
         # Work a caller stopped waiting for (timeout, cancellation); referenced until done.
-        self._background: set[asyncio.Future[Any]] = set()
+        self._left = LeftBehind()
         self._serial = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -318,21 +321,17 @@ class RedisBackend:
             message += f": {self._scrub(str(exc))}"
         return GovernanceBackendError(message, operation=operation, scope=scope)
 
-    @contextlib.contextmanager
-    def _boundary(self, operation: Operation, scope: str) -> Iterator[None]:
+    def _translate(self, operation: Operation, scope: str, exc: Exception) -> Exception:
         """Where redis exceptions become ``GovernanceBackendError``: fail closed, with context."""
-        try:
-            yield
-        except RedisError as exc:
-            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
-        except OSError as exc:
-            # Socket errors redis-py does not wrap (e.g. during connection setup).
-            raise self._failure(operation, scope, type(exc).__name__, exc) from exc
-        except (ValueError, TypeError, IndexError) as exc:
+        if isinstance(exc, (RedisError, OSError)):
+            # OSError: socket errors redis-py does not wrap (e.g. during connection setup).
+            return self._failure(operation, scope, type(exc).__name__, exc)
+        if isinstance(exc, (ValueError, TypeError, IndexError)):
             # A reply our parser cannot read: a script out of step with this code.
-            raise self._failure(operation, scope, "unexpected script reply", exc) from exc
+            return self._failure(operation, scope, "unexpected script reply", exc)
+        return exc
 
-    async def _run(
+    def _eval(
         self,
         operation: Operation,
         scope: str,
@@ -340,68 +339,62 @@ class RedisBackend:
         count: int,
         packed: list[bytes],
         parse: Callable[[Any], T],
-    ) -> T:
-        """Run one script (one round trip) and parse its reply, inside the boundary.
+        late: Late | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """Run one script; ``packed``: ``count`` packed arguments, ``numkeys`` KEYS then ARGV."""
+        script = self._scripts[operation]
+        data = script.command(numkeys, count, packed)
+        return self._call(operation, scope, data, parse, script, late)
 
-        ``packed`` holds ``count`` packed arguments: ``numkeys`` KEYS, then ARGV.
-        """
-        with self._boundary(operation, scope):
-            reply = await self._wire.evalsha(self._scripts[operation], numkeys, count, packed)
-            return parse(reply)
-
-    async def _bounded(
+    async def _call(
         self,
         operation: Operation,
         scope: str,
-        work: Coroutine[Any, Any, T],
-        late: Callable[[asyncio.Future[T]], Awaitable[None]] | None = None,
+        data: bytes,
+        parse: Callable[[Any], T],
+        script: Script | None = None,
+        late: Late | None = None,
     ) -> T:
-        """Await ``work`` (its own task) for at most ``socket_timeout_s``.
+        """Send one command (one round trip), wait ``socket_timeout_s`` at most, parse its reply.
 
-        Past the timeout the caller fails closed; the task goes on, since its
-        script may run on the server anyway, and is left behind with ``late``
-        (when given) to act on its result: an acquire gives a late grant back.
-        A cancelled caller leaves it behind the same way.
-
-        One Task, one future and one entry in a deadline queue per operation
-        (``bounded.py`` says why, and what it replaced).
+        A caller that stops waiting (the timeout, its own cancellation) leaves
+        the operation going, since its script may run on the server anyway: its
+        reply is still read and handed to ``late`` (an acquire gives a late grant
+        back), for ``_LATE_REPLY_S`` at most. Past ``_MAX_LEFT_BEHIND`` such
+        operations, a timed-out one is cut at once.
         """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Any] = loop.create_future()
-        task = loop.create_task(relay(work, waiter))
+        reply = Reply(waiter, late)
+        exchange = self._wire.send(data, reply, script)
         self._deadlines.add(loop, waiter)
         try:
-            result = await waiter
+            got = await waiter
         except asyncio.CancelledError:
-            self._leave_behind(task, late)
+            if not waiter.cancelled() and waiter.result() is not TIMED_OUT:
+                reply.left_with(waiter.result())  # it came in the turn its caller was cancelled
+            else:
+                self._left.adopt(reply, exchange.cut, _LATE_REPLY_S)
             raise
-        except Exception:
-            # The work's own failure (already translated), relayed in the step that ended
-            # the task: mark the task's copy retrieved, so asyncio does not log it again.
-            if task.done():
-                task.exception()
-            raise
-        if result is not TIMED_OUT:
-            return cast(T, result)
-        # Only our own timeout: inside the task every error is already translated.
-        if len(self._background) >= self._max_left_behind:  # _MAX_LEFT_BEHIND
-            task.cancel()  # closes its connection; see _MAX_LEFT_BEHIND
-        self._leave_behind(task, late)
-        detail = f"TimeoutError: no reply within {self._timeout_s:g} s"
-        exc = TimeoutError(detail)
-        raise self._failure(operation, scope, detail, exc) from exc
-
-    def _leave_behind(
-        self,
-        task: asyncio.Task[T],
-        late: Callable[[asyncio.Future[T]], Awaitable[None]] | None,
-    ) -> None:
-        """Keep a task its caller left referenced and acted on by ``late``; cut at _LATE_REPLY_S."""
-        self._adopt(task if late is None else asyncio.ensure_future(late(task)))
-        if not task.done():
-            # The connection has no socket timeout of its own (see __init__): this is its bound.
-            expire = asyncio.get_running_loop().call_later(_LATE_REPLY_S, task.cancel)
-            task.add_done_callback(lambda _: expire.cancel())
+        if got is TIMED_OUT:
+            if len(self._left) >= self._max_left_behind:  # _MAX_LEFT_BEHIND
+                reply.quiet = True
+                reply.late = None
+                exchange.cut()  # closes its connection; see _MAX_LEFT_BEHIND
+            else:
+                self._left.adopt(reply, exchange.cut, _LATE_REPLY_S)
+            detail = f"TimeoutError: no reply within {self._timeout_s:g} s"
+            timeout = TimeoutError(detail)
+            raise self._failure(operation, scope, detail, timeout) from timeout
+        try:
+            if isinstance(got, Exception):
+                raise got
+            return parse(got)
+        except Exception as exc:
+            translated = self._translate(operation, scope, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
 
     def _now_arg(self) -> bytes:
         return _EMPTY if self._now is None else bulk(repr(float(self._now())))
@@ -502,19 +495,14 @@ class RedisBackend:
             )
             return AcquireResult(lease, rejections)
 
-        # The script may grant a lease its caller never sees (timed out, cancelled): give it back.
-        return await self._bounded(
-            "acquire",
-            scope,
-            self._run("acquire", scope, numkeys, numkeys + 5 + 9 * len(specs), packed, parse),
-            late=self._give_back,
-        )
+        def give_back(reply: Any) -> None:
+            # Granted a lease its caller never sees (timed out, cancelled): release it at once.
+            lease = parse(reply).lease
+            if lease is not None:
+                self._left.adopt_task(asyncio.ensure_future(self.release(lease, _CANCELLED)))
 
-    async def _give_back(self, acquiring: asyncio.Future[AcquireResult]) -> None:
-        """Release what an acquire whose caller stopped waiting is granted, as soon as it is."""
-        lease = (await acquiring).lease
-        if lease is not None:
-            await self.release(lease, _CANCELLED)
+        count = numkeys + 5 + 9 * len(specs)
+        return await self._eval("acquire", scope, numkeys, count, packed, parse, give_back)
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit and record the outcome in one RELEASE run (left behind if need be)."""
@@ -530,51 +518,32 @@ class RedisBackend:
             _EMPTY if outcome.tokens_used is None else bulk(str(int(outcome.tokens_used))),
             _RELEASE_TAIL,
         ]
-        # A caller that stops waiting leaves the release running: it still frees the permit.
-        await self._bounded("release", scope, self._release(scope, packed))
 
-    async def _release(self, scope: str, packed: list[bytes]) -> None:
-        freed = await self._run("release", scope, 4, 14, packed, _is_one)
-        if freed:
-            room = self._rooms.get(scope)
-            if room is not None:
-                room.notify()
+        def freed(reply: Any) -> None:
+            # Whether or not its caller still waits: a permit freed wakes this process's waiters.
+            if _is_one(reply):
+                room = self._rooms.get(scope)
+                if room is not None:
+                    room.notify()
 
-    def _adopt(self, task: asyncio.Future[Any]) -> None:
-        """Keep work a caller stopped waiting for referenced; log a failure nobody awaits."""
-        self._background.add(task)
-        task.add_done_callback(self._forget)
-
-    def _forget(self, task: asyncio.Future[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            logger.warning(
-                "work a caller stopped waiting for failed; any permit it holds frees "
-                "itself when its lease expires: %s",
-                exc,
-            )
+        await self._eval("release", scope, 4, 14, packed, freed, freed)
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a live lease by its TTL from now in one RENEW run."""
         scope = lease.scope
         packed = [self._keys_of(scope, lease.source), self._now_arg(), bulk(lease.lease_id)]
-        return await self._bounded("renew", scope, self._run("renew", scope, 3, 5, packed, _is_one))
+        return await self._eval("renew", scope, 3, 5, packed, _is_one)
 
     async def progress_age_s(self, scope: str) -> float:
         """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
         packed = [bulk(_key(scope, "progress")), self._now_arg()]
-        return await self._bounded(
-            "progress_age_s", scope, self._run("progress_age_s", scope, 1, 2, packed, _age)
-        )
+        return await self._eval("progress_age_s", scope, 1, 2, packed, _age)
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         """Every source seen in the scope, in order of first sight (two round trips)."""
-        return await self._bounded("snapshot", scope, self._snapshot(scope, self._now_arg()))
-
-    async def _snapshot(self, scope: str, now_arg: bytes) -> ScopeSnapshot:
-        with self._boundary("snapshot", scope):
-            found = await self._wire.execute("ZRANGE", _key(scope, "sources"), "0", "-1")
-            names = [_text(n) for n in found]
+        now_arg = self._now_arg()
+        listing = command("ZRANGE", _key(scope, "sources"), "0", "-1")
+        names: list[str] = await self._call("snapshot", scope, listing, _texts)
         keys = [_key(scope, "progress")]
         for name in names:
             keys += (_key(scope, "src", name), _key(scope, "leases", name))
@@ -605,7 +574,7 @@ class RedisBackend:
             return ScopeSnapshot(scope=scope, progress_age_s=_age(reply[0]), sources=tuple(sources))
 
         packed = [pack(keys), now_arg]
-        return await self._run("snapshot", scope, len(keys), len(keys) + 1, packed, parse)
+        return await self._eval("snapshot", scope, len(keys), len(keys) + 1, packed, parse)
 
     def waiting_room(self, scope: str) -> WaitingRoom:
         """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""
@@ -621,11 +590,5 @@ class RedisBackend:
         will not answer a closing backend, and what it runs later frees itself
         at lease expiry.
         """
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._timeout_s):
-                while self._background:
-                    await asyncio.gather(*self._background, return_exceptions=True)
-        if self._background:
-            # The timeout cancelled them through gather; let them unwind.
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._left.drain(self._timeout_s)
         await self._wire.aclose()

@@ -1,4 +1,4 @@
-"""The Redis backend's wire: scripts sent as pre-packed EVALSHA over a lean pool of connections.
+"""The Redis backend's wire: pre-packed EVALSHA over a few connections read by a protocol of ours.
 
 Why not ``redis.asyncio.Redis.evalsha``: profiled on the governance loop
 alone, redis-py 8 spent most of a round trip's client CPU around the round
@@ -6,10 +6,12 @@ trip rather than in it: ``pack_command`` encoding every argument anew (an
 ACQUIRE carries about 25, nine per candidate, the same on every call), the
 client's observability hooks and retry wrapper, ``BlockingConnectionPool``'s
 condition, timeout and health probe per borrowed connection, and an
-``asyncio.wait_for`` (a Task in Python 3.11) around every socket write. What
-stays from redis-py is everything that is hard to get right: the connection
-(URL parsing, TLS, unix sockets, AUTH / HELLO / SELECT on connect) and its
-reply parser. What this module adds is small:
+``asyncio.wait_for`` (a Task in Python 3.11) around every socket write.
+What stays from redis-py is everything that is hard to get right about a
+connection: URL parsing, TLS, unix sockets, AUTH / HELLO / SELECT on
+connect. Once it is connected, its transport is taken over by ``Link``, an
+``asyncio.Protocol`` of this module, and redis-py's connection object is
+dropped. What this module does:
 
 - Commands are RESP bytes built here. A candidate's ARGV and KEYS are packed
   once and cached by the limiter (``bulk``), so an ACQUIRE is one
@@ -20,31 +22,32 @@ reply parser. What this module adds is small:
   a failure mode (a spec missing after FLUSHALL or a restart, answered by a
   retry); once packing is a cached join, the argument count costs the client
   next to nothing.
-- A LIFO of idle connections and a FIFO of waiters: a borrowed connection
-  costs a list pop. At most ``size`` connections exist; past that an
-  operation waits for one (its caller is bounded by the limiter).
+- Replies are parsed by ``hiredis`` as bytes arrive (``Link.data_received``)
+  and handed, in order, to the callback of the operation that asked: no
+  Task, no stream reader and no coroutine per operation. An operation is an
+  ``Exchange``: its caller hands it over and waits on a future of its own
+  (the limiter's ``bounded.Reply``); a caller that stops waiting leaves the
+  exchange going, and its reply is still read and acted on.
+- At most ``size`` connections, one exchange on each at a time; past that an
+  exchange queues (FIFO) and is sent on the first connection freed. An idle
+  connection is a list pop away (LIFO: the warmest first, the others may
+  idle out). A connection the server closed while idle is seen closed by the
+  event loop (end of file) and replaced on the next use, so a restarted
+  server fails no operation.
 - An EVALSHA answered ``NOSCRIPT`` (a ``SCRIPT FLUSH``, a restarted server)
   loads its script on the same connection and runs once more, as redis-py's
   ``Script`` does.
-- A connection whose exchange failed or was interrupted is closed (redis-py
-  does this on any error while writing or reading) and reconnects on its
-  next use, so a reply never reaches the wrong operation.
+- A connection whose exchange failed on the wire (lost, a reply out of step)
+  is closed; what was pending on it fails with ``ConnectionError``.
 
 Timeouts are not this module's: the limiter bounds callers and, for work
-left behind, how long a late reply is still read (``limiter._bounded``).
+left behind, how long a late reply is still read (``Exchange.cut``).
 
-Measured on the governance loop alone (the bench's ``loop`` scenario,
-``pgw_redis_instant``, one run before and one after, medians of 3 rounds),
-the client CPU of a call on Redis fell from 831 to 499 µs at concurrency 1
-and from 687 to 406 µs at concurrency 64 (the memory backend: 64 µs). Most of
-what is left is the event loop's and the socket's: each round trip blocks
-the process once when nothing else is in flight. The ``redis`` extra brings
-``hiredis``: redis-py then parses replies in C (its asyncio client packs
-commands in Python either way, which no longer matters here), about 10 µs
-less per call, at both concurrencies, measured interleaved. Not adopted:
-coalescing the operations of one event-loop turn into one pipeline (a reply
-shared by several callers would need its own late-reply and fail-closed
-handling per operation).
+Measured on the backend alone (an acquire then a release, in turn, on a quiet
+machine): about 195 µs of client CPU per pair with redis-py's connections
+and a Task per operation, 150 with this wire, against about 100 for the two
+bare round trips (most of it the process sleeping and waking twice).
+``hiredis`` (in the ``redis`` extra) is the parser.
 """
 
 from __future__ import annotations
@@ -53,14 +56,21 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final, cast
 
+import hiredis
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
-__all__ = ["Script", "Wire", "bulk", "pack"]
+__all__ = ["Exchange", "Link", "OnReply", "Script", "Wire", "bulk", "pack"]
 
 _EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n"
+_INCOMPLETE: Final = object()
+"""What ``hiredis.Reader.gets`` returns while a reply is still incomplete (never a reply)."""
+
+OnReply = Callable[[Any], None]
+"""Called once with an operation's reply: a value, or an exception (error reply, lost link)."""
 
 
 def bulk(value: str) -> bytes:
@@ -74,38 +84,18 @@ def pack(values: Sequence[str]) -> bytes:
     return b"".join(map(bulk, values))
 
 
-async def _ready(conn: AbstractConnection) -> None:
-    """Connect, or reconnect a connection the server closed (or with unread data) while idle.
-
-    The same check as redis-py's pool on every borrow (``can_read`` only looks
-    at buffers): after a server restart, idle connections reconnect instead of
-    failing one operation each.
-    """
-    if conn.is_connected and await conn.can_read():
-        await conn.disconnect()
-    if not conn.is_connected:
-        await conn.connect()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-
-
-async def _discard(conn: AbstractConnection) -> None:
-    """Close a connection whose exchange failed or was cut short: a reply may still be due on it.
-
-    redis-py closes it itself on most such paths; this also covers the rest
-    (a script error, a cancellation between two steps). It reconnects on its
-    next use.
-    """
-    if conn.is_connected:
-        with contextlib.suppress(RedisError, OSError):
-            await conn.disconnect(nowait=True)
+def command(*args: str) -> bytes:
+    """A whole command of plain arguments (rare paths: ``ZRANGE``, ``SCRIPT LOAD``)."""
+    return b"*%d\r\n%b" % (len(args), pack(args))
 
 
 class Script:
-    """A Lua script: its text (for ``SCRIPT LOAD``) and its SHA1, as EVALSHA sends it."""
+    """A Lua script: its ``SCRIPT LOAD`` command and its SHA1, as EVALSHA sends it."""
 
-    __slots__ = ("_head", "text")
+    __slots__ = ("_head", "load")
 
     def __init__(self, text: str, sha: str) -> None:
-        self.text = text
+        self.load = command("SCRIPT", "LOAD", text)
         self._head = _EVALSHA + sha.encode() + b"\r\n"
 
     def command(self, numkeys: int, count: int, packed: Sequence[bytes]) -> bytes:
@@ -113,80 +103,219 @@ class Script:
         return b"".join((b"*%d\r\n" % (count + 3), self._head, bulk(str(numkeys)), *packed))
 
 
-class Wire:
-    """At most ``size`` connections made by ``connect``; one operation per connection at a time."""
+class Link(asyncio.Protocol):
+    """One connection: commands written in order, each reply handed to its callback in order."""
 
-    __slots__ = ("_idle", "_made", "_make", "_size", "_waiters")
+    __slots__ = ("_pending", "_reader", "_transport", "_writer", "open")
+
+    def __init__(self) -> None:
+        # The stream writer redis-py connected with, kept alive: collected, it closes the transport.
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader = hiredis.Reader(replyError=ResponseError, notEnoughData=_INCOMPLETE)
+        self._pending: deque[OnReply] = deque()
+        self._transport: asyncio.Transport | None = None
+        self.open = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Take the connection (handed over by ``Wire`` once redis-py has set it up)."""
+        self._transport = cast(asyncio.Transport, transport)
+        self.open = True
+
+    def data_received(self, data: bytes) -> None:
+        """Parse what arrived; every whole reply goes to the oldest callback waiting."""
+        reader, pending = self._reader, self._pending
+        reader.feed(data)
+        while True:
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError:
+                self.close()  # the stream is garbage from here on
+                return
+            if reply is _INCOMPLETE:
+                return
+            if not pending:
+                self.close()  # a reply nobody asked for: out of step
+                return
+            pending.popleft()(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Fail what was pending: its replies will never come."""
+        self.open = False
+        reason = "connection closed" if exc is None else f"connection lost: {exc}"
+        pending, self._pending = self._pending, deque()
+        for on_reply in pending:
+            on_reply(RedisConnectionError(reason))
+
+    def send(self, data: bytes, on_reply: OnReply) -> None:
+        """Write a command; its reply (or the link's failure) goes to ``on_reply``."""
+        self._pending.append(on_reply)
+        cast(asyncio.Transport, self._transport).write(data)
+
+    def close(self) -> None:
+        """Close now; what is pending fails when the event loop reports the connection lost."""
+        self.open = False
+        if self._transport is not None:
+            self._transport.close()
+
+
+class Exchange:
+    """One operation on the wire: a command, sent on a free connection or queued until one is."""
+
+    __slots__ = ("_command", "_load_error", "_on_reply", "_script", "_wire", "link")
+
+    def __init__(self, wire: Wire, data: bytes, on_reply: OnReply, script: Script | None) -> None:
+        self._wire = wire
+        self._command = data
+        self._on_reply = on_reply
+        self._script = script
+        self._load_error: BaseException | None = None
+        self.link: Link | None = None
+
+    def start(self, link: Link) -> None:
+        """Send on ``link``, which is this exchange's until its reply."""
+        self.link = link
+        link.send(self._command, self._replied)
+
+    def fail(self, error: BaseException) -> None:
+        """End before any reply (no connection could be made, or the wire closed)."""
+        self._on_reply(error)
+
+    def cut(self) -> None:
+        """Give the reply up: close the connection it would come on, or leave the queue."""
+        if self.link is not None:
+            self.link.close()
+        elif self._wire.unqueue(self):
+            self._on_reply(RedisConnectionError("given up while waiting for a connection"))
+
+    def _replied(self, reply: Any) -> None:
+        script = self._script
+        if (
+            script is not None
+            and type(reply) is ResponseError
+            and str(reply).startswith("NOSCRIPT")
+            and self.link is not None
+            and self.link.open
+        ):
+            # The reply was read whole: the connection is in step, load and run once more.
+            self._script = None
+            self.link.send(script.load, self._loaded)
+            self.link.send(self._command, self._replied)
+            return
+        if self._load_error is not None:
+            reply = self._load_error
+        link = self.link
+        if link is not None:
+            self._wire.give(link)
+        self._on_reply(reply)
+
+    def _loaded(self, reply: Any) -> None:
+        if isinstance(reply, BaseException):
+            self._load_error = reply
+
+
+async def _taken_over(connection: AbstractConnection, link: Link) -> None:
+    """Connect with redis-py (TLS, AUTH, SELECT...), then give the transport to ``link``."""
+    await connection.connect()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+    writer = connection._writer
+    if writer is None:  # pragma: no cover - connect() returns connected or raises
+        raise RedisConnectionError("connection not established")
+    # redis-py must neither read nor close what is the link's now (its __del__ would close it).
+    connection._reader = connection._writer = None
+    link._writer = writer
+    transport = writer.transport
+    transport.set_protocol(link)
+    link.connection_made(transport)
+
+
+class Wire:
+    """At most ``size`` connections made by ``make_connection``; one exchange on each at a time."""
+
+    __slots__ = ("_connecting", "_idle", "_made", "_make", "_queue", "_size")
 
     def __init__(self, make_connection: Callable[[], AbstractConnection], size: int) -> None:
         self._make = make_connection
         self._size = size
-        self._made: list[AbstractConnection] = []
-        self._idle: list[AbstractConnection] = []
-        self._waiters: deque[asyncio.Future[AbstractConnection]] = deque()
+        self._made: list[Link] = []
+        self._idle: list[Link] = []
+        self._queue: deque[Exchange] = deque()
+        self._connecting: set[asyncio.Task[None]] = set()
 
-    async def _borrow(self) -> AbstractConnection:
-        if self._idle:
-            return self._idle.pop()  # LIFO: the warmest connection, the others may idle out
+    def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> Exchange:
+        """Send a command now if a connection is free (else queue it); ``on_reply`` gets its reply.
+
+        With ``script``, a ``NOSCRIPT`` answer loads it and runs the command once more.
+        """
+        exchange = Exchange(self, data, on_reply, script)
+        idle = self._idle
+        while idle:
+            link = idle.pop()
+            if link.open:
+                exchange.start(link)
+                return exchange
+            self._made.remove(link)  # closed while idle (a restarted server): replaced below
         if len(self._made) < self._size:
-            conn = self._make()
-            self._made.append(conn)
-            return conn
-        waiter: asyncio.Future[AbstractConnection] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            # Handed a connection in the same turn as the cancellation: pass it on.
-            if waiter.done() and not waiter.cancelled():
-                self._give(waiter.result())
-            raise
+            self._open(exchange)
+        else:
+            self._queue.append(exchange)
+        return exchange
 
-    def _give(self, conn: AbstractConnection) -> None:
-        """Hand a connection to the oldest waiter still waiting, else back to the idle list."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():  # cancelled waiters are dropped here, lazily
-                waiter.set_result(conn)
-                return
-        self._idle.append(conn)
+    def give(self, link: Link) -> None:
+        """A link's exchange is over: the next queued exchange takes it, else it idles."""
+        if not link.open:
+            with contextlib.suppress(ValueError):
+                self._made.remove(link)
+            if self._queue:
+                self._open(self._queue.popleft())
+            return
+        if self._queue:
+            self._queue.popleft().start(link)
+        else:
+            self._idle.append(link)
 
-    async def evalsha(self, script: Script, numkeys: int, count: int, packed: list[bytes]) -> Any:
-        """Run a script: one round trip (two more after a ``NOSCRIPT``); errors are redis-py's."""
-        command = script.command(numkeys, count, packed)
-        conn = await self._borrow()
+    def unqueue(self, exchange: Exchange) -> bool:
+        """Take an exchange out of the queue; False if it was not there."""
         try:
-            await _ready(conn)
-            await conn.send_packed_command(command, check_health=False)
-            try:
-                return await conn.read_response()
-            except NoScriptError:
-                # The reply was read whole: the connection is clean, load and run again.
-                await conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
-                await conn.read_response()
-                await conn.send_packed_command(command, check_health=False)
-                return await conn.read_response()
-        except BaseException:
-            await _discard(conn)
-            raise
-        finally:
-            self._give(conn)
+            self._queue.remove(exchange)
+        except ValueError:
+            return False
+        return True
 
-    async def execute(self, *args: str) -> Any:
-        """One plain command (rare paths: the snapshot's ``ZRANGE``)."""
-        conn = await self._borrow()
+    def _open(self, exchange: Exchange) -> None:
+        """A new connection for ``exchange``, made in a task of its own (it is rare)."""
+        link = Link()
+        self._made.append(link)
+        task = asyncio.get_running_loop().create_task(self._connect(link, exchange))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _connect(self, link: Link, exchange: Exchange) -> None:
         try:
-            await _ready(conn)
-            await conn.send_command(*args, check_health=False)
-            return await conn.read_response()
-        except BaseException:
-            await _discard(conn)
-            raise
-        finally:
-            self._give(conn)
+            await _taken_over(self._make(), link)
+        except BaseException as exc:
+            with contextlib.suppress(ValueError):
+                self._made.remove(link)
+            link.close()
+            error = exc
+            if isinstance(exc, asyncio.CancelledError):
+                error = RedisConnectionError("the backend closed while connecting")
+            exchange.fail(error)
+            if self._queue and not isinstance(exc, asyncio.CancelledError):
+                self._open(self._queue.popleft())
+            if not isinstance(exc, Exception):
+                raise
+            return
+        exchange.start(link)
 
     async def aclose(self) -> None:
-        """Close every connection made; waiters are not expected (the owner finished its work)."""
+        """Close every connection; what is pending or queued fails with ``ConnectionError``."""
+        for task in list(self._connecting):
+            task.cancel()
+        if self._connecting:
+            await asyncio.gather(*self._connecting, return_exceptions=True)
+        queue, self._queue = self._queue, deque()
+        for exchange in queue:
+            exchange.fail(RedisConnectionError("the backend closed"))
         made, self._made, self._idle = self._made, [], []
-        for conn in made:
-            await conn.disconnect()
+        for link in made:
+            link.close()
+        await asyncio.sleep(0)  # the transports report their connections lost
