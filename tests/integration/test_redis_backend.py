@@ -132,10 +132,12 @@ async def test_a_call_that_does_not_wait_costs_exactly_two_round_trips(
     sent: list[str] = []
     send = wire.Link.send
 
-    def counting(link: wire.Link, data: bytes, on_reply: wire.OnReply) -> None:
+    def counting(
+        link: wire.Link, data: bytes, on_reply: wire.OnReply, script: wire.Script | None = None
+    ) -> None:
         # RESP: *<n>\r\n$<len>\r\n<name>\r\n...
         sent.append(data.split(b"\r\n", 3)[2].decode())
-        send(link, data, on_reply)
+        send(link, data, on_reply, script)
 
     monkeypatch.setattr(wire.Link, "send", counting)
     pool = aioredis.ConnectionPool.from_url(redis_url)
@@ -200,11 +202,20 @@ def _operations(backend: RedisBackend, lease: Lease) -> dict[str, Callable[[], A
 
 
 async def _assert_fails_closed(
-    backend: RedisBackend, lease: Lease, within_s: float
+    backend: RedisBackend, lease: Lease, within_s: float, *, written_behind: bool = False
 ) -> list[GovernanceBackendError]:
+    """Every operation fails closed, fast; with ``written_behind``, the release returns at once.
+
+    (A release written on an open connection does not wait for its reply; one
+    with no connection up waits, and fails like the rest.)
+    """
     errors = []
     for name, operation in _operations(backend, lease).items():
         started = time.monotonic()
+        if name == "release" and written_behind:
+            await operation()
+            assert time.monotonic() - started < 0.1
+            continue
         with pytest.raises(GovernanceBackendError) as caught:
             await operation()
         assert time.monotonic() - started < within_s, name
@@ -248,9 +259,9 @@ async def test_frozen_redis_fails_closed_within_the_socket_timeout(
 ) -> None:
     """A server that accepts but never answers (SIGSTOP) fails every operation by the timeout.
 
-    What the server received meanwhile it runs on waking, and the backend still
-    reads those replies: the timed-out release frees the permit after all, and
-    the same backend serves again.
+    But the release, written behind: it returns at once. What the server
+    received meanwhile it runs on waking, and the backend still reads those
+    replies: the release frees the permit, and the same backend serves again.
     """
     server = make_redis_server()
     backend = RedisBackend(server.url, socket_timeout_s=0.3)
@@ -258,7 +269,7 @@ async def test_frozen_redis_fails_closed_within_the_socket_timeout(
         lease = await _grant(backend)
         server.pause()
         try:
-            await _assert_fails_closed(backend, lease, within_s=0.3 + 1.0)
+            await _assert_fails_closed(backend, lease, within_s=0.3 + 1.0, written_behind=True)
         finally:
             server.resume()
         assert await _until_free(backend) == 0
@@ -366,13 +377,22 @@ async def _in_flight_after_close(backend: RedisBackend, url: str) -> int:
         await fresh.aclose()
 
 
+async def _lease_from_elsewhere(url: str) -> Lease:
+    """A lease granted by another backend (process): the one releasing it has no connection yet."""
+    granting = RedisBackend(url)
+    try:
+        return await _grant(granting, ttl=600)
+    finally:
+        await granting.aclose()
+
+
 async def test_cancelled_release_still_returns_the_permit(redis_url: str) -> None:
-    """Cancelling the task awaiting release does not keep the permit until lease expiry."""
+    """Cancelling a release waiting for the connection does not keep the permit until expiry."""
+    lease = await _lease_from_elsewhere(redis_url)
     backend = RedisBackend(redis_url)
-    lease = await _grant(backend, ttl=600)
     task = asyncio.ensure_future(backend.release(lease, SUCCESS))
     await asyncio.sleep(0)
-    assert not task.done()
+    assert not task.done()  # no connection up: it waits for its reply
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -419,13 +439,14 @@ async def test_acquire_cancelled_while_its_reply_is_in_flight_gives_the_grant_ba
 
 
 async def test_cancelled_release_wakes_the_local_waiting_room(redis_url: str) -> None:
-    """The shielded release of a cancelled caller still wakes the head of the waiting room."""
+    """The release of a cancelled caller still wakes the head of the waiting room."""
+    lease = await _lease_from_elsewhere(redis_url)
     backend = RedisBackend(redis_url)
     room = backend.waiting_room(SCOPE)
     head = room.enter()
-    lease = await _grant(backend, ttl=600)
     task = asyncio.ensure_future(backend.release(lease, SUCCESS))
     await asyncio.sleep(0)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

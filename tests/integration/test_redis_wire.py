@@ -1,18 +1,23 @@
-"""The Redis backend's own connection pool (``wire.py``), its timeouts (``bounded.py``).
+"""The Redis backend's own wire (``wire.py``), its timeouts (``bounded.py``).
 
-The backend sends its scripts over a small pool of redis-py connections of
-its own rather than through ``redis.asyncio.Redis``; these tests pin what
-that pool promises: never more connections than its size, every operation
-served however many wait, a connection the server dropped while idle
-reconnected rather than failing an operation, a failed exchange never
-reused, and work whose caller left cut off after ``_LATE_REPLY_S``. And of
-its timeouts: each operation fails at its own deadline, although one timer
-serves them all.
+The backend pipelines its scripts on one connection of its own, read by a
+protocol of its own, rather than through ``redis.asyncio.Redis``; these
+tests pin what that wire promises: one connection however many operations
+run at once, every operation served, a connection the server dropped while
+idle reconnected rather than failing an operation, a script error leaving
+the connection in step, a silent server's connection closed after
+``_LATE_REPLY_S``, and releases written behind: a release returns once
+written, runs before anything this process sends after it, and is logged
+(without the password) when it fails unseen. And of its timeouts: each
+operation fails at its own deadline, although one timer serves them all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +27,7 @@ import redis
 import redis.asyncio as aioredis
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
-from polygateway.backends.redis import RedisBackend, limiter
+from polygateway.backends.redis import RedisBackend, limiter, wire
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines
 from polygateway.errors import GovernanceBackendError
 
@@ -43,10 +48,8 @@ def _clients(url: str) -> int:
         return len(admin.client_list()) - 1
 
 
-async def test_operations_beyond_the_pool_size_wait_for_a_connection_and_are_served(
-    redis_url: str,
-) -> None:
-    """40 calls at once through a pool of 3: all served, never more than 3 connections open."""
+async def test_operations_at_once_share_one_pipelined_connection(redis_url: str) -> None:
+    """40 calls at once: all served, over one connection (an injected pool's size aside)."""
     pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=3)
     client = aioredis.Redis(connection_pool=pool)
     backend = RedisBackend(redis_url, client=client)
@@ -60,7 +63,7 @@ async def test_operations_beyond_the_pool_size_wait_for_a_connection_and_are_ser
     try:
         await asyncio.gather(*(call() for _ in range(40)))
         assert len(opened) == 40
-        assert max(opened) <= 3
+        assert set(opened) == {1}
         assert (await backend.snapshot(SCOPE)).in_flight == 0
     finally:
         await backend.aclose()
@@ -68,13 +71,11 @@ async def test_operations_beyond_the_pool_size_wait_for_a_connection_and_are_ser
         await pool.disconnect()
 
 
-async def test_a_cancelled_wait_for_a_connection_passes_it_on(redis_url: str) -> None:
-    """Callers cancelled while queued for the one connection leave it to the callers behind them."""
-    pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=1)
-    client = aioredis.Redis(connection_pool=pool)
-    backend = RedisBackend(redis_url, client=client)
+async def test_callers_cancelled_mid_operation_leave_the_others_served(redis_url: str) -> None:
+    """Callers cancelled while their replies are due: theirs are read, the others get theirs."""
+    backend = RedisBackend(redis_url)
     try:
-        await backend.progress_age_s(SCOPE)  # the one connection is open
+        await backend.progress_age_s(SCOPE)  # the connection is open
         tasks = [asyncio.ensure_future(backend.progress_age_s(SCOPE)) for _ in range(6)]
         await asyncio.sleep(0)
         for task in tasks[1:5]:
@@ -84,13 +85,12 @@ async def test_a_cancelled_wait_for_a_connection_passes_it_on(redis_url: str) ->
             False
         ]
         assert results[0] == results[5] == float("inf")
-        # The work of the cancelled callers was left behind and finishes; the pool serves on.
+        # The replies of the cancelled callers were read in their turn: the wire is in step.
         await backend.release(await _grant(backend), SUCCESS)
         assert await backend.progress_age_s(SCOPE) < 1.0
+        assert backend._wire.pending == 0
     finally:
         await backend.aclose()
-        await client.aclose()
-        await pool.disconnect()
 
 
 async def test_connections_dropped_by_a_restarted_server_reconnect_without_a_failed_call(
@@ -112,31 +112,26 @@ async def test_connections_dropped_by_a_restarted_server_reconnect_without_a_fai
         await backend.aclose()
 
 
-async def test_a_script_error_does_not_leave_its_connection_in_use(
-    redis_url: str,
-) -> None:
+async def test_a_script_error_leaves_the_connection_in_step(redis_url: str) -> None:
     """A script failing on the server fails closed; the next operations run normally."""
-    pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=1)
-    client = aioredis.Redis(connection_pool=pool)
-    backend = RedisBackend(redis_url, client=client)
+    backend = RedisBackend(redis_url)
     try:
         with redis.Redis.from_url(redis_url) as admin:
             admin.set("pgw:{chat}:leases:a", "not a zset")
-            with pytest.raises(GovernanceBackendError):
+            with pytest.raises(GovernanceBackendError, match="WRONGTYPE"):
                 await backend.acquire(SCOPE, [MANY], ttl_s=60)
             admin.delete("pgw:{chat}:leases:a")
         await backend.release(await _grant(backend), SUCCESS)
         assert await backend.progress_age_s(SCOPE) < 1.0
+        assert _clients(redis_url) == 1
     finally:
         await backend.aclose()
-        await client.aclose()
-        await pool.disconnect()
 
 
-async def test_work_left_behind_is_cut_off_after_the_late_reply_bound(
+async def test_a_connection_silent_past_the_late_reply_bound_is_closed(
     make_redis_server: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Silent past _LATE_REPLY_S, the server no longer holds the operation left behind."""
+    """Silent past _LATE_REPLY_S with a reply due, the connection is given up; a new one serves."""
     monkeypatch.setattr(limiter, "_LATE_REPLY_S", 0.4)
     server = make_redis_server()
     backend = RedisBackend(server.url, socket_timeout_s=0.2)
@@ -146,15 +141,155 @@ async def test_work_left_behind_is_cut_off_after_the_late_reply_bound(
         try:
             with pytest.raises(GovernanceBackendError, match=r"no reply within 0\.2 s"):
                 await backend.progress_age_s(SCOPE)
-            assert len(backend._left) == 1
+            assert backend._wire.pending == 1  # its reply is still awaited
             deadline = time.monotonic() + 2.0
-            while backend._left and time.monotonic() < deadline:
+            while backend._wire.pending and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert not backend._left
+            assert backend._wire.pending == 0
+            assert not backend._wire.writable
         finally:
             server.resume()
         # Its connection was closed with it; a new one serves.
         assert await backend.progress_age_s(SCOPE) == float("inf")
+    finally:
+        await backend.aclose()
+
+
+class _Transport(asyncio.Transport):
+    """Just enough of a transport for a ``Link``: writes are kept, close is remembered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_connection_busy_past_the_late_reply_bound_is_kept() -> None:
+    """Replies due all the time but coming: the server is not silent, the connection stays."""
+    link = wire.Link(late_reply_s=0.2)
+    transport = _Transport()
+    link.connection_made(transport)
+    replies: list[Any] = []
+    link.send(b"PING", replies.append)
+    for _ in range(10):  # 0.5 s, over two bounds: always one reply due, one answered
+        await asyncio.sleep(0.05)
+        link.send(b"PING", replies.append)
+        link.data_received(b"+PONG\r\n")
+    assert not transport.closed
+    assert len(replies) == 10
+    # Then silence with a reply due: given up within a bound and a half.
+    await asyncio.sleep(0.35)
+    assert transport.closed
+    link.connection_lost(None)
+    assert isinstance(replies[-1], redis.exceptions.ConnectionError)
+
+
+# --- releases written behind ----------------------------------------------------------------
+
+
+async def test_a_release_returns_once_written_and_frees_its_permit_when_the_server_runs_it(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """On a frozen server a release returns at once; the server frees the permit on waking."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=0.3)
+    try:
+        lease = await _grant(backend)
+        server.pause()
+        try:
+            started = time.monotonic()
+            await backend.release(lease, SUCCESS)
+            assert time.monotonic() - started < 0.1
+            assert backend._wire.pending == 1
+        finally:
+            server.resume()
+        # Behind the release on the one connection: the snapshot sees the permit free.
+        assert (await backend.snapshot(SCOPE)).in_flight == 0
+    finally:
+        await backend.aclose()
+
+
+async def test_what_follows_a_release_in_this_process_sees_its_permit_free(redis_url: str) -> None:
+    """One permit, released and acquired again at once, 50 times: never refused."""
+    backend = RedisBackend(redis_url)
+    one = SourceSpec(name="one", max_concurrency=1)
+    try:
+        lease = await _grant(backend, one)
+        for _ in range(50):
+            await backend.release(lease, SUCCESS)
+            lease = await _grant(backend, one)
+        await backend.release(lease, SUCCESS)
+        assert (await backend.snapshot(SCOPE)).in_flight == 0
+    finally:
+        await backend.aclose()
+
+
+async def test_a_release_written_behind_wakes_the_waiting_room_when_its_reply_comes(
+    redis_url: str,
+) -> None:
+    """The permit freed, as its reply says, wakes the head of this process's waiting room."""
+    backend = RedisBackend(redis_url)
+    room = backend.waiting_room(SCOPE)
+    try:
+        lease = await _grant(backend)
+        head = room.enter()
+        await backend.release(lease, SUCCESS)
+        assert room.wakeups == 0  # written, its reply not read yet
+        deadline = time.monotonic() + 2.0
+        while not room.wakeups and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert room.wakeups == 1
+        room.leave(head)
+    finally:
+        await backend.aclose()
+
+
+async def test_a_release_that_fails_unseen_is_logged_without_the_password(
+    make_redis_server: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written, then its connection lost before the reply: a warning names it, not the password."""
+    password = "wire-pw-FAKE-5c1d"
+    server = make_redis_server(password=password)
+    backend = RedisBackend(server.url, socket_timeout_s=0.5)
+    try:
+        lease = await _grant(backend)
+        server.pause()
+        await backend.release(lease, SUCCESS)  # written; the frozen server has not run it
+        with caplog.at_level(logging.WARNING, logger="polygateway.backends.redis"):
+            # Killed while frozen, so it never runs the release: the connection drops, reply due.
+            os.kill(server.process.pid, signal.SIGKILL)
+            server.process.wait(timeout=5)
+            deadline = time.monotonic() + 2.0
+            while backend._wire.pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        assert backend._wire.pending == 0
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("redis release failed" in w and "scope='chat'" in w for w in warnings), warnings
+        assert password not in caplog.text
+    finally:
+        await backend.aclose()
+
+
+async def test_a_release_with_no_connection_up_waits_and_fails_closed(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """Nothing to write on (the server is down): the release waits for the connection and fails."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=0.5)
+    try:
+        lease = await _grant(backend)
+        server.stop()
+        await asyncio.sleep(0.1)  # the end of file reaches the event loop: no connection up
+        assert not backend._wire.writable
+        with pytest.raises(GovernanceBackendError) as caught:
+            await backend.release(lease, SUCCESS)
+        assert (caught.value.operation, caught.value.scope) == ("release", SCOPE)
     finally:
         await backend.aclose()
 

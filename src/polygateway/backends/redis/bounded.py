@@ -4,11 +4,11 @@ An operation's reply must still be read and acted on when its caller left
 (the limiter's "Late replies"): an acquire granted after its caller timed
 out gives its lease back, a release still wakes the waiting room. So the
 wire hands every reply to a ``Reply``, not to the caller: while the caller
-waits, the reply resolves the caller's future; once it stopped waiting, the
-reply goes to the operation's ``late`` action instead. ``Deadlines`` wakes
-the caller's future with ``TIMED_OUT`` when the backend's socket timeout
-passes first, and ``LeftBehind`` keeps what callers left referenced, cut
-after a bound, and awaitable when the backend closes.
+waits, the reply resolves the caller's future; once it stopped waiting (or
+for a release written behind, which nobody waits for), the reply goes to
+the operation's ``late`` action, and a failure is reported. ``Deadlines``
+wakes the caller's future with ``TIMED_OUT`` when the backend's socket
+timeout passes first.
 
 Why not ``asyncio.shield`` inside ``asyncio.timeout`` (the first version),
 nor a Task per operation (the second): per operation the first cost a
@@ -24,122 +24,61 @@ pending deadline, serves them all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["TIMED_OUT", "Deadlines", "LeftBehind", "Reply"]
-
-logger = logging.getLogger("polygateway.backends.redis")
+__all__ = ["TIMED_OUT", "Deadlines", "Failed", "Late", "Reply"]
 
 TIMED_OUT: Final = object()
 """What a caller's future holds when the timeout passed before the work's outcome."""
 
 Late = Callable[[Any], None]
-"""What to do with a reply (a value or an exception) that its caller no longer waits for."""
+"""What to do with a reply (a value, never an exception) that its caller no longer waits for."""
+
+Failed = Callable[[str, str, BaseException], None]
+"""How an operation nobody waits for reports its failure: ``(operation, scope, error)``."""
 
 
 class Reply:
-    """The caller's side of one operation: its future while it waits, ``late`` after."""
+    """The wire's callback for one operation: the caller's future while it waits, ``late`` after.
 
-    __slots__ = ("_done", "finished", "late", "quiet", "waiter")
+    ``waiter`` is ``None`` for an operation written behind, which nobody waits for.
+    """
 
-    def __init__(self, waiter: asyncio.Future[Any], late: Late | None = None) -> None:
+    __slots__ = ("failed", "late", "operation", "scope", "waiter")
+
+    def __init__(
+        self,
+        waiter: asyncio.Future[Any] | None,
+        late: Late | None,
+        operation: str,
+        scope: str,
+        failed: Failed,
+    ) -> None:
         self.waiter = waiter
         self.late = late
-        self.quiet = False  # cut on purpose: its failure is no news
-        self.finished = False  # its reply came after its caller left, and was acted on
-        self._done: Callable[[Reply], None] | None = None
+        self.operation = operation
+        self.scope = scope
+        self.failed = failed
 
     def __call__(self, reply: Any) -> None:
         """The wire's callback: exactly once per operation."""
-        if not self.waiter.done():
-            self.waiter.set_result(reply)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
         else:
             self.left_with(reply)
 
     def left_with(self, reply: Any) -> None:
         """Act on a reply its caller will not read (it left, or left in the turn it came)."""
-        self.finished = True
         try:
             if isinstance(reply, BaseException):
-                if not self.quiet:
-                    _warn(reply)
+                self.failed(self.operation, self.scope, reply)
             elif self.late is not None:
                 self.late(reply)
         except Exception as exc:  # a late action failing must not break the wire's read loop
-            _warn(exc)
-        finally:
-            if self._done is not None:
-                self._done(self)
-
-
-def _warn(exc: BaseException) -> None:
-    logger.warning(
-        "work a caller stopped waiting for failed; any permit it holds frees "
-        "itself when its lease expires: %s",
-        exc,
-    )
-
-
-class LeftBehind:
-    """Operations whose callers stopped waiting: kept until their reply, cut after ``bound_s``."""
-
-    __slots__ = ("_settled", "_tasks", "_timers")
-
-    def __init__(self) -> None:
-        self._timers: dict[Reply, asyncio.TimerHandle] = {}
-        self._settled: dict[Reply, asyncio.Future[None]] = {}
-        self._tasks: set[asyncio.Future[Any]] = set()
-
-    def __len__(self) -> int:
-        return len(self._timers) + len(self._tasks)
-
-    def adopt(self, reply: Reply, cut: Callable[[], None], bound_s: float) -> None:
-        """Keep ``reply`` until its reply comes; ``cut`` it if none came within ``bound_s``."""
-        if reply.finished or reply in self._timers:
-            return
-        loop = asyncio.get_running_loop()
-
-        def give_up() -> None:
-            reply.quiet = True
-            cut()
-
-        self._timers[reply] = loop.call_later(bound_s, give_up)
-        self._settled[reply] = loop.create_future()
-        reply._done = self._forget
-
-    def adopt_task(self, task: asyncio.Future[Any]) -> None:
-        """Keep a task started for a late reply (an acquire's give-back) until it ends."""
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _forget(self, reply: Reply) -> None:
-        timer = self._timers.pop(reply, None)
-        if timer is not None:
-            timer.cancel()
-        settled = self._settled.pop(reply, None)
-        if settled is not None and not settled.done():
-            settled.set_result(None)
-
-    def _task_done(self, task: asyncio.Future[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            _warn(exc)
-
-    async def drain(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for every reply still due and every late task."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while self._settled or self._tasks:
-                    await asyncio.gather(
-                        *self._settled.values(), *self._tasks, return_exceptions=True
-                    )
-        if self._tasks:
-            # The timeout cancelled them through gather; let them unwind.
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.failed(self.operation, self.scope, exc)
 
 
 class Deadlines:

@@ -5,10 +5,22 @@ server and costs one round trip: a call that does not wait costs exactly two
 (acquire, release); a stream adds one per renewal. Scripts run by EVALSHA and
 are reloaded on NOSCRIPT, so a ``SCRIPT FLUSH`` or a restarted server is
 survived without a restart of the process. They are sent by ``wire.py``
-(pre-packed commands over a few connections that redis-py sets up and a
+(pre-packed commands pipelined on one connection that redis-py sets up and a
 protocol of ours reads), not through ``redis.asyncio.Redis``: that cut the
 client CPU of a governed call on Redis by more than half, then by half again
 (its docstring says where the time went).
+
+Releases are written behind: ``release`` writes its script and returns
+without waiting for the reply. Redis runs one connection's commands in the
+order they were written, so everything this process sends afterwards (the
+next acquire, a snapshot, a progress query) sees the permit freed; other
+processes see it one round trip later, as they would anyway. Its reply is
+still read: a freed permit wakes this process's waiting room, and a failure
+is logged (operation, scope, no password) while the lease's expiry frees
+the permit, which is what the governance loop does with a release that
+fails (DESIGN §6: it never loses the answer). A release that cannot be
+written at once (no connection yet, or reconnecting) waits for its reply
+like any other operation, so a server that is down still fails it closed.
 
 Time is the server's (``redis.call('TIME')``) unless a ``now`` is injected,
 which only tests do, so the contract suite runs its time-dependent cases under
@@ -22,18 +34,20 @@ upstream ungoverned. The password of the URL never appears in a message or
 repr.
 
 Late replies: an operation's caller waits for its reply at most
-``socket_timeout_s`` (``_call``, ``bounded.py``). A caller that stops waiting
+``socket_timeout_s`` (``_wait``, ``bounded.py``). A caller that stops waiting
 (its timeout, or its own cancellation) leaves the operation behind: the
 script may already be on the server, which runs it whenever it can (a frozen
-server, on waking), so the reply is still read, for up to ``_LATE_REPLY_S``,
-and acted on. An acquire granted after its caller left is released at once;
-a release still frees its permit and wakes this process's waiters. Nothing
-waits for a lease to expire unless the server stays silent longer than that.
+server, on waking), so the reply is still read and acted on. An acquire
+granted after its caller left is released at once; a release still frees its
+permit and wakes this process's waiters. Nothing waits for a lease to expire
+unless the server stays silent for ``_LATE_REPLY_S`` while replies are due:
+then the wire closes the connection and reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -63,7 +77,7 @@ from polygateway.backends.base import (
     SourceSpec,
 )
 from polygateway.backends.redis import scripts
-from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, LeftBehind, Reply
+from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Script, Wire, bulk, command, pack
 from polygateway.backends.waiting import WaitingRoom
@@ -93,35 +107,24 @@ changed from accumulating keys. Lease keys empty themselves as leases end.
 """
 
 _LATE_REPLY_S = 60.0
-"""How long a reply is still read after its caller stopped waiting for it.
+"""How long a connection may stay silent while replies are due before it is closed.
 
-Work left behind is cut after it (its connection is closed: the wire has no
-socket timeout of its own); callers are
-bounded by ``socket_timeout_s`` on their own side. Without it a timed-out acquire that a
-frozen server runs on waking would hold its permit, unseen, until its lease
-expired (``timeout_s + lease_grace_s``), for every connection that had one in
-flight when the server froze.
+Callers are bounded by ``socket_timeout_s`` on their own side; what they left
+behind is still read while the server may yet answer (a frozen server runs
+what it received on waking: without this, a timed-out acquire would hold its
+permit, unseen, until its lease expired). A server silent for this long (a
+blackholed address after a failover) is given up: the wire closes the
+connection, what was pending fails (a permit it holds frees itself at lease
+expiry, as after a crash), and the next operation reconnects.
 """
 
-_MAX_CONNECTIONS = 64
-"""Connections a backend opens at most; past it, operations queue for a free one.
+_MAX_INFLIGHT_OPS = 64
+"""Concurrent operations per process that the loop allows a scope (``max_inflight_ops``).
 
-Each operation holds a connection for one round trip, and the loop keeps a
-process's concurrent acquires per scope bounded, so a few dozen serve any
-number of permits; more would only load the server.
-"""
-
-_MAX_LEFT_BEHIND = _MAX_CONNECTIONS // 2
-"""Operations left behind (their reply still read) at most; past it a timed-out one is abandoned.
-
-(Half the pool: with an injected client, half of that client's pool size.)
-
-Each holds a connection while it waits: half the pool stays for new
-operations, so a server that never answers (a blackholed address after a
-failover) cannot keep the pool busy for ``_LATE_REPLY_S``. The loop asks Redis
-about once per socket timeout per scope while Redis is silent (only the head of
-a waiting room asks), so this is rarely reached. An abandoned acquire that the
-server runs later holds its permit until its lease expires, as a crash would.
+The wire pipelines any number on its one connection; the loop keeps a
+process's concurrent acquires per scope below this, so a burst of calls
+reaches Redis as a stream of acquires, not all at once (only the head of a
+waiting room asks while calls wait). With an injected client: its pool size.
 """
 
 _MAX_SPEC_CACHE = 1024
@@ -210,17 +213,15 @@ class RedisBackend:
             past it the operation fails closed, while its reply is still read in
             the background (see the module docstring).
         now: tests only: a clock passed to every script instead of the server's TIME.
-        client: an existing ``redis.asyncio.Redis`` to use instead of opening a
-            pool (its owner closes it; ``url`` then only names it in messages).
-            Its pool makes the connections (its URL, timeouts, TLS, auth) and
-            sizes the backend's own pool of them (``max_inflight_ops``).
+        client: an existing ``redis.asyncio.Redis`` whose pool makes the
+            backend's connection (its URL, connect timeout, TLS, auth) and whose
+            pool size is ``max_inflight_ops``; its owner closes it, and ``url``
+            then only names it in messages.
     """
 
     __slots__ = (
         "_deadlines",
-        "_left",
         "_max_inflight_ops",
-        "_max_left_behind",
         "_now",
         "_rooms",
         "_scripts",
@@ -268,15 +269,12 @@ class RedisBackend:
                 raise ConfigError(
                     f"invalid redis url {self._url}: {self._scrub(str(exc))}", field="redis_url"
                 ) from exc
-            size = _MAX_CONNECTIONS
-            self._max_inflight_ops: int | None = size
+            self._max_inflight_ops: int | None = _MAX_INFLIGHT_OPS
         else:
             # The injected client's settings (timeouts, TLS, auth), its pool size as ours.
             factory = client.connection_pool
             self._max_inflight_ops = _pool_size(client)
-            size = self._max_inflight_ops or _MAX_CONNECTIONS
-        self._wire = Wire(factory.make_connection, size)
-        self._max_left_behind = max(1, size // 2)
+
         self._timeout_s = socket_timeout_s
         self._deadlines = Deadlines(socket_timeout_s)
         self._now = now
@@ -287,11 +285,14 @@ class RedisBackend:
             "progress_age_s": _script(scripts.PROGRESS),
             "snapshot": _script(scripts.SNAPSHOT),
         }
+        self._wire = Wire(
+            factory.make_connection,
+            late_reply_s=_LATE_REPLY_S,
+            scripts=tuple(self._scripts.values()),
+        )
         self._rooms: dict[str, WaitingRoom] = {}
         self._spec_args: dict[SourceSpec, bytes] = {}
         self._spec_keys: dict[tuple[str, str], bytes] = {}
-        # Work a caller stopped waiting for (timeout, cancellation); referenced until done.
-        self._left = LeftBehind()
         self._serial = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -299,10 +300,9 @@ class RedisBackend:
 
     @property
     def max_inflight_ops(self) -> int | None:
-        """Operations this process runs at once before they queue for a pool connection.
+        """Concurrent acquires the loop allows a scope in this process (``_MAX_INFLIGHT_OPS``).
 
-        The loop bounds a scope's concurrent acquires by it, so a burst never
-        waits inside the pool; ``None`` when an injected client's pool size is unknown.
+        ``None`` when an injected client's pool size is unknown.
         """
         return self._max_inflight_ops
 
@@ -321,7 +321,7 @@ class RedisBackend:
             message += f": {self._scrub(str(exc))}"
         return GovernanceBackendError(message, operation=operation, scope=scope)
 
-    def _translate(self, operation: Operation, scope: str, exc: Exception) -> Exception:
+    def _translate(self, operation: Operation, scope: str, exc: BaseException) -> BaseException:
         """Where redis exceptions become ``GovernanceBackendError``: fail closed, with context."""
         if isinstance(exc, (RedisError, OSError)):
             # OSError: socket errors redis-py does not wrap (e.g. during connection setup).
@@ -330,6 +330,13 @@ class RedisBackend:
             # A reply our parser cannot read: a script out of step with this code.
             return self._failure(operation, scope, "unexpected script reply", exc)
         return exc
+
+    def _late_failure(self, operation: str, scope: str, exc: BaseException) -> None:
+        """Log the failure of an operation nobody waits for (left behind, or written behind)."""
+        logger.warning(
+            "%s (nobody waits for it: a permit it holds frees itself when its lease expires)",
+            self._translate(cast(Operation, operation), scope, exc),
+        )
 
     def _eval(
         self,
@@ -346,7 +353,7 @@ class RedisBackend:
         data = script.command(numkeys, count, packed)
         return self._call(operation, scope, data, parse, script, late)
 
-    async def _call(
+    def _call(
         self,
         operation: Operation,
         scope: str,
@@ -354,35 +361,33 @@ class RedisBackend:
         parse: Callable[[Any], T],
         script: Script | None = None,
         late: Late | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """Send one command (one round trip); the caller awaits its parsed reply (``_wait``)."""
+        reply = Reply(
+            asyncio.get_running_loop().create_future(), late, operation, scope, self._late_failure
+        )
+        self._wire.send(data, reply, script)
+        return self._wait(operation, scope, reply, parse)
+
+    async def _wait(
+        self, operation: Operation, scope: str, reply: Reply, parse: Callable[[Any], T]
     ) -> T:
-        """Send one command (one round trip), wait ``socket_timeout_s`` at most, parse its reply.
+        """Wait ``socket_timeout_s`` at most for a reply, and parse it.
 
         A caller that stops waiting (the timeout, its own cancellation) leaves
         the operation going, since its script may run on the server anyway: its
-        reply is still read and handed to ``late`` (an acquire gives a late grant
-        back), for ``_LATE_REPLY_S`` at most. Past ``_MAX_LEFT_BEHIND`` such
-        operations, a timed-out one is cut at once.
+        reply is still read and handed to ``reply.late`` (an acquire gives a late
+        grant back), and its failure is logged.
         """
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[Any] = loop.create_future()
-        reply = Reply(waiter, late)
-        exchange = self._wire.send(data, reply, script)
-        self._deadlines.add(loop, waiter)
+        waiter = cast(asyncio.Future[Any], reply.waiter)
+        self._deadlines.add(asyncio.get_running_loop(), waiter)
         try:
             got = await waiter
         except asyncio.CancelledError:
             if not waiter.cancelled() and waiter.result() is not TIMED_OUT:
                 reply.left_with(waiter.result())  # it came in the turn its caller was cancelled
-            else:
-                self._left.adopt(reply, exchange.cut, _LATE_REPLY_S)
             raise
         if got is TIMED_OUT:
-            if len(self._left) >= self._max_left_behind:  # _MAX_LEFT_BEHIND
-                reply.quiet = True
-                reply.late = None
-                exchange.cut()  # closes its connection; see _MAX_LEFT_BEHIND
-            else:
-                self._left.adopt(reply, exchange.cut, _LATE_REPLY_S)
             detail = f"TimeoutError: no reply within {self._timeout_s:g} s"
             timeout = TimeoutError(detail)
             raise self._failure(operation, scope, detail, timeout) from timeout
@@ -499,13 +504,23 @@ class RedisBackend:
             # Granted a lease its caller never sees (timed out, cancelled): release it at once.
             lease = parse(reply).lease
             if lease is not None:
-                self._left.adopt_task(asyncio.ensure_future(self.release(lease, _CANCELLED)))
+                self._release(lease, _CANCELLED)
 
         count = numkeys + 5 + 9 * len(specs)
         return await self._eval("acquire", scope, numkeys, count, packed, parse, give_back)
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        """Free the permit and record the outcome in one RELEASE run (left behind if need be)."""
+        """Free the permit and record the outcome in one RELEASE run, written behind.
+
+        Returns once the script is written (module docstring, "Releases are
+        written behind"); without a connection up, once its reply came.
+        """
+        reply = self._release(lease, outcome)
+        if reply is not None and reply.late is not None:
+            await self._wait("release", lease.scope, reply, reply.late)
+
+    def _release(self, lease: Lease, outcome: AttemptOutcome) -> Reply | None:
+        """Write a RELEASE; ``None``, or the ``Reply`` to wait for when it could only be queued."""
         scope = lease.scope
         packed = [
             self._keys_of(scope, lease.source),
@@ -520,13 +535,18 @@ class RedisBackend:
         ]
 
         def freed(reply: Any) -> None:
-            # Whether or not its caller still waits: a permit freed wakes this process's waiters.
+            # Whether or not anyone waits: a permit freed wakes this process's waiting room.
             if _is_one(reply):
                 room = self._rooms.get(scope)
                 if room is not None:
                     room.notify()
 
-        await self._eval("release", scope, 4, 14, packed, freed, freed)
+        # Written at once on an open connection: nobody waits. Else queued: the caller waits.
+        waiter = None if self._wire.writable else asyncio.get_running_loop().create_future()
+        reply = Reply(waiter, freed, "release", scope, self._late_failure)
+        script = self._scripts["release"]
+        self._wire.send(script.command(4, 14, packed), reply, script)
+        return None if waiter is None else reply
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a live lease by its TTL from now in one RENEW run."""
@@ -584,11 +604,13 @@ class RedisBackend:
         return room
 
     async def aclose(self) -> None:
-        """Finish the work callers left behind, then close the pool (if ours).
+        """Read the replies still due (releases written behind, work left behind), then close.
 
-        That work gets one more socket timeout: a server still silent by then
-        will not answer a closing backend, and what it runs later frees itself
-        at lease expiry.
+        They get one more socket timeout: a server still silent by then will not
+        answer a closing backend, and what it runs later frees itself at lease
+        expiry. An injected client stays its owner's to close.
         """
-        await self._left.drain(self._timeout_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._timeout_s):
+                await self._wire.drain()
         await self._wire.aclose()

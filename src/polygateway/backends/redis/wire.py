@@ -1,17 +1,17 @@
-"""The Redis backend's wire: pre-packed EVALSHA over a few connections read by a protocol of ours.
+"""The Redis backend's wire: pre-packed EVALSHA, pipelined on one connection read by our protocol.
 
 Why not ``redis.asyncio.Redis.evalsha``: profiled on the governance loop
 alone, redis-py 8 spent most of a round trip's client CPU around the round
 trip rather than in it: ``pack_command`` encoding every argument anew (an
 ACQUIRE carries about 25, nine per candidate, the same on every call), the
 client's observability hooks and retry wrapper, ``BlockingConnectionPool``'s
-condition, timeout and health probe per borrowed connection, and an
-``asyncio.wait_for`` (a Task in Python 3.11) around every socket write.
-What stays from redis-py is everything that is hard to get right about a
-connection: URL parsing, TLS, unix sockets, AUTH / HELLO / SELECT on
-connect. Once it is connected, its transport is taken over by ``Link``, an
-``asyncio.Protocol`` of this module, and redis-py's connection object is
-dropped. What this module does:
+condition, timeout and health probe per borrowed connection, an
+``asyncio.wait_for`` (a Task in Python 3.11) around every socket write, and
+its stream reader. What stays from redis-py is everything that is hard to
+get right about a connection: URL parsing, TLS, unix sockets, AUTH / HELLO /
+SELECT on connect. Once it is connected, its transport is handed to
+``Link``, an ``asyncio.Protocol`` of this module, and redis-py's connection
+object is dropped. What this module does:
 
 - Commands are RESP bytes built here. A candidate's ARGV and KEYS are packed
   once and cached by the limiter (``bulk``), so an ACQUIRE is one
@@ -22,38 +22,43 @@ dropped. What this module does:
   a failure mode (a spec missing after FLUSHALL or a restart, answered by a
   retry); once packing is a cached join, the argument count costs the client
   next to nothing.
-- Replies are parsed by ``hiredis`` as bytes arrive (``Link.data_received``)
-  and handed, in order, to the callback of the operation that asked: no
-  Task, no stream reader and no coroutine per operation. An operation is an
-  ``Exchange``: its caller hands it over and waits on a future of its own
-  (the limiter's ``bounded.Reply``); a caller that stops waiting leaves the
-  exchange going, and its reply is still read and acted on.
-- At most ``size`` connections, one exchange on each at a time; past that an
-  exchange queues (FIFO) and is sent on the first connection freed. An idle
-  connection is a list pop away (LIFO: the warmest first, the others may
-  idle out). A connection the server closed while idle is seen closed by the
-  event loop (end of file) and replaced on the next use, so a restarted
-  server fails no operation.
-- An EVALSHA answered ``NOSCRIPT`` (a ``SCRIPT FLUSH``, a restarted server)
-  loads its script on the same connection and runs once more, as redis-py's
-  ``Script`` does.
-- A connection whose exchange failed on the wire (lost, a reply out of step)
-  is closed; what was pending on it fails with ``ConnectionError``.
+- One connection per backend, pipelined: every command is written at once and
+  its reply, parsed by ``hiredis`` as bytes arrive (``Link.data_received``),
+  goes to its callback in order. No Task, stream reader or coroutine per
+  operation, and no pool to wait for. Redis runs the commands of one
+  connection in the order they were written, so what this process does is
+  seen by Redis in the order it did it: a release written before an acquire
+  or a snapshot is run before it, whether or not its reply was read (the
+  limiter's release relies on this).
+- A caller that stops waiting leaves its command going: its reply is still
+  read and handed to its callback (the limiter's ``bounded.Reply``).
+- While the connection is being made (the first command, or after one was
+  lost), commands queue and are written, in order, once it is up; if it
+  cannot be made, they fail with its error and the next command tries again.
+  A connection the server closed while idle is seen closed by the event loop
+  (end of file) and replaced on the next use, so a restarted server fails no
+  operation.
+- Every new connection first loads the backend's scripts (``SCRIPT LOAD``,
+  pipelined ahead of the commands queued meanwhile), so the first use of a
+  script keeps its place in the order. An EVALSHA answered ``NOSCRIPT``
+  anyway (a ``SCRIPT FLUSH`` mid-connection) loads its script and runs once
+  more, as redis-py's ``Script`` does: after everything written before that
+  answer came, which after a flush are mostly EVALSHAs answered ``NOSCRIPT``
+  too and so run again in their order.
+- A server silent for ``late_reply_s`` while replies are due (frozen, or
+  gone without a reset) has its connection closed by a watchdog: what was
+  pending fails with ``ConnectionError`` and the next command reconnects. So
+  does a reply out of step or a byte stream ``hiredis`` cannot parse.
 
-Timeouts are not this module's: the limiter bounds callers and, for work
-left behind, how long a late reply is still read (``Exchange.cut``).
-
-Measured on the backend alone (an acquire then a release, in turn, on a quiet
-machine): about 195 µs of client CPU per pair with redis-py's connections
-and a Task per operation, 150 with this wire, against about 100 for the two
-bare round trips (most of it the process sleeping and waking twice).
-``hiredis`` (in the ``redis`` extra) is the parser.
+Timeouts of callers are not this module's (``bounded.Deadlines``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, cast
@@ -63,14 +68,16 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-__all__ = ["Exchange", "Link", "OnReply", "Script", "Wire", "bulk", "pack"]
+__all__ = ["Link", "OnReply", "Script", "Wire", "bulk", "command", "pack"]
+
+logger = logging.getLogger("polygateway.backends.redis")
 
 _EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n"
 _INCOMPLETE: Final = object()
 """What ``hiredis.Reader.gets`` returns while a reply is still incomplete (never a reply)."""
 
 OnReply = Callable[[Any], None]
-"""Called once with an operation's reply: a value, or an exception (error reply, lost link)."""
+"""Called once with a command's reply: a value, or an exception (error reply, lost link)."""
 
 
 def bulk(value: str) -> bytes:
@@ -103,23 +110,55 @@ class Script:
         return b"".join((b"*%d\r\n" % (count + 3), self._head, bulk(str(numkeys)), *packed))
 
 
+def _ignore(reply: Any) -> None:
+    """A ``SCRIPT LOAD``'s reply: if it failed, the command run after it says so."""
+
+
+_Pending = tuple[OnReply, bytes, Script | None]
+
+
 class Link(asyncio.Protocol):
     """One connection: commands written in order, each reply handed to its callback in order."""
 
-    __slots__ = ("_pending", "_reader", "_transport", "_writer", "open")
+    __slots__ = (
+        "_clock",
+        "_drained",
+        "_heard",
+        "_late_reply_s",
+        "_pending",
+        "_reader",
+        "_transport",
+        "_watchdog",
+        "_writer",
+        "open",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, late_reply_s: float) -> None:
+        self._late_reply_s = late_reply_s
+        self._reader = hiredis.Reader(replyError=ResponseError, notEnoughData=_INCOMPLETE)
+        self._pending: deque[_Pending] = deque()
+        self._transport: asyncio.Transport | None = None
         # The stream writer redis-py connected with, kept alive: collected, it closes the transport.
         self._writer: asyncio.StreamWriter | None = None
-        self._reader = hiredis.Reader(replyError=ResponseError, notEnoughData=_INCOMPLETE)
-        self._pending: deque[OnReply] = deque()
-        self._transport: asyncio.Transport | None = None
+        self._heard = 0.0  # when the server last answered, or last had nothing to answer
+        self._clock: Callable[[], float] = time.monotonic  # edge: the event loop's once connected
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Future[None] | None = None
         self.open = False
+
+    @property
+    def pending(self) -> int:
+        """Replies still due on this connection."""
+        return len(self._pending)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Take the connection (handed over by ``Wire`` once redis-py has set it up)."""
         self._transport = cast(asyncio.Transport, transport)
         self.open = True
+        loop = asyncio.get_running_loop()
+        self._clock = loop.time
+        self._heard = loop.time()
+        self._watchdog = loop.call_later(self._late_reply_s / 2, self._watch)
 
     def data_received(self, data: bytes) -> None:
         """Parse what arrived; every whole reply goes to the oldest callback waiting."""
@@ -129,27 +168,58 @@ class Link(asyncio.Protocol):
             try:
                 reply = reader.gets()
             except hiredis.ProtocolError:
-                self.close()  # the stream is garbage from here on
+                self._fail("a reply Redis could not have sent")
                 return
             if reply is _INCOMPLETE:
-                return
+                break
             if not pending:
-                self.close()  # a reply nobody asked for: out of step
+                self._fail("a reply nobody asked for")
                 return
-            pending.popleft()(reply)
+            on_reply, data_sent, script = pending.popleft()
+            if (
+                script is not None
+                and type(reply) is ResponseError
+                and str(reply).startswith("NOSCRIPT")
+            ):
+                # Flushed or restarted: load the script and run the command once more.
+                self.send(script.load, _ignore)
+                self.send(data_sent, on_reply)
+                continue
+            on_reply(reply)
+        if pending:
+            self._heard = self._clock()  # the server speaks: silence counts from now
+            return
+        self._heard = 0.0  # nothing due: silence is not a fault
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Fail what was pending: its replies will never come."""
         self.open = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         reason = "connection closed" if exc is None else f"connection lost: {exc}"
         pending, self._pending = self._pending, deque()
-        for on_reply in pending:
+        for on_reply, _, _ in pending:
             on_reply(RedisConnectionError(reason))
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
-    def send(self, data: bytes, on_reply: OnReply) -> None:
+    def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> None:
         """Write a command; its reply (or the link's failure) goes to ``on_reply``."""
-        self._pending.append(on_reply)
+        pending = self._pending
+        if not pending and not self._heard:
+            self._heard = self._clock()  # silence counts from now
+        pending.append((on_reply, data, script))
         cast(asyncio.Transport, self._transport).write(data)
+
+    async def drained(self) -> None:
+        """Return once no reply is due."""
+        if self._pending and self.open:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
 
     def close(self) -> None:
         """Close now; what is pending fails when the event loop reports the connection lost."""
@@ -157,60 +227,18 @@ class Link(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def _fail(self, why: str) -> None:
+        logger.warning("closing a Redis connection: %s", why)
+        self.close()
 
-class Exchange:
-    """One operation on the wire: a command, sent on a free connection or queued until one is."""
-
-    __slots__ = ("_command", "_load_error", "_on_reply", "_script", "_wire", "link")
-
-    def __init__(self, wire: Wire, data: bytes, on_reply: OnReply, script: Script | None) -> None:
-        self._wire = wire
-        self._command = data
-        self._on_reply = on_reply
-        self._script = script
-        self._load_error: BaseException | None = None
-        self.link: Link | None = None
-
-    def start(self, link: Link) -> None:
-        """Send on ``link``, which is this exchange's until its reply."""
-        self.link = link
-        link.send(self._command, self._replied)
-
-    def fail(self, error: BaseException) -> None:
-        """End before any reply (no connection could be made, or the wire closed)."""
-        self._on_reply(error)
-
-    def cut(self) -> None:
-        """Give the reply up: close the connection it would come on, or leave the queue."""
-        if self.link is not None:
-            self.link.close()
-        elif self._wire.unqueue(self):
-            self._on_reply(RedisConnectionError("given up while waiting for a connection"))
-
-    def _replied(self, reply: Any) -> None:
-        script = self._script
-        if (
-            script is not None
-            and type(reply) is ResponseError
-            and str(reply).startswith("NOSCRIPT")
-            and self.link is not None
-            and self.link.open
-        ):
-            # The reply was read whole: the connection is in step, load and run once more.
-            self._script = None
-            self.link.send(script.load, self._loaded)
-            self.link.send(self._command, self._replied)
+    def _watch(self) -> None:
+        """Close the connection if replies are due and the server said nothing for too long."""
+        loop = asyncio.get_running_loop()
+        heard = self._heard
+        if self._pending and heard and loop.time() - heard >= self._late_reply_s:
+            self._fail(f"no reply for {self._late_reply_s:g} s while {len(self._pending)} were due")
             return
-        if self._load_error is not None:
-            reply = self._load_error
-        link = self.link
-        if link is not None:
-            self._wire.give(link)
-        self._on_reply(reply)
-
-    def _loaded(self, reply: Any) -> None:
-        if isinstance(reply, BaseException):
-            self._load_error = reply
+        self._watchdog = loop.call_later(self._late_reply_s / 2, self._watch)
 
 
 async def _taken_over(connection: AbstractConnection, link: Link) -> None:
@@ -219,7 +247,7 @@ async def _taken_over(connection: AbstractConnection, link: Link) -> None:
     writer = connection._writer
     if writer is None:  # pragma: no cover - connect() returns connected or raises
         raise RedisConnectionError("connection not established")
-    # redis-py must neither read nor close what is the link's now (its __del__ would close it).
+    # redis-py must neither read nor close what is the link's now.
     connection._reader = connection._writer = None
     link._writer = writer
     transport = writer.transport
@@ -228,94 +256,85 @@ async def _taken_over(connection: AbstractConnection, link: Link) -> None:
 
 
 class Wire:
-    """At most ``size`` connections made by ``make_connection``; one exchange on each at a time."""
+    """One pipelined connection made by ``make_connection``, remade when lost."""
 
-    __slots__ = ("_connecting", "_idle", "_made", "_make", "_queue", "_size")
+    __slots__ = ("_connecting", "_late_reply_s", "_link", "_make", "_queue", "_scripts")
 
-    def __init__(self, make_connection: Callable[[], AbstractConnection], size: int) -> None:
+    def __init__(
+        self,
+        make_connection: Callable[[], AbstractConnection],
+        *,
+        late_reply_s: float,
+        scripts: Sequence[Script] = (),
+    ) -> None:
         self._make = make_connection
-        self._size = size
-        self._made: list[Link] = []
-        self._idle: list[Link] = []
-        self._queue: deque[Exchange] = deque()
-        self._connecting: set[asyncio.Task[None]] = set()
+        self._late_reply_s = late_reply_s
+        self._scripts = tuple(scripts)
+        self._link: Link | None = None
+        self._queue: list[_Pending] = []
+        self._connecting: asyncio.Task[None] | None = None
 
-    def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> Exchange:
-        """Send a command now if a connection is free (else queue it); ``on_reply`` gets its reply.
+    @property
+    def writable(self) -> bool:
+        """Whether a command sent now is written at once (the connection is up)."""
+        link = self._link
+        return link is not None and link.open
+
+    @property
+    def pending(self) -> int:
+        """Replies due, and commands waiting for the connection to be made."""
+        return len(self._queue) + (self._link.pending if self._link is not None else 0)
+
+    def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> None:
+        """Write a command now, or once the connection is up; ``on_reply`` gets its reply.
 
         With ``script``, a ``NOSCRIPT`` answer loads it and runs the command once more.
         """
-        exchange = Exchange(self, data, on_reply, script)
-        idle = self._idle
-        while idle:
-            link = idle.pop()
-            if link.open:
-                exchange.start(link)
-                return exchange
-            self._made.remove(link)  # closed while idle (a restarted server): replaced below
-        if len(self._made) < self._size:
-            self._open(exchange)
-        else:
-            self._queue.append(exchange)
-        return exchange
-
-    def give(self, link: Link) -> None:
-        """A link's exchange is over: the next queued exchange takes it, else it idles."""
-        if not link.open:
-            with contextlib.suppress(ValueError):
-                self._made.remove(link)
-            if self._queue:
-                self._open(self._queue.popleft())
+        link = self._link
+        if link is not None and link.open:
+            link.send(data, on_reply, script)
             return
-        if self._queue:
-            self._queue.popleft().start(link)
-        else:
-            self._idle.append(link)
+        self._queue.append((on_reply, data, script))
+        if self._connecting is None:
+            self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
-    def unqueue(self, exchange: Exchange) -> bool:
-        """Take an exchange out of the queue; False if it was not there."""
-        try:
-            self._queue.remove(exchange)
-        except ValueError:
-            return False
-        return True
-
-    def _open(self, exchange: Exchange) -> None:
-        """A new connection for ``exchange``, made in a task of its own (it is rare)."""
-        link = Link()
-        self._made.append(link)
-        task = asyncio.get_running_loop().create_task(self._connect(link, exchange))
-        self._connecting.add(task)
-        task.add_done_callback(self._connecting.discard)
-
-    async def _connect(self, link: Link, exchange: Exchange) -> None:
+    async def _connect(self) -> None:
+        link = Link(self._late_reply_s)
         try:
             await _taken_over(self._make(), link)
         except BaseException as exc:
-            with contextlib.suppress(ValueError):
-                self._made.remove(link)
             link.close()
-            error = exc
+            error: BaseException = exc
             if isinstance(exc, asyncio.CancelledError):
                 error = RedisConnectionError("the backend closed while connecting")
-            exchange.fail(error)
-            if self._queue and not isinstance(exc, asyncio.CancelledError):
-                self._open(self._queue.popleft())
+            self._connecting = None
+            queue, self._queue = self._queue, []
+            for on_reply, _, _ in queue:
+                on_reply(error)
             if not isinstance(exc, Exception):
                 raise
             return
-        exchange.start(link)
+        self._link, self._connecting = link, None
+        for loaded in self._scripts:
+            link.send(loaded.load, _ignore)
+        queue, self._queue = self._queue, []
+        for on_reply, data, script in queue:
+            link.send(data, on_reply, script)
+
+    async def drain(self) -> None:
+        """Return once no reply is due (the caller bounds how long it waits)."""
+        while self._connecting is not None:
+            await asyncio.shield(self._connecting)
+        if self._link is not None:
+            await self._link.drained()
 
     async def aclose(self) -> None:
-        """Close every connection; what is pending or queued fails with ``ConnectionError``."""
-        for task in list(self._connecting):
-            task.cancel()
-        if self._connecting:
-            await asyncio.gather(*self._connecting, return_exceptions=True)
-        queue, self._queue = self._queue, deque()
-        for exchange in queue:
-            exchange.fail(RedisConnectionError("the backend closed"))
-        made, self._made, self._idle = self._made, [], []
-        for link in made:
+        """Close the connection; what is pending or queued fails with ``ConnectionError``."""
+        if self._connecting is not None:
+            self._connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await self._connecting
+        link, self._link = self._link, None
+        if link is not None:
             link.close()
-        await asyncio.sleep(0)  # the transports report their connections lost
+            await asyncio.sleep(0)  # the transport reports its connection lost
