@@ -1,4 +1,4 @@
-"""Redis faults under live traffic: killed and restarted, frozen, scripts flushed; pool exhaustion.
+"""Redis faults under live traffic: killed and restarted, frozen, scripts flushed; big bursts.
 
 A pool of workers keeps calling one chat scope (four permits, an rpm limit)
 through a real ``RedisBackend`` against the real ``redis-server`` of
@@ -10,10 +10,10 @@ without a restart, and the limits hold from then on (never more than the
 permits in flight at the upstream, the rpm bucket respected, no permit held
 once traffic stops).
 
-The last tests put more operations in flight at once than one client's
-connection pool holds: a burst of calls that all find the waiting room
+The last tests put more operations in flight at once than a client's
+connection pool would hold: a burst of calls that all find the waiting room
 empty, and an outage failing hundreds of attempts in the same instant. Each
-must be served, or released, as if the pool were endless.
+must be served, or released (the backend pipelines them on one connection).
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ class _Outage:
 
 @pytest.mark.timeout(BOUND_S)
 async def test_an_outage_of_a_large_scope_records_every_release(redis_url: str) -> None:
-    """400 attempts failing at once (more than the Redis pool's connections): all released."""
+    """400 attempts failing at once (more than a connection pool would hold): all released."""
     permits = 400
     settings = gateway_settings({"name": "a", "max_concurrency": permits}, max_attempts=1)
     backend = RedisBackend(redis_url)
