@@ -173,11 +173,11 @@ class Backend(Protocol):
 
     @property
     def max_inflight_ops(self) -> int | None:
-        """How many operations this backend serves at once in this process; ``None``: unbounded.
+        """How many operations this backend takes at once in this process; ``None``: unbounded.
 
-        Past this figure further operations queue inside the backend (its
-        connection pool). The loop asks at most this many acquires at once
-        per scope and process; later calls queue in the scope's waiting room.
+        The loop asks at most this many acquires at once per scope and
+        process; later calls queue in the scope's waiting room, so a burst
+        reaches a shared backend as a stream rather than all at once.
         """
         ...
 
