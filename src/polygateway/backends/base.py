@@ -162,8 +162,8 @@ class Backend(Protocol):
     The loop then awaits them directly; otherwise it runs each in a shielded
     task of its own, which costs a task per operation.
 
-    ``max_inflight_ops``: the operations it serves at once before they queue
-    inside it (a connection pool), or ``None`` when nothing bounds them.
+    ``max_inflight_ops``: how many acquires of a scope the loop runs at once
+    per process, or ``None`` when nothing bounds them.
     """
 
     @property

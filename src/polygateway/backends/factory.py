@@ -3,7 +3,7 @@
 Two clients of one scope in one process must draw on one budget, or they
 would double its limits: ``shared_backend`` hands every client built from
 the same settings the same ``MemoryBackend``, and every client pointed at the
-same Redis URL the same ``RedisBackend`` (one connection pool).
+same Redis URL the same ``RedisBackend`` (one pipelined connection).
 
 The memory backends are keyed by the settings object's identity and dropped
 when it is garbage-collected (``weakref.finalize``), so a long-lived process
