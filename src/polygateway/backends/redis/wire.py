@@ -337,4 +337,4 @@ class Wire:
         link, self._link = self._link, None
         if link is not None:
             link.close()
-            await asyncio.sleep(0)  # the transport reports its connection lost
+            await asyncio.sleep(0)  # edge: one turn, for the transport to report the loss
