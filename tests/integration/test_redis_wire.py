@@ -250,6 +250,30 @@ async def test_a_release_written_behind_wakes_the_waiting_room_when_its_reply_co
         await backend.aclose()
 
 
+async def test_a_late_grant_given_back_before_a_connection_is_up_still_wakes_the_room(
+    redis_url: str,
+) -> None:
+    """The give-back of a late grant is waited for by nobody, even queued for a connection."""
+    granting = RedisBackend(redis_url)
+    try:
+        lease = await _grant(granting)
+    finally:
+        await granting.aclose()
+    backend = RedisBackend(redis_url)  # no connection up yet: the release is queued
+    room = backend.waiting_room(SCOPE)
+    head = room.enter()
+    try:
+        assert backend._release(lease, AttemptOutcome("cancelled"), waited=False) is None
+        deadline = time.monotonic() + 2.0
+        while not room.wakeups and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert room.wakeups == 1
+        assert (await backend.snapshot(SCOPE)).in_flight == 0
+        room.leave(head)
+    finally:
+        await backend.aclose()
+
+
 async def test_a_release_that_fails_unseen_is_logged_without_the_password(
     make_redis_server: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -253,12 +253,12 @@ class RedisBackend:
             )
         if client is None:
             try:
-                # Only a factory of connections (the URL parsed by redis-py): ``Wire`` pools them.
+                # Only a factory of connections (the URL parsed by redis-py) for ``Wire``.
                 factory = aioredis.ConnectionPool.from_url(
                     url,
                     # Used while connecting only: afterwards the wire reads the socket, callers
-                    # wait socket_timeout_s (``_call``), and work left behind is cut after
-                    # _LATE_REPLY_S, so a late reply is still read and acted on, not lost.
+                    # wait socket_timeout_s (``_wait``), and a late reply is still read and
+                    # acted on until the connection has been silent for _LATE_REPLY_S.
                     socket_timeout=None,
                     socket_connect_timeout=socket_timeout_s,
                     # No client-side retry: one failed attempt fails closed at once,
@@ -504,7 +504,7 @@ class RedisBackend:
             # Granted a lease its caller never sees (timed out, cancelled): release it at once.
             lease = parse(reply).lease
             if lease is not None:
-                self._release(lease, _CANCELLED)
+                self._release(lease, _CANCELLED, waited=False)
 
         count = numkeys + 5 + 9 * len(specs)
         return await self._eval("acquire", scope, numkeys, count, packed, parse, give_back)
@@ -519,8 +519,13 @@ class RedisBackend:
         if reply is not None and reply.late is not None:
             await self._wait("release", lease.scope, reply, reply.late)
 
-    def _release(self, lease: Lease, outcome: AttemptOutcome) -> Reply | None:
-        """Write a RELEASE; ``None``, or the ``Reply`` to wait for when it could only be queued."""
+    def _release(
+        self, lease: Lease, outcome: AttemptOutcome, *, waited: bool = True
+    ) -> Reply | None:
+        """Write a RELEASE; ``None``, or the ``Reply`` to wait for when it could only be queued.
+
+        ``waited=False``: nobody will wait (a late grant given back), queued or not.
+        """
         scope = lease.scope
         packed = [
             self._keys_of(scope, lease.source),
@@ -542,7 +547,8 @@ class RedisBackend:
                     room.notify()
 
         # Written at once on an open connection: nobody waits. Else queued: the caller waits.
-        waiter = None if self._wire.writable else asyncio.get_running_loop().create_future()
+        queued = waited and not self._wire.writable
+        waiter = asyncio.get_running_loop().create_future() if queued else None
         reply = Reply(waiter, freed, "release", scope, self._late_failure)
         script = self._scripts["release"]
         self._wire.send(script.command(4, 14, packed), reply, script)
