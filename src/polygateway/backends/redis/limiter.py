@@ -51,7 +51,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import math
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar, cast
@@ -76,7 +75,7 @@ from polygateway.backends.base import (
     SourceSnapshot,
     SourceSpec,
 )
-from polygateway.backends.redis import scripts
+from polygateway.backends.redis import codec, scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Script, Wire, bulk, command, pack
@@ -144,47 +143,6 @@ Operation = Literal["acquire", "release", "renew", "progress_age_s", "snapshot"]
 BreakerState = Literal["closed", "open", "half_open"]
 _BREAKER_STATES = ("closed", "open", "half_open")
 _CANCELLED = AttemptOutcome("cancelled")
-
-
-def _key(scope: str, *parts: str) -> str:
-    """``pgw:{scope}:...``: the hash tag keeps a scope in one Redis Cluster slot."""
-    return ":".join(("pgw", "{" + scope + "}", *parts))
-
-
-def _num(value: float | None) -> str:
-    """A number as a Lua script reads it back exactly; ``""`` for none."""
-    if value is None:
-        return ""
-    number = float(value)
-    if not math.isfinite(number):
-        raise ConfigError(f"a governance limit must be a finite number, not {value!r}")
-    return repr(number)
-
-
-def _text(value: Any) -> str:
-    """A script's reply item as text (the client may or may not decode replies)."""
-    if isinstance(value, bytes):
-        return value.decode()
-    return str(value)
-
-
-def _opt_float(value: Any) -> float | None:
-    text = _text(value)
-    return None if text == "" else float(text)
-
-
-def _texts(reply: Any) -> list[str]:
-    return [_text(item) for item in reply]
-
-
-def _is_one(reply: Any) -> bool:
-    return int(reply) == 1
-
-
-def _age(reply: Any) -> float:
-    """A progress age from a script; ``""`` means never served."""
-    age = _opt_float(reply)
-    return math.inf if age is None else age
 
 
 def _script(text: str) -> Script:
@@ -414,13 +372,13 @@ class RedisBackend:
                 (
                     spec.name,
                     str(int(spec.max_concurrency)),
-                    _num(spec.rpm),
-                    _num(spec.rpm_capacity) if rpm else "",
-                    _num(spec.tpm),
-                    _num(spec.tpm_capacity) if tpm else "",
+                    codec.num(spec.rpm),
+                    codec.num(spec.rpm_capacity) if rpm else "",
+                    codec.num(spec.tpm),
+                    codec.num(spec.tpm_capacity) if tpm else "",
                     str(int(spec.breaker_failures)),
-                    _num(spec.cooldown_s),
-                    _num(spec.cooldown_max_s),
+                    codec.num(spec.cooldown_s),
+                    codec.num(spec.cooldown_max_s),
                 )
             )
             if len(self._spec_args) >= _MAX_SPEC_CACHE:
@@ -434,9 +392,9 @@ class RedisBackend:
         if cached is None:
             cached = pack(
                 (
-                    _key(scope, "src", source),
-                    _key(scope, "leases", source),
-                    _key(scope, "lease_meta", source),
+                    codec.key(scope, "src", source),
+                    codec.key(scope, "leases", source),
+                    codec.key(scope, "lease_meta", source),
                 )
             )
             if len(self._spec_keys) >= _MAX_SPEC_CACHE:
@@ -466,12 +424,12 @@ class RedisBackend:
         # memory backend's ids do: ordering leases by id is then stable from run to run, and
         # a lease zset reads chronologically.
         lease_id = f"{next(self._serial):012x}{os.urandom(16).hex()}"
-        packed = [bulk(_key(scope, "sources"))]
+        packed = [bulk(codec.key(scope, "sources"))]
         packed += [self._keys_of(scope, spec.name) for spec in specs]
         packed += (
             self._now_arg(),
             bulk(lease_id),
-            bulk(_num(ttl_s)),
+            bulk(codec.num(ttl_s)),
             bulk(str(int(cost_tokens))),
             _STATE_TTL_ARG,
         )
@@ -483,8 +441,8 @@ class RedisBackend:
             rejections = tuple(
                 Rejection(
                     specs[i].name,
-                    cast(RejectReason, _text(reply[2 + 2 * i])),
-                    _opt_float(reply[3 + 2 * i]),
+                    cast(RejectReason, codec.text(reply[2 + 2 * i])),
+                    codec.opt_float(reply[3 + 2 * i]),
                 )
                 for i in range((len(reply) - 2) // 2)
             )
@@ -529,7 +487,7 @@ class RedisBackend:
         scope = lease.scope
         packed = [
             self._keys_of(scope, lease.source),
-            bulk(_key(scope, "progress")),
+            bulk(codec.key(scope, "progress")),
             self._now_arg(),
             bulk(lease.lease_id),
             bulk(outcome.kind),
@@ -541,7 +499,7 @@ class RedisBackend:
 
         def freed(reply: Any) -> None:
             # Whether or not anyone waits: a permit freed wakes this process's waiting room.
-            if _is_one(reply):
+            if codec.is_one(reply):
                 room = self._rooms.get(scope)
                 if room is not None:
                     room.notify()
@@ -558,21 +516,21 @@ class RedisBackend:
         """Extend a live lease by its TTL from now in one RENEW run."""
         scope = lease.scope
         packed = [self._keys_of(scope, lease.source), self._now_arg(), bulk(lease.lease_id)]
-        return await self._eval("renew", scope, 3, 5, packed, _is_one)
+        return await self._eval("renew", scope, 3, 5, packed, codec.is_one)
 
     async def progress_age_s(self, scope: str) -> float:
         """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
-        packed = [bulk(_key(scope, "progress")), self._now_arg()]
-        return await self._eval("progress_age_s", scope, 1, 2, packed, _age)
+        packed = [bulk(codec.key(scope, "progress")), self._now_arg()]
+        return await self._eval("progress_age_s", scope, 1, 2, packed, codec.age)
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         """Every source seen in the scope, in order of first sight (two round trips)."""
         now_arg = self._now_arg()
-        listing = command("ZRANGE", _key(scope, "sources"), "0", "-1")
-        names: list[str] = await self._call("snapshot", scope, listing, _texts)
-        keys = [_key(scope, "progress")]
+        listing = command("ZRANGE", codec.key(scope, "sources"), "0", "-1")
+        names: list[str] = await self._call("snapshot", scope, listing, codec.texts)
+        keys = [codec.key(scope, "progress")]
         for name in names:
-            keys += (_key(scope, "src", name), _key(scope, "leases", name))
+            keys += (codec.key(scope, "src", name), codec.key(scope, "leases", name))
 
         def parse(reply: Any) -> ScopeSnapshot:
             sources = []
@@ -580,24 +538,26 @@ class RedisBackend:
                 row = reply[1 + 10 * i : 11 + 10 * i]
                 if int(row[0]) == 0:
                     continue  # registered, but its state expired meanwhile
-                breaker = _text(row[3])
+                breaker = codec.text(row[3])
                 if breaker not in _BREAKER_STATES:
                     raise ValueError(f"unknown breaker state {breaker!r}")
                 sources.append(
                     SourceSnapshot(
                         name=name,
                         in_flight=int(row[1]),
-                        limit=float(_text(row[2])),
+                        limit=float(codec.text(row[2])),
                         breaker=cast(BreakerState, breaker),
-                        consecutive_failures=int(_text(row[4])),
-                        trips=int(_text(row[5])),
-                        reopen_in_s=_opt_float(row[6]),
-                        paced_for_s=_opt_float(row[7]),
-                        rpm_tokens=_opt_float(row[8]),
-                        tpm_tokens=_opt_float(row[9]),
+                        consecutive_failures=int(codec.text(row[4])),
+                        trips=int(codec.text(row[5])),
+                        reopen_in_s=codec.opt_float(row[6]),
+                        paced_for_s=codec.opt_float(row[7]),
+                        rpm_tokens=codec.opt_float(row[8]),
+                        tpm_tokens=codec.opt_float(row[9]),
                     )
                 )
-            return ScopeSnapshot(scope=scope, progress_age_s=_age(reply[0]), sources=tuple(sources))
+            return ScopeSnapshot(
+                scope=scope, progress_age_s=codec.age(reply[0]), sources=tuple(sources)
+            )
 
         packed = [pack(keys), now_arg]
         return await self._eval("snapshot", scope, len(keys), len(keys) + 1, packed, parse)
