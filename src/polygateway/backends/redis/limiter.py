@@ -415,7 +415,7 @@ class RedisBackend:
         cost_tokens: int = 0,
         ttl_s: float,
     ) -> AcquireResult:
-        """Lease the first admissible candidate, in order, in one ACQUIRE run (see ``_bounded``)."""
+        """Lease the first admissible candidate, in order, in one ACQUIRE run (see ``_wait``)."""
         if not candidates:
             return AcquireResult(None)
         specs = tuple(candidates)
