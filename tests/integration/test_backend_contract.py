@@ -416,6 +416,104 @@ async def test_pace_only_ever_extends(backend_env: BackendEnv) -> None:
     assert (await _source(env, "a")).paced_for_s == pytest.approx(10.0)
 
 
+async def test_lapsed_pause_admits_one_probe_fleet_wide(backend_env: BackendEnv) -> None:
+    """After a 429's pause, one probe goes out; the others wait for its release, not a time."""
+    env = backend_env
+    await env.backend.release(await _grant(env, A), AttemptOutcome("rate_limited", retry_after_s=2))
+    env.clock.advance(2)
+    probe = await _grant(env, A)
+    rejection = await _refused(env, A)
+    assert (rejection.reason, rejection.reopen_in_s) == ("probe_in_flight", None)
+    await env.backend.release(probe, SUCCESS)
+    # The probe's success reopens the source: both permits are free again.
+    await _grant(env, A)
+    await _grant(env, A)
+
+
+async def test_probe_429_starts_the_next_pause(backend_env: BackendEnv) -> None:
+    """A probe answered 429 pauses the source again for its hint, then probes once more."""
+    env = backend_env
+    await env.backend.release(await _grant(env, A), AttemptOutcome("rate_limited", retry_after_s=2))
+    env.clock.advance(2)
+    await env.backend.release(await _grant(env, A), AttemptOutcome("rate_limited", retry_after_s=3))
+    rejection = await _refused(env, A)
+    assert rejection.reason == "paced"
+    assert rejection.reopen_in_s == pytest.approx(3.0)
+    env.clock.advance(3)
+    await _grant(env, A)
+    assert (await _refused(env, A)).reason == "probe_in_flight"
+
+
+@pytest.mark.parametrize("outcome", [CANCELLED, TRANSIENT, AttemptOutcome("request_rejected")])
+async def test_probe_that_ends_otherwise_frees_the_slot(
+    backend_env: BackendEnv, outcome: AttemptOutcome
+) -> None:
+    """A cancelled, failed or rejected probe frees its slot at once: the next call probes."""
+    env = backend_env
+    await env.backend.release(await _grant(env, A), AttemptOutcome("rate_limited", retry_after_s=1))
+    env.clock.advance(1)
+    await env.backend.release(await _grant(env, A), outcome)
+    await _grant(env, A)
+    assert (await _refused(env, A)).reason == "probe_in_flight"
+
+
+async def test_probe_slot_lapses_with_its_lease_and_follows_renewals(
+    backend_env: BackendEnv,
+) -> None:
+    """A probe whose holder died frees the slot at its lease's expiry; a renewal extends it."""
+    env = backend_env
+    await env.backend.release(await _grant(env, A), AttemptOutcome("rate_limited", retry_after_s=1))
+    env.clock.advance(1)
+    probe = await _grant(env, A, ttl=5)
+    env.clock.advance(4)
+    assert await env.backend.renew(probe)
+    env.clock.advance(4)
+    assert (await _refused(env, A)).reason == "probe_in_flight"
+    env.clock.advance(1)
+    await _grant(env, A)
+
+
+async def test_hinted_transient_failure_pauses_and_probes(backend_env: BackendEnv) -> None:
+    """A 503 with Retry-After pauses the source for the hint; one without it pauses nothing."""
+    env = backend_env
+    await env.backend.release(await _grant(env, B), TRANSIENT)
+    await _grant(env, B)
+    await env.backend.release(
+        await _grant(env, A), AttemptOutcome("transient", aimd_decrease=True, retry_after_s=4)
+    )
+    rejection = await _refused(env, A)
+    assert rejection.reason == "paced"
+    assert rejection.reopen_in_s == pytest.approx(4.0)
+    env.clock.advance(4)
+    await _grant(env, A)
+    assert (await _refused(env, A)).reason == "probe_in_flight"
+
+
+async def test_success_announcing_exhaustion_pauses_without_probe(
+    backend_env: BackendEnv,
+) -> None:
+    """A success whose window is spent pauses the source until the reset, then reopens fully."""
+    env = backend_env
+    await env.backend.release(await _grant(env, A), AttemptOutcome("success", retry_after_s=2))
+    rejection = await _refused(env, A)
+    assert rejection.reason == "paced"
+    assert rejection.reopen_in_s == pytest.approx(2.0)
+    env.clock.advance(2)
+    await _grant(env, A)
+    await _grant(env, A)
+
+
+async def test_success_reopens_a_source_waiting_for_its_probe(backend_env: BackendEnv) -> None:
+    """Any success, even of a lease granted before the pause, reopens the source."""
+    env = backend_env
+    early, late = await _grant(env, A), await _grant(env, A)
+    await env.backend.release(late, AttemptOutcome("rate_limited", retry_after_s=1))
+    env.clock.advance(1)
+    await env.backend.release(early, SUCCESS)
+    await _grant(env, A)
+    await _grant(env, A)
+
+
 async def test_aimd_decreases_once_per_cooloff_and_limits_in_flight(
     backend_env: BackendEnv,
 ) -> None:
@@ -426,17 +524,18 @@ async def test_aimd_decreases_once_per_cooloff_and_limits_in_flight(
     for lease in leases:
         await env.backend.release(lease, AttemptOutcome("rate_limited", retry_after_s=0))
     assert (await _source(env, "wide")).limit == pytest.approx(7.0)
+    # The pause has lapsed at once: one probe reopens the source (limit 7 + 1/7).
+    await env.backend.release(await _grant(env, wide), SUCCESS)
     held = [await _grant(env, wide) for _ in range(7)]
     assert (await _refused(env, wide)).reason == "concurrency"
     env.clock.advance(2)
     await env.backend.release(held[0], AttemptOutcome("rate_limited", retry_after_s=0))
-    assert (await _source(env, "wide")).limit == pytest.approx(4.9)
-    # Six still in flight above the new cap of 4: nothing more until they drain.
+    assert (await _source(env, "wide")).limit == pytest.approx((7 + 1 / 7) * 0.7)
+    # Six still in flight above the new cap of 5: nothing more until they drain.
     assert (await _refused(env, wide)).reason == "concurrency"
-    for lease in held[1:3]:
-        await env.backend.release(lease, CANCELLED)
+    await env.backend.release(held[1], CANCELLED)
     assert (await _refused(env, wide)).reason == "concurrency"
-    await env.backend.release(held[3], CANCELLED)
+    await env.backend.release(held[2], CANCELLED)
     await _grant(env, wide)
 
 

@@ -4,6 +4,7 @@ deadlines, FIFO waiting, backend cost, cancellation at every await, and the pure
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import random
@@ -290,20 +291,39 @@ class TestFailover:
         assert caught.value.reason == "retry_exhausted"
         assert len(transport.requests) == 3
 
-    async def test_back_off_grows_with_consecutive_429s(self) -> None:
-        """Exempt 429s are free but not cheap: each back-off doubles, like charged failures."""
+    async def test_back_off_grows_with_consecutive_unhinted_429s(self) -> None:
+        """429s without a hint are free but not cheap: the gaps grow as charged back-offs do."""
         clock = FakeClock()
-        chat, transport, _ = make_chat(
-            clock,
-            [TransientError(status_code=429, retry_after_s=0.01)] * 4 + [chat_completion()],
-        )
+        sent: list[float] = []
+
+        def limited(request: HttpRequest) -> TransientError:
+            sent.append(clock())
+            return TransientError(status_code=429)
+
+        chat, transport, _ = make_chat(clock, [limited] * 4 + [chat_completion()])
         response = await chat.complete(MESSAGES)
         assert [a.outcome for a in response.attempts][-1] == "success"
         assert len(transport.requests) == 5  # four free 429s, then the answer
-        bands = [(0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0)]
-        assert len(clock.sleeps) == len(bands)
-        for slept, (low, high) in zip(clock.sleeps, bands, strict=True):
-            assert low <= slept <= high
+        gaps = [b - a for a, b in itertools.pairwise([*sent, clock()])]
+        # Each gap is the longer of the default 1 s pause and the call's own back-off,
+        # whose bands double: [0.25, 0.5], [0.5, 1], [1, 2], [2, 4].
+        assert all(gap >= 1.0 for gap in gaps)
+        assert 2.0 <= gaps[-1] <= 4.0 + 1e-2
+
+    async def test_hinted_429_is_waited_out_exactly_without_own_back_off(self) -> None:
+        """A 429 naming its back-off pauses its source that long; the call adds nothing to it."""
+        clock = FakeClock()
+        sent: list[float] = []
+
+        def limited(request: HttpRequest) -> TransientError:
+            sent.append(clock())
+            return TransientError(status_code=429, retry_after_s=2.0)
+
+        chat, _, _ = make_chat(clock, [limited] * 3 + [chat_completion()], poll_interval_s=30.0)
+        response = await chat.complete(MESSAGES)
+        assert response.attempts[-1].outcome == "success"
+        gaps = [b - a for a, b in itertools.pairwise([*sent, clock()])]
+        assert gaps == [pytest.approx(2.0, abs=0.005)] * 3
 
     async def test_untried_sources_come_first_on_retry(self) -> None:
         """A retry goes to a source this call has not tried, even a lower tier."""

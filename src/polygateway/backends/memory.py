@@ -151,7 +151,14 @@ class MemoryBackend:
                 probe = verdict.probe
                 lease_id = str(next(self._ids))
                 source_state.commit(
-                    state, limits, lease_id, now, ttl_s=ttl_s, cost_tokens=cost_tokens, probe=probe
+                    state,
+                    limits,
+                    lease_id,
+                    now,
+                    ttl_s=ttl_s,
+                    cost_tokens=cost_tokens,
+                    probe=probe,
+                    pace_probe=verdict.pace_probe,
                 )
                 # Every field, in order (scope, source, lease_id, ttl_s, tokens, probe) and
                 # (lease, rejections), without the frozen records' per-field setattr.

@@ -8,11 +8,12 @@ plain state object and never reads a clock: ``now`` is the backend's clock,
 passed in. A backend makes each operation atomic around these functions.
 
 - ``admit`` runs the checks of acquire for one candidate, in order, and says
-  why it refuses or whether the admission is the half-open probe.
-- ``commit`` takes the permit, the rate tokens and the probe slot.
+  why it refuses or whether the admission is a probe (the breaker's
+  half-open probe, or the probe that reopens a source after a pause).
+- ``commit`` takes the permit, the rate tokens and the probe slots.
 - ``apply_outcome`` is release: remove the lease, then breaker, AIMD, pacer
   and tpm reconciliation. The caller records scope progress on success.
-- ``renew`` extends a live lease (and the probe slot it may hold).
+- ``renew`` extends a live lease (and the probe slots it may hold).
 - ``view`` is the read-only, relative-time picture for snapshots
   (``SourceSnapshot``, which ``backends.base`` re-exports).
 
@@ -31,7 +32,7 @@ from typing import Literal, Protocol
 from polygateway.governance import aimd, breaker, ratelimit
 from polygateway.governance.aimd import Aimd
 from polygateway.governance.breaker import Breaker, BreakerState
-from polygateway.governance.pacer import pace_for
+from polygateway.governance.pacer import pause_for
 from polygateway.governance.ratelimit import TokenBucket
 
 __all__ = [
@@ -98,9 +99,14 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """A candidate passed every check; ``probe`` when its lease will be the half-open probe."""
+    """A candidate passed every check.
+
+    ``probe``: its lease will be the breaker's half-open probe; ``pace_probe``:
+    the probe that reopens a source after a pause (one fleet-wide).
+    """
 
     probe: bool = False
+    pace_probe: bool = False
 
 
 @dataclass(slots=True)
@@ -119,6 +125,11 @@ class SourceState:
     breaker: Breaker
     aimd: Aimd
     not_before: float = 0.0
+    reopen_by_probe: bool = False
+    """A failure's pause was set: once ``not_before`` passes, one probe reopens the source."""
+    pace_probe_id: str = ""
+    pace_probe_until: float = 0.0
+    """The lease holding the pause's probe slot, and when that slot lapses with the lease."""
     rpm: TokenBucket | None = None
     tpm: TokenBucket | None = None
     leases: dict[str, LeaseEntry] = field(default_factory=dict)
@@ -152,6 +163,8 @@ _CONCURRENCY = Refusal("concurrency")
 _PROBE_IN_FLIGHT = Refusal("probe_in_flight")
 _ADMIT = Admission()
 _ADMIT_PROBE = Admission(probe=True)
+_ADMIT_PACE_PROBE = Admission(pace_probe=True)
+_ADMIT_BOTH_PROBES = Admission(probe=True, pace_probe=True)
 
 
 def new_source_state(limits: SourceLimits, now: float) -> SourceState:
@@ -218,6 +231,12 @@ def admit(
 
     if now < state.not_before:
         return Refusal("paced", state.not_before - now)
+    pace_probe = False
+    if state.reopen_by_probe:
+        # The pause has lapsed: one probe fleet-wide, the others wait for its release.
+        if state.pace_probe_id != "" and state.pace_probe_until > now:
+            return _PROBE_IN_FLIGHT
+        pace_probe = True
 
     if len(state.leases) >= aimd.concurrency_cap(state.aimd, limits.max_concurrency):
         return _CONCURRENCY
@@ -246,6 +265,8 @@ def admit(
         if wait is not None:
             return Refusal("tpm", wait)
 
+    if pace_probe:
+        return _ADMIT_BOTH_PROBES if probe else _ADMIT_PACE_PROBE
     return _ADMIT_PROBE if probe else _ADMIT
 
 
@@ -258,8 +279,9 @@ def commit(
     ttl_s: float,
     cost_tokens: int,
     probe: bool,
+    pace_probe: bool = False,
 ) -> LeaseEntry:
-    """Take the admitted permit: one rpm token, ``cost_tokens`` tpm tokens, and the probe slot."""
+    """Take the admitted permit: one rpm token, ``cost_tokens`` tpm tokens, and the probe slots."""
     if limits.rpm is not None and state.rpm is not None:
         ratelimit.take(state.rpm, 1)
     if limits.tpm is not None and state.tpm is not None:
@@ -271,6 +293,9 @@ def commit(
         state.next_expiry = expiry
     if probe:
         breaker.claim_probe(state.breaker, lease_id, expiry)
+    if pace_probe:
+        state.pace_probe_id = lease_id
+        state.pace_probe_until = expiry
     return entry
 
 
@@ -287,6 +312,9 @@ def apply_outcome(
 ) -> bool:
     """Release a lease and record its outcome; ``False`` (and nothing changed) if it was not live.
 
+    ``retry_after_s`` is the upstream's back-off (or, on a success, how long
+    it announced its window exhausted); ``pacer.pause_for`` says what it
+    pauses. A failure's pause reopens through one probe; any success reopens.
     The caller sets the scope's progress when this returns ``True`` for a success.
     """
     # One dict operation finds and removes the lease. Had it expired, the sweep
@@ -297,10 +325,16 @@ def apply_outcome(
     if entry is None or entry.expiry <= now:
         return False
 
+    if state.pace_probe_id != "" and state.pace_probe_id == lease_id:
+        state.pace_probe_id = ""
+        state.pace_probe_until = 0.0
+    pause: float | None = None
     b = state.breaker
     if kind == "success":
         breaker.on_success(b)
         aimd.on_success(state.aimd, limits.max_concurrency)
+        state.reopen_by_probe = False
+        pause = pause_for(False, retry_after_s)
     elif kind == "transient":
         breaker.on_failure(
             b,
@@ -312,14 +346,20 @@ def apply_outcome(
         )
         if aimd_decrease:
             aimd.on_overload(state.aimd, now)
+        pause = pause_for(False, retry_after_s)
+        if pause is not None:
+            state.reopen_by_probe = True
     elif kind == "rate_limited":
         breaker.free_probe(b, lease_id)
         aimd.on_overload(state.aimd, now)
-        state.not_before = max(state.not_before, now + pace_for(retry_after_s))
+        pause = pause_for(True, retry_after_s)
+        state.reopen_by_probe = True
     elif kind == "source_misconfigured":
         breaker.trip_long(b, now, limits.cooldown_max_s)
     else:  # request_rejected, cancelled: the source did nothing wrong
         breaker.free_probe(b, lease_id)
+    if pause is not None:
+        state.not_before = max(state.not_before, now + pause)
 
     if tokens_used is not None and limits.tpm is not None and state.tpm is not None:
         ratelimit.reconcile(state.tpm, entry.tokens, tokens_used, limits.tpm_capacity)
@@ -337,6 +377,8 @@ def renew(state: SourceState, lease_id: str, now: float) -> bool:
     if expiry < state.next_expiry:
         state.next_expiry = expiry
     breaker.renew_probe(state.breaker, lease_id, expiry)
+    if state.pace_probe_id != "" and state.pace_probe_id == lease_id:
+        state.pace_probe_until = expiry
     return True
 
 

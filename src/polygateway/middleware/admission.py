@@ -56,6 +56,9 @@ _log = logging.getLogger("polygateway.retry")
 _STALL_TIMER_SLACK_S: Final = 1e-3
 """A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
 
+_REOPEN_SLACK_S: Final = 1e-3
+"""The head wakes just after a source reopens, so the backend's ``now < not_before`` is over."""
+
 _CANCELLED: Final = AttemptOutcome("cancelled")
 
 DEADLINE_EPSILON_S: Final = 1e-3
@@ -85,6 +88,8 @@ class CallState:
         "deadline_at",
         "fail_fast",
         "fails",
+        "hint_at",
+        "hint_s",
         "last",
         "last_at",
         "op_name",
@@ -121,6 +126,8 @@ class CallState:
         self.last: AcquireResult | None = None  # this call's latest acquire, for retry_after_s
         self.last_at = 0.0
         self.age: float | None = None  # progress age read in this iteration, if any
+        self.hint_s: float | None = None  # the upstream's latest back-off (clamped), if any
+        self.hint_at = 0.0
 
 
 def _valid_deadline(deadline_s: object) -> bool:
@@ -346,7 +353,9 @@ class Admitter:
         """Wait in the scope's FIFO after finding nothing runnable (the stall rule passed).
 
         The head polls every ``[0.5p, 1.0p]`` of ``poll_interval_s`` (jitter
-        against herds) and is woken early by a local release. A call behind
+        against herds), is woken early by a local release, and wakes when the
+        earliest source that refused it reopens by time (a pause's end, a
+        breaker's cool-down, a rate window) if that comes sooner. A call behind
         the head sleeps until promoted or until its own stall deadline (one
         timer, no polling). ``stalled_s`` is the call's non-productive time now.
         """
@@ -356,6 +365,9 @@ class Admitter:
         poll = self._policy.poll_interval_s
         if room.is_head(call.waiter):
             timeout = self._rng.uniform(0.5 * poll, poll)
+            reopen = self._reopen_in(call)
+            if reopen is not None and reopen + _REOPEN_SLACK_S < timeout:
+                timeout = reopen + _REOPEN_SLACK_S
         else:
             local_left = stall - stalled_s
             if local_left >= 0.0:
@@ -378,16 +390,41 @@ class Admitter:
                 sources=sources,
             ) from failure
 
-    async def retry_after(self, call: CallState) -> float | None:
-        """Seconds until the earliest source reopens by time alone, or ``None``.
+    def _reopen_in(self, call: CallState) -> float | None:
+        """Seconds until a source that refused the call's last acquire reopens, or ``None``."""
+        last = call.last
+        if last is None or last.lease is not None:
+            return None
+        reopen = last.retry_after_s
+        return None if reopen is None else max(0.0, reopen - (self._now() - call.last_at))
 
-        From this call's last rejected acquire when there is one (aged by the
-        time since), else from a snapshot of the backend.
+    def remember_hint(self, call: CallState, hint_s: float | None) -> None:
+        """Keep the upstream's latest back-off for the call's final error (``retry_after``)."""
+        if hint_s is not None:
+            call.hint_s = hint_s
+            call.hint_at = self._now()
+
+    async def retry_after(self, call: CallState) -> float | None:
+        """Seconds until a source may serve again, or ``None`` when nothing says.
+
+        From this call's last refused acquire when it was refused by time
+        (aged by the time since), else from a snapshot of the backend. When
+        neither names a time still to come and an upstream named a back-off
+        during the call: what is left of it, or the whole hint once it has run
+        out (a source that keeps refusing asks again for as long).
         """
         last = call.last
-        if last is not None and last.lease is None:
-            reopen = last.retry_after_s
-            return None if reopen is None else max(0.0, reopen - (self._now() - call.last_at))
+        if last is None or last.lease is not None:
+            reopen = await self._snapshot_reopen()
+        else:
+            reopen = self._reopen_in(call)
+        if (reopen is None or reopen <= 0.0) and call.hint_s is not None:
+            left = call.hint_s - (self._now() - call.hint_at)
+            reopen = left if left > 0.0 else call.hint_s
+        return reopen
+
+    async def _snapshot_reopen(self) -> float | None:
+        """Seconds until the earliest source reopens by time, from a snapshot of the backend."""
         try:
             snap = await self._backend.snapshot(self._scope)
         except GovernanceBackendError as exc:

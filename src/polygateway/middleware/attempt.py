@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from polygateway.backends.base import AttemptOutcome, Backend, Lease
 from polygateway.errors import GovernanceBackendError
 from polygateway.models import AttemptRecord, Usage
+from polygateway.transport.hints import ServerHint
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
@@ -44,8 +45,10 @@ class AttemptContext:
     """One attempt's effective timeouts (clipped to the deadline) and what it reports back.
 
     The attempt function sets ``usage`` (tpm reconciliation, telemetry) and,
-    for streams, ``ttft_s``. ``permit_wait_s`` and ``stalled_s`` describe the
-    wait before the attempt, for its telemetry record. ``deadline_in_s`` is
+    for streams, ``ttft_s``; ``see_hint`` (a request's ``on_hint``) keeps what
+    the answer's headers announce about the source's limits. ``permit_wait_s``
+    and ``stalled_s`` describe the wait before the attempt, for its telemetry
+    record. ``deadline_in_s`` is
     the time left before the call's deadline when the attempt began (``None``:
     no deadline): a stream's request carries it, so the stream ends there.
     """
@@ -54,6 +57,7 @@ class AttemptContext:
         "attempt",
         "call_id",
         "deadline_in_s",
+        "hint",
         "idle_timeout_s",
         "lease",
         "permit_wait_s",
@@ -90,6 +94,11 @@ class AttemptContext:
         self.deadline_in_s = deadline_in_s
         self.usage: Usage | None = None
         self.ttft_s: float | None = None
+        self.hint: ServerHint | None = None
+
+    def see_hint(self, hint: ServerHint) -> None:
+        """Keep what the answer's headers announced (``HttpRequest.on_hint``)."""
+        self.hint = hint
 
     @property
     def source(self) -> str:

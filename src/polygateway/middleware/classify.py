@@ -6,8 +6,9 @@ is the one place that says what each class does to shared state (the
 ``max_attempts`` or not, raise ``RequestRejected`` at once or retry)::
 
     class                 released as     breaker    AIMD                 loop
-    rate_limited          rate_limited    -          decrease; paced      retry, free if exempt_429
-    transient             transient       failure    on timeout/503/529   retry, charged
+    rate_limited          rate_limited    -          decrease; paused     retry, free if exempt_429
+    transient             transient       failure    on timeout/503/529;  retry, charged
+                                                     paused if hinted
     source_misconfigured  misconfigured   trip long  -                    retry elsewhere, charged
     request_rejected      rejected        -          -                    RequestRejected at once
 
@@ -21,6 +22,7 @@ measure, only slower than this caller would wait. The call then ends with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -29,7 +31,15 @@ from polygateway.backends.base import AttemptOutcome, OutcomeKind
 from polygateway.models import FailureClass
 from polygateway.transport.http import TransientError
 
-__all__ = ["DEADLINE_CUT", "FAILURE_TABLE", "Decrease", "FailureRule", "Verdict", "verdict_for"]
+__all__ = [
+    "DEADLINE_CUT",
+    "FAILURE_TABLE",
+    "Decrease",
+    "FailureRule",
+    "Verdict",
+    "clamped_hint",
+    "verdict_for",
+]
 
 
 Decrease = Literal["always", "on_overload", "never"]
@@ -41,7 +51,9 @@ class FailureRule:
     """One row of the table: what the backend records and what the loop does next.
 
     ``exempt_if_429``: not charged to ``max_attempts`` when the loop runs with
-    ``exempt_429`` (chat). ``paces``: the Retry-After goes to the pacer.
+    ``exempt_429`` (chat). ``paces``: the upstream's back-off (Retry-After and
+    its variants) goes to the pacer, which pauses the source
+    (``governance/pacer.py``: a 429 always, other failures only when hinted).
     ``raises``: the loop raises ``RequestRejected`` at once and tries no other source.
     """
 
@@ -55,8 +67,9 @@ class FailureRule:
 FAILURE_TABLE: Final[Mapping[FailureClass, FailureRule]] = {
     # Back-pressure, not a fault: the breaker is untouched, the source is paced.
     "rate_limited": FailureRule("rate_limited", decrease="always", paces=True, exempt_if_429=True),
-    # 408/5xx/connect/reset/timeout/malformed: a breaker failure.
-    "transient": FailureRule("transient", decrease="on_overload"),
+    # 408/5xx/connect/reset/timeout/malformed: a breaker failure; a 503/529 that names
+    # its back-off pauses the source too (RFC 9110 defines Retry-After for 503).
+    "transient": FailureRule("transient", decrease="on_overload", paces=True),
     # 401/403/404: this source is wrong (the breaker trips long); other sources are tried.
     "source_misconfigured": FailureRule("source_misconfigured"),
     # 400/413/422: the request itself is wrong; no other source would take it.
@@ -77,8 +90,14 @@ DEADLINE_CUT: Final = Verdict(AttemptOutcome("cancelled"), charged=False, raises
 """An attempt cut by the caller's deadline: released as cancelled; the call ends "deadline"."""
 
 
-def verdict_for(error: TransientError, *, exempt_429: bool) -> Verdict:
-    """Apply ``FAILURE_TABLE`` to a failed attempt."""
+def verdict_for(
+    error: TransientError, *, exempt_429: bool, max_pause_s: float = math.inf
+) -> Verdict:
+    """Apply ``FAILURE_TABLE`` to a failed attempt; a back-off is clamped to ``max_pause_s``.
+
+    The loop passes its stall window as ``max_pause_s``: a hint longer than
+    that would park the source past the point where its callers give up.
+    """
     rule = FAILURE_TABLE[error.failure]
     if rule.decrease == "always":
         decrease = True
@@ -87,10 +106,17 @@ def verdict_for(error: TransientError, *, exempt_429: bool) -> Verdict:
     outcome = AttemptOutcome(
         kind=rule.outcome,
         aimd_decrease=decrease,
-        retry_after_s=error.retry_after_s if rule.paces else None,
+        retry_after_s=clamped_hint(error.retry_after_s, max_pause_s) if rule.paces else None,
     )
     return Verdict(
         outcome=outcome,
         charged=not (rule.exempt_if_429 and exempt_429),
         raises=rule.raises,
     )
+
+
+def clamped_hint(hint_s: float | None, max_pause_s: float) -> float | None:
+    """An upstream's back-off, at most ``max_pause_s``; ``None`` stays ``None``."""
+    if hint_s is None or not hint_s > max_pause_s:
+        return hint_s
+    return max_pause_s

@@ -56,6 +56,7 @@ from polygateway.middleware.classify import (
     FAILURE_TABLE,
     FailureRule,
     Verdict,
+    clamped_hint,
     verdict_for,
 )
 from polygateway.middleware.policy import LoopPolicy
@@ -423,7 +424,7 @@ class RetryMW:
             if error.timeout and admit.cut_by_deadline(call, ctx.timeout_s, source.name):
                 verdict = DEADLINE_CUT
             else:
-                verdict = verdict_for(error, exempt_429=self._policy.exempt_429)
+                verdict = self._verdict(call, error, source.name)
             try:
                 await self._release(lease, verdict.outcome)
             finally:
@@ -441,6 +442,29 @@ class RetryMW:
             raise
         return Served(value, ctx, call.records, self._backend, self._now)
 
+    def _verdict(self, call: CallState, error: TransientError, source: str) -> Verdict:
+        """The table's verdict on a failure, its back-off clamped to the stall window and kept."""
+        stall = self._policy.stall_window_s
+        hint = error.retry_after_s
+        if hint is not None and hint > stall:
+            _log.warning(
+                "%s asked to be left alone for %.0f s; paused for the stall window "
+                "(%.0f s) instead",
+                source,
+                hint,
+                stall,
+            )
+        verdict = verdict_for(error, exempt_429=self._policy.exempt_429, max_pause_s=stall)
+        self._admit.remember_hint(call, verdict.outcome.retry_after_s)
+        return verdict
+
+    def _success_pause(self, call: CallState, ctx: AttemptContext) -> float | None:
+        """How long a success announced its source's window spent (clamped), or ``None``."""
+        hint = ctx.hint
+        if hint is None:
+            return None
+        return clamped_hint(hint.exhausted_for_s(call.cost_tokens), self._policy.stall_window_s)
+
     async def _finish(
         self, call: CallState, served: Served[Any], exc: BaseException | None
     ) -> bool:
@@ -454,13 +478,14 @@ class RetryMW:
         cut = False
         if isinstance(exc, TransientError):
             cut = exc.timeout and self._admit.cut_by_deadline(call, ctx.timeout_s, ctx.source)
-            verdict = DEADLINE_CUT if cut else verdict_for(exc, exempt_429=self._policy.exempt_429)
+            verdict = DEADLINE_CUT if cut else self._verdict(call, exc, ctx.source)
             outcome = verdict.outcome
             status, error = exc.status_code, self._text(exc)
         elif exc is None and served.completed:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
+            pause = None if ctx.hint is None else self._success_pause(call, ctx)
             # Every field, in order (kind, aimd_decrease, retry_after_s, tokens_used): one per call.
-            outcome = _new_outcome("success", False, None, used or None)
+            outcome = _new_outcome("success", False, pause, used or None)
         else:
             outcome = _CANCELLED
             error = "cancelled"
@@ -503,9 +528,16 @@ class RetryMW:
                 raise await self._admit.exhausted(call, "retry_exhausted")
             step = call.fails
         else:
-            # An exempt 429: free of charge, but a saturated scope still backs off
-            # exponentially, which is what lets the stall rule bound it (seed 3.5).
             call.consecutive_429 += 1
+            if error.retry_after_s is not None:
+                # An exempt 429 that named its back-off: the source is paused for exactly
+                # that long, fleet-wide, and reopens through one probe. The call moves on
+                # at once: to another source, or into the queue until the reopen, where
+                # its wait is non-productive and bills the stall clock.
+                call.pick_started_at = self._now()
+                return
+            # An exempt 429 without a hint: free of charge, but a saturated scope still
+            # backs off exponentially, which is what lets the stall rule bound it.
             step = call.consecutive_429
         delay = backoff_delay(
             step,

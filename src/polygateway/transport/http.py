@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
-from polygateway.governance.pacer import retry_after_from_headers
 from polygateway.models import FailureClass
+from polygateway.transport.hints import ServerHint, retry_after_from_headers
 
 __all__ = [
     "AIMD_DECREASE_STATUSES",
     "DONE",
     "EXCERPT_CHARS",
     "STREAM_END",
+    "HintSink",
     "HttpRequest",
     "TransientError",
     "Transport",
@@ -117,17 +118,27 @@ class TransientError(Exception):
         )
 
 
+HintSink = Callable[[ServerHint], None]
+"""Receives what a 2xx answer's headers announce (``HttpRequest.on_hint``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class HttpRequest:
     """One request to one source. ``headers`` may hold credentials: never print them.
 
     For a non-streamed request ``timeout_s`` bounds the whole exchange. For a
-    stream it bounds the wait for the first event (TTFT), and
+    stream it bounds the wait for the first content (TTFT, ``is_content``), and
     ``idle_timeout_s`` bounds each gap between events. Both are the *effective*
     timeouts of this attempt (already clipped to the call's deadline).
     ``deadline_in_s`` bounds a whole stream: seconds from the request's start
     until the call's deadline, when the stream is cut however well it flows
-    (``None``: the call has no deadline).
+    (``None``: the call has no deadline). ``on_hint``, when set, is handed
+    the limits a 2xx answer's headers announce (a stream's, when it opens;
+    ``transport/hints.py``), if they announce any.
+    ``is_content``, set for streams, tells a parsed event that carries content
+    (a token, a tool-call piece, a finish) from a preamble (a role announcement,
+    usage only): the TTFT deadline holds until the first content, not the first
+    event (``None``: every event is content).
     """
 
     source: str
@@ -142,6 +153,8 @@ class HttpRequest:
     idle_timeout_s: float | None = None
     connect_timeout_s: float | None = None
     deadline_in_s: float | None = None
+    on_hint: HintSink | None = field(default=None, repr=False, compare=False)
+    is_content: Callable[[Any], bool] | None = field(default=None, repr=False, compare=False)
 
 
 @runtime_checkable
@@ -262,7 +275,9 @@ def status_error(
     return TransientError(
         message,
         status_code=status_code,
-        retry_after_s=retry_after_from_headers(headers, now_wall),
+        retry_after_s=retry_after_from_headers(
+            headers, now_wall, rate_limited=status_code in _RATE_LIMITED
+        ),
     )
 
 

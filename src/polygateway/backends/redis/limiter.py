@@ -82,7 +82,7 @@ from polygateway.backends.redis.wire import Script, Wire, bulk, command, pack
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.errors import ConfigError, GovernanceBackendError
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
-from polygateway.governance.pacer import pace_for
+from polygateway.governance.pacer import pause_for
 
 __all__ = ["RedisBackend"]
 
@@ -485,6 +485,7 @@ class RedisBackend:
         ``waited=False``: nobody will wait (a late grant given back), queued or not.
         """
         scope = lease.scope
+        pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
         packed = [
             self._keys_of(scope, lease.source),
             bulk(codec.key(scope, "progress")),
@@ -492,7 +493,7 @@ class RedisBackend:
             bulk(lease.lease_id),
             bulk(outcome.kind),
             _AIMD_DECREASE if outcome.aimd_decrease else _NO_AIMD_DECREASE,
-            bulk(repr(pace_for(outcome.retry_after_s))),
+            _EMPTY if pause is None else bulk(repr(pause)),
             _EMPTY if outcome.tokens_used is None else bulk(str(int(outcome.tokens_used))),
             _RELEASE_TAIL,
         ]

@@ -19,7 +19,9 @@ Conventions shared by every script:
   Redis Cluster slot and every script touches one slot only.
 - Per-source hash ``pgw:{scope}:src:<source>``: breaker (``breaker``,
   ``failures``, ``trips``, ``open_until``, ``probe_id``, ``probe_until``), AIMD
-  (``limit``, ``last_decrease``: absent is -inf), pacer (``not_before``),
+  (``limit``, ``last_decrease``: absent is -inf), pacer (``not_before``, and
+  the pause's probe: ``reopen_probe`` "1"/"0", ``pprobe_id``, ``pprobe_until``;
+  absent is "0" / none),
   buckets (``rpm_tokens``, ``rpm_at``, ``tpm_tokens``, ``tpm_at``: absent is
   no bucket yet) and the last spec seen (``max_concurrency``, ``rpm``,
   ``rpm_cap``, ``tpm``, ``tpm_cap``, ``breaker_failures``, ``cooldown_s``,
@@ -93,10 +95,13 @@ local function examine(i, a)
   redis.call('EXPIRE', KEYS[1], state_ttl)
 
   local h = redis.call('HMGET', sk, 'limit', 'breaker', 'open_until', 'probe_id',
-    'probe_until', 'not_before', 'rpm_tokens', 'rpm_at', 'tpm_tokens', 'tpm_at')
+    'probe_until', 'not_before', 'rpm_tokens', 'rpm_at', 'tpm_tokens', 'tpm_at',
+    'reopen_probe', 'pprobe_id', 'pprobe_until')
   local limit = tonumber(h[1])
   local breaker, open_until, probe_id, probe_until, not_before
   local rpm_tokens, rpm_at, tpm_tokens, tpm_at
+  local reopen_probe = h[11] == '1'
+  local pprobe_id, pprobe_until = h[12] or '', tonumber(h[13]) or 0
   if limit == nil then
     -- First sight (source_state.new_source_state): closed, limit at its max, buckets full.
     limit, breaker, open_until, probe_id, probe_until, not_before = maxc, 'closed', 0, '', 0, 0
@@ -143,9 +148,16 @@ local function examine(i, a)
     probe = true
   end
 
-  -- 2. Pacer.
+  -- 2. Pacer; once a failure's pause lapses, one probe fleet-wide.
   if now < not_before then
     return 'paced', not_before - now, false
+  end
+  local pace_probe = false
+  if reopen_probe then
+    if pprobe_id ~= '' and pprobe_until > now then
+      return 'probe_in_flight', nil, false
+    end
+    pace_probe = true
   end
 
   -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max.
@@ -198,6 +210,9 @@ local function examine(i, a)
   if probe then
     redis.call('HSET', sk, 'probe_id', lease_id, 'probe_until', fmt(expiry))
   end
+  if pace_probe then
+    redis.call('HSET', sk, 'pprobe_id', lease_id, 'pprobe_until', fmt(expiry))
+  end
   return nil, nil, probe
 end
 
@@ -231,7 +246,8 @@ RELEASE = """
 -- ARGV[3] outcome kind: success | transient | rate_limited | source_misconfigured |
 --         request_rejected | cancelled
 -- ARGV[4] "1" when the failure asks for an AIMD decrease (transient only)
--- ARGV[5] pace_s for rate_limited (pacer.pace_for already applied by the caller)
+-- ARGV[5] pause_s ("" = none): pacer.pause_for already applied by the caller, so it is
+--         set for rate_limited always and for success / transient only when hinted
 -- ARGV[6] tokens_used ("" = not reported)   ARGV[7] AIMD cool-off s   ARGV[8] AIMD factor
 -- ARGV[9] progress key TTL s               ARGV[10] state key TTL s
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
@@ -268,7 +284,8 @@ redis.call('HDEL', mk, lease_id)
 
 local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_failures',
   'cooldown_s', 'cooldown_max_s', 'breaker', 'failures', 'trips', 'open_until', 'probe_id',
-  'probe_until', 'limit', 'last_decrease', 'not_before', 'tpm_tokens')
+  'probe_until', 'limit', 'last_decrease', 'not_before', 'tpm_tokens', 'reopen_probe',
+  'pprobe_id')
 local maxc = tonumber(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
@@ -280,6 +297,8 @@ local breaker, failures, trips = h[7], tonumber(h[8]), tonumber(h[9])
 local open_until, probe_id, probe_until = tonumber(h[10]), h[11] or '', tonumber(h[12])
 local limit, last_decrease, not_before = tonumber(h[13]), tonumber(h[14]), tonumber(h[15])
 local tpm_tokens = tonumber(h[16])
+local reopen_probe, pprobe_id = h[17] or '0', h[18] or ''
+local pause = tonumber(ARGV[5])
 local decreased = false
 
 local function free_probe(only)
@@ -307,10 +326,13 @@ local function overload()
   decreased = true
 end
 
+-- The pause's probe slot is freed by its own lease's release, whatever the outcome.
+local pprobe_freed = pprobe_id ~= '' and pprobe_id == lease_id
 if kind == 'success' then
   breaker, failures, trips = 'closed', 0, 0
   free_probe(nil)
   limit = math.min(maxc, limit + 1 / limit)
+  reopen_probe = '0'
 elseif kind == 'transient' then
   if breaker == 'closed' then
     failures = failures + 1
@@ -323,23 +345,34 @@ elseif kind == 'transient' then
   if ARGV[4] == '1' then
     overload()
   end
+  if pause ~= nil then
+    reopen_probe = '1'
+  end
 elseif kind == 'rate_limited' then
   free_probe(lease_id)
   overload()
-  not_before = math.max(not_before, now + tonumber(ARGV[5]))
+  reopen_probe = '1'
 elseif kind == 'source_misconfigured' then
   -- breaker.trip_long: misconfigured, not overloaded.
   trips = trips + 1
   open_until = now + cooldown_max
   breaker, failures = 'open', 0
   free_probe(nil)
+  pause = nil
 else
   free_probe(lease_id)
+  pause = nil
+end
+if pause ~= nil then
+  not_before = math.max(not_before, now + pause)
 end
 
 redis.call('HSET', sk, 'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
   'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
-  'limit', fmt(limit), 'not_before', fmt(not_before))
+  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe)
+if pprobe_freed then
+  redis.call('HSET', sk, 'pprobe_id', '', 'pprobe_until', '0')
+end
 if decreased then
   redis.call('HSET', sk, 'last_decrease', fmt(last_decrease))
 end
@@ -395,9 +428,12 @@ if ttl == nil then
 end
 local expiry = fmt(now + ttl)
 redis.call('ZADD', lk, 'XX', expiry, lease_id)
-local probe_id = redis.call('HGET', sk, 'probe_id')
-if probe_id and probe_id ~= '' and probe_id == lease_id then
+local probes = redis.call('HMGET', sk, 'probe_id', 'pprobe_id')
+if probes[1] and probes[1] ~= '' and probes[1] == lease_id then
   redis.call('HSET', sk, 'probe_until', expiry)
+end
+if probes[2] and probes[2] ~= '' and probes[2] == lease_id then
+  redis.call('HSET', sk, 'pprobe_until', expiry)
 end
 return 1
 """
