@@ -13,22 +13,33 @@ caller gets ``StreamInterrupted``. A stream that ends without ``[DONE]`` and
 without a ``finish_reason`` is a failure. ``deadline_s`` is a hard bound for
 a stream too: the transport cuts it at the call's deadline however well it
 flows, and the caller gets ``AllSourcesExhausted(reason="deadline")``.
+
+Each source speaks its own protocol's wire (``_ChatWire``: OpenAI chat
+completions or Anthropic Messages), chosen per attempt from the source, so a
+scope may mix both and fail over between them; the caller gets the same
+``ChatResponse`` and ``ChatChunk`` whichever served.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from polygateway.errors import RequestRejected, StreamInterrupted
 from polygateway.middleware.attempt import AttemptContext, Served
 from polygateway.middleware.lifecycle import GovernedClient, InFlight
 from polygateway.models import AttemptRecord, ChatChunk, ChatResponse, positional_builder
-from polygateway.transport.http import TransientError
+from polygateway.transport.anthropic import (
+    MessagesStreamReader,
+    messages_request,
+    parse_messages_response,
+)
+from polygateway.transport.http import HintSink, HttpRequest, TransientError
 from polygateway.transport.openai import (
     ParsedChat,
     chat_request,
@@ -73,6 +84,55 @@ def _check_messages(messages: object, scope: str) -> list[Mapping[str, Any]]:
     return list(messages)
 
 
+_ChunkParser = Callable[[Any, str], ChatChunk]
+"""Reads one parsed stream event (and the source's name) into a chunk."""
+
+
+class _RequestBuilder(Protocol):
+    """Builds the ``HttpRequest`` of one chat attempt (``chat_request``, ``messages_request``)."""
+
+    def __call__(
+        self,
+        source: SourceConfig,
+        messages: Messages,
+        params: Mapping[str, Any],
+        *,
+        stream: bool,
+        timeout_s: float,
+        ttft_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        on_hint: HintSink | None = None,
+    ) -> HttpRequest: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatWire:
+    """One protocol's chat wire: its request, its answer, and a chunk reader for each stream.
+
+    ``chunk_reader`` is called once per stream: a stateless protocol hands
+    back the same function every time, a stateful one a fresh reader.
+    """
+
+    request: _RequestBuilder
+    parse_response: Callable[[Any], ParsedChat]
+    chunk_reader: Callable[[], _ChunkParser]
+
+
+def _openai_chunks() -> _ChunkParser:
+    return parse_chat_chunk
+
+
+def _anthropic_chunks() -> _ChunkParser:
+    return MessagesStreamReader().read
+
+
+_WIRES: dict[str, _ChatWire] = {
+    "openai": _ChatWire(chat_request, parse_chat_response, _openai_chunks),
+    "anthropic": _ChatWire(messages_request, parse_messages_response, _anthropic_chunks),
+}
+"""The wire of each chat protocol, looked up once per attempt (never per chunk)."""
+
+
 def _cost(messages: Messages, params: Mapping[str, Any]) -> int:
     """The tpm reservation of one call (reconciled with real usage on release)."""
     limit = params.get("max_tokens", params.get("max_completion_tokens"))
@@ -106,8 +166,11 @@ class ChatClient(GovernedClient):
         transport = self._transport
 
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> ParsedChat:
-            request = chat_request(source, checked, params, stream=False, timeout_s=ctx.timeout_s)
-            parsed = parse_chat_response(await transport.send(request))
+            wire = _WIRES[source.protocol]
+            request = wire.request(
+                source, checked, params, stream=False, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+            )
+            parsed = wire.parse_response(await transport.send(request))
             ctx.usage = parsed.usage
             return parsed
 
@@ -177,11 +240,15 @@ class ChatClient(GovernedClient):
 class _Opened:
     """A stream that reached its first chunk: the connection, the events, what was read."""
 
-    __slots__ = ("buffered", "ended", "events", "finish_seen", "stack")
+    __slots__ = ("buffered", "ended", "events", "finish_seen", "parse", "stack")
 
-    def __init__(self, stack: AsyncExitStack, events: AsyncIterator[Any]) -> None:
+    def __init__(
+        self, stack: AsyncExitStack, events: AsyncIterator[Any], parse: _ChunkParser
+    ) -> None:
         self.stack = stack
         self.events = events
+        self.parse = parse
+        """The source's protocol's chunk reader, this stream's own."""
         self.buffered: deque[ChatChunk] = deque()
         self.ended = False
         self.finish_seen = False
@@ -260,7 +327,8 @@ class ChatStream:
 
     async def _open_attempt(self, source: SourceConfig, ctx: AttemptContext) -> _Opened:
         """One attempt: open the stream and read up to its first deliverable chunk."""
-        request = chat_request(
+        wire = _WIRES[source.protocol]
+        request = wire.request(
             source,
             self._messages,
             self._params,
@@ -268,6 +336,7 @@ class ChatStream:
             timeout_s=ctx.timeout_s,
             ttft_timeout_s=ctx.ttft_timeout_s,
             idle_timeout_s=ctx.idle_timeout_s,
+            on_hint=ctx.see_hint,
         )
         if ctx.deadline_in_s is not None:
             # The stream's end: the transport cuts it there, however well it flows.
@@ -275,7 +344,7 @@ class ChatStream:
         stack = AsyncExitStack()
         try:
             events = await stack.enter_async_context(self._client._transport.stream(request))
-            opened = _Opened(stack, aiter(events))
+            opened = _Opened(stack, aiter(events), wire.chunk_reader())
             await self._fill(opened, ctx)
         except BaseException:
             # Clean-up only: the connection closes, the failure goes on to the loop.
@@ -295,17 +364,25 @@ class ChatStream:
                 break
             except TransientError as exc:
                 if exc.truncated and opened.finish_seen:
-                    # Closed early but after a finish_reason: the answer is whole.
+                    # Closed without [DONE] but after a finish_reason (how every
+                    # Anthropic stream ends): the answer is whole.
                     opened.ended = True
                     break
                 raise
-            chunk = parse_chat_chunk(event, source)
+            chunk = opened.parse(event, source)
             if chunk.usage is not None:
                 ctx.usage = chunk.usage
             if chunk.finish_reason is not None:
                 opened.finish_seen = True
-            # Worth handing to the caller (a bare role announcement is not).
-            if chunk.text or chunk.tool_calls or chunk.finish_reason or chunk.usage:
+            # Worth handing to the caller: content, or usage once content has begun. A bare
+            # role announcement is not, nor usage before any content (vLLM's continuous
+            # usage stats): a source that stalls after it still fails over, as its TTFT says.
+            if (
+                chunk.text
+                or chunk.tool_calls
+                or chunk.finish_reason
+                or (chunk.usage and (self._delivered or opened.buffered))
+            ):
                 opened.buffered.append(chunk)
 
     async def _read(self, served: Served[_Opened]) -> ChatChunk | None:

@@ -404,3 +404,129 @@ class TestStreamCalls:
         chat, transport, _ = make_chat(clock, [StreamScript(chat_chunk_events(["x"]))])
         _ = [c async for c in chat.stream(MESSAGES, stream_options={"x": 1})]
         assert transport.requests[0].json["stream_options"] == {"x": 1, "include_usage": True}
+
+
+def _tool_call_chunk() -> dict[str, Any]:
+    """A chunk carrying only the start of a tool call (no text)."""
+    call = {
+        "index": 0,
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": ""},
+    }
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}],
+    }
+
+
+_USAGE_ONLY = {
+    "id": "chatcmpl-fake",
+    "object": "chat.completion.chunk",
+    "choices": [],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
+}
+
+_SLOW_IDLE = (
+    {"name": "a", "ttft_timeout_s": 4, "stream_idle_timeout_s": 30},
+    {"name": "b", "priority": 1},
+)
+
+
+class TestTtftCountsToTheFirstContent:
+    """The TTFT runs from the request to the first content, not to a role or usage chunk."""
+
+    async def test_role_chunk_then_hang_fails_over_after_the_ttft_not_the_idle_timeout(
+        self,
+    ) -> None:
+        """A role announcement, then silence: a is abandoned at its 4 s TTFT and b serves."""
+        clock = FakeClock()
+        recorder = Recorder()
+        role_only = chat_chunk_events([], finish_reason=None)
+        chat, transport, backend = make_chat(
+            clock,
+            {
+                "a": [StreamScript(role_only, hang_after=1)],
+                "b": [StreamScript(chat_chunk_events(["from b"]))],
+            },
+            sources=_SLOW_IDLE,
+            emitter=recorder,
+        )
+        chunks = [c async for c in chat.stream(MESSAGES)]
+        assert texts(chunks) == "from b"
+        assert transport.sources_called() == ["a", "b"]
+        assert recorder.outcomes() == ["transient", "success"]
+        first = recorder.records[0]
+        assert first.latency_s == pytest.approx(4.0)
+        assert first.error is not None
+        assert "no first content" in first.error
+        assert await in_flight(backend) == 0
+
+    async def test_usage_only_chunk_does_not_end_the_ttft(self) -> None:
+        """Role and usage-only chunks, then silence: still the TTFT, still a failover to b."""
+        clock = FakeClock()
+        recorder = Recorder()
+        preamble = [*chat_chunk_events([], finish_reason=None), _USAGE_ONLY]
+        chat, transport, backend = make_chat(
+            clock,
+            {
+                "a": [StreamScript(preamble, hang_after=2)],
+                "b": [StreamScript(chat_chunk_events(["from b"]))],
+            },
+            sources=_SLOW_IDLE,
+            emitter=recorder,
+        )
+        chunks = [c async for c in chat.stream(MESSAGES)]
+        assert texts(chunks) == "from b"
+        assert {c.source for c in chunks} == {"b"}
+        assert transport.sources_called() == ["a", "b"]
+        assert recorder.records[0].latency_s == pytest.approx(4.0)
+        assert await in_flight(backend) == 0
+
+    async def test_tool_call_delta_ends_the_ttft(self) -> None:
+        """A tool-call delta is content: it reaches the caller and later gaps are idle-timed."""
+        clock = FakeClock()
+        events = [*chat_chunk_events([], finish_reason=None), _tool_call_chunk()]
+        chat, transport, backend = make_chat(
+            clock,
+            [StreamScript(events, hang_after=2)],
+            sources=({"name": "a", "ttft_timeout_s": 4, "stream_idle_timeout_s": 7},),
+        )
+        received: list[ChatChunk] = []
+
+        async def consume() -> None:
+            async for chunk in chat.stream(MESSAGES):
+                received.append(chunk)
+
+        started = clock()
+        with pytest.raises(StreamInterrupted) as caught:
+            await consume()
+        assert [c.tool_calls[0].name for c in received] == ["f"]
+        assert caught.value.chunks_delivered == 1
+        assert "stream idle" in str(caught.value)
+        assert clock() - started == pytest.approx(7.0)
+        assert transport.sources_called() == ["a"]
+        assert await in_flight(backend) == 0
+
+    async def test_first_text_after_a_slow_preamble_within_the_ttft_is_served(self) -> None:
+        """A role chunk, then the first token 3 s later (idle 1 s, TTFT 4 s): no timeout."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(["late", "r"]), gap_s=0.5)],
+            sources=({"name": "a", "ttft_timeout_s": 4, "stream_idle_timeout_s": 1},),
+        )
+        chunks = [c async for c in chat.stream(MESSAGES)]
+        assert texts(chunks) == "later"
+        assert transport.sources_called() == ["a"]
+
+    async def test_stream_requests_carry_the_content_predicate(self) -> None:
+        """The chat stream's request tells content from the preamble; a plain call's does not."""
+        clock = FakeClock()
+        chat, transport, _ = make_chat(clock, [StreamScript(chat_chunk_events(["x"]))])
+        _ = [c async for c in chat.stream(MESSAGES)]
+        is_content = transport.requests[0].is_content
+        assert is_content is not None
+        assert is_content(chat_chunk_events(["x"])[0]) is False
+        assert is_content(chat_chunk_events(["x"])[1]) is True

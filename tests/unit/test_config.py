@@ -334,7 +334,13 @@ def test_scope_without_sources_key_is_refused(write_toml: Callable[[str], Path])
 
 @pytest.mark.parametrize(
     ("kind", "protocol"),
-    [("chat", "monkey_ocr"), ("embed", "vision_ocr"), ("ocr", "openai")],
+    [
+        ("chat", "monkey_ocr"),
+        ("embed", "vision_ocr"),
+        ("ocr", "openai"),
+        ("embed", "anthropic"),
+        ("ocr", "anthropic"),
+    ],
 )
 def test_protocol_not_fitting_the_kind_is_refused(
     write_toml: Callable[[str], Path], kind: str, protocol: str
@@ -347,6 +353,34 @@ def test_protocol_not_fitting_the_kind_is_refused(
     error = load_error(path)
     assert_names(error, "scopes.chat.sources[0].protocol", path)
     assert f"protocol {protocol!r}" in str(error)
+
+
+def test_anthropic_protocol_serves_a_chat_scope_beside_openai(
+    write_toml: Callable[[str], Path],
+) -> None:
+    """protocol = "anthropic" loads in a chat scope, alone or mixed with an OpenAI source."""
+    text = MINIMAL_SOURCE + (
+        "[[scopes.chat.sources]]\n"
+        'name = "claude"\n'
+        'protocol = "anthropic"\n'
+        'base_url = "https://api.anthropic.com/v1"\n'
+        'model = "claude-sonnet-4-5"\n'
+        'headers = { "anthropic-version" = "2023-06-01" }\n'
+    )
+    scope = GatewaySettings.load(write_toml(text)).scope("chat")
+    assert [(s.name, s.protocol) for s in scope.sources] == [
+        ("primary", "openai"),
+        ("claude", "anthropic"),
+    ]
+    assert scope.exempt_429 is True
+
+
+def test_a_chat_protocol_misfit_names_both_chat_protocols(
+    write_toml: Callable[[str], Path],
+) -> None:
+    """The refusal of an OCR protocol in a chat scope says which protocols a chat scope takes."""
+    path = write_toml(MINIMAL_SOURCE.replace('protocol = "openai"', 'protocol = "monkey_ocr"'))
+    assert "use openai or anthropic" in str(load_error(path))
 
 
 def test_api_key_in_the_file_is_refused(write_toml: Callable[[str], Path]) -> None:

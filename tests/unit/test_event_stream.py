@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
@@ -24,6 +26,7 @@ from polygateway.transport.exchange import (
     stream_deadlines,
 )
 from polygateway.transport.http import HttpRequest, TransientError
+from polygateway.transport.openai import chunk_has_content
 
 KEY = "sk-test-SECRET-123"
 
@@ -557,3 +560,185 @@ async def test_real_loop_end_cuts_a_flowing_stream() -> None:
     assert info.value.timeout is True
     assert 0 < len(got) < 1000
     assert _our_handles(loop, events) == []
+
+
+# --- TTFT to the first content (HttpRequest.is_content) ---
+
+ROLE_CHUNK = '{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}'
+USAGE_CHUNK = '{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}'
+TEXT_CHUNK = '{"choices": [{"index": 0, "delta": {"content": "Hi"}}]}'
+
+
+def _content_stream(
+    timers: _ManualTimers,
+    timeout_s: float = 10.0,
+    idle_timeout_s: float = 1.0,
+    deadline_in_s: float | None = None,
+    is_content: Callable[[Any], bool] = chunk_has_content,
+) -> _Scripted:
+    """A stream opened now whose request tells content apart, as a chat stream's does."""
+    loop = cast(asyncio.AbstractEventLoop, timers)
+    request = dataclasses.replace(
+        _request(timeout_s, idle_timeout_s, deadline_in_s), is_content=is_content
+    )
+    first, end = stream_deadlines(request, loop)
+    return _Scripted(request, loop, first, end)
+
+
+async def _data_after(events: _Scripted, timers: _ManualTimers, gap_s: float, data: str) -> Any:
+    """Read one event whose data is ``data``, arriving ``gap_s`` after the read began."""
+    task = await _reading(events)
+    timers.advance(gap_s)
+    events.feed.put_nowait(data)
+    return await task
+
+
+async def test_role_chunk_then_silence_fails_at_the_ttft_not_the_idle_timeout() -> None:
+    """A role-only chunk does not end the TTFT: silence after it is cut at the TTFT deadline."""
+    timers = _ManualTimers()
+    events = _content_stream(timers, timeout_s=10.0, idle_timeout_s=1.0)
+    assert await _data_after(events, timers, 0.1, ROLE_CHUNK) == json.loads(ROLE_CHUNK)
+    task = await _reading(events)
+    timers.advance(1.5)  # past the idle timeout: still within the TTFT
+    assert not task.done()
+    timers.advance(8.39)  # t = 9.99 s from the request
+    assert not task.done()
+    timers.advance(0.02)
+    with pytest.raises(TransientError) as info:
+        await task
+    assert info.value.timeout is True
+    assert info.value.failure == "transient"
+    assert str(info.value) == "no first content at primary after 10 s"
+    assert KEY not in str(info.value)
+    assert timers.pending() == []
+
+
+async def test_usage_and_role_chunks_keep_the_first_deadline_until_content() -> None:
+    """Preamble chunks 4 s apart (idle 1 s) all pass; the first text switches to idle timing."""
+    timers = _ManualTimers()
+    events = _content_stream(timers, timeout_s=10.0, idle_timeout_s=1.0)
+    await _data_after(events, timers, 4.0, ROLE_CHUNK)
+    await _data_after(events, timers, 4.0, USAGE_CHUNK)
+    assert await _data_after(events, timers, 1.5, TEXT_CHUNK) == json.loads(TEXT_CHUNK)
+    task = await _reading(events)
+    timers.advance(1.01)
+    with pytest.raises(TransientError, match="stream idle at primary after 1 s"):
+        await task
+
+
+async def test_silence_with_no_event_at_all_is_still_no_first_event() -> None:
+    """Nothing at all by the TTFT, with is_content set: the message stays 'no first event'."""
+    timers = _ManualTimers()
+    events = _content_stream(timers, timeout_s=2.0, idle_timeout_s=30.0)
+    task = await _reading(events)
+    timers.advance(2.01)
+    with pytest.raises(TransientError) as info:
+        await task
+    assert str(info.value) == "no first event at primary after 2 s"
+
+
+async def test_tool_call_delta_ends_the_ttft() -> None:
+    """A tool-call delta with no text is content: the next gap is bounded by the idle timeout."""
+    timers = _ManualTimers()
+    events = _content_stream(timers, timeout_s=10.0, idle_timeout_s=1.0)
+    tool_chunk = (
+        '{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1",'
+        ' "function": {"name": "f", "arguments": ""}}]}}]}'
+    )
+    await _data_after(events, timers, 0.1, ROLE_CHUNK)
+    await _data_after(events, timers, 0.1, tool_chunk)
+    task = await _reading(events)
+    timers.advance(1.01)
+    with pytest.raises(TransientError, match="stream idle"):
+        await task
+
+
+async def test_content_predicate_runs_only_until_the_first_content() -> None:
+    """The predicate sees the preamble and the first content, never the chunks after it."""
+    timers = _ManualTimers()
+    seen: list[Any] = []
+
+    def counting(event: Any) -> bool:
+        seen.append(event)
+        return chunk_has_content(event)
+
+    events = _content_stream(timers, is_content=counting)
+    await _data_after(events, timers, 0.01, ROLE_CHUNK)
+    for _ in range(50):
+        await _data_after(events, timers, 0.01, TEXT_CHUNK)
+    assert len(seen) == 2
+    # Still one timer for the TTFT and one moved earlier to the first idle deadline.
+    assert len(timers.handles) == 2
+
+
+async def test_end_before_the_ttft_cuts_a_stalled_preamble_as_the_deadline() -> None:
+    """A role chunk, then silence, with the call's end (3 s) before the TTFT (10 s): deadline."""
+    timers = _ManualTimers()
+    events = _content_stream(timers, timeout_s=10.0, idle_timeout_s=1.0, deadline_in_s=3.0)
+    await _data_after(events, timers, 0.1, ROLE_CHUNK)
+    task = await _reading(events)
+    timers.advance(2.89)
+    assert not task.done()
+    timers.advance(0.02)
+    with pytest.raises(TransientError, match="call deadline reached"):
+        await task
+
+
+async def test_a_predicate_that_raises_closes_the_stream() -> None:
+    """A failing predicate ends the stream like any failed read: no timer outlives it."""
+    timers = _ManualTimers()
+
+    def broken(event: Any) -> bool:
+        raise ValueError("bug")
+
+    events = _content_stream(timers, is_content=broken)
+    events.feed.put_nowait(ROLE_CHUNK)
+    with pytest.raises(ValueError, match="bug"):
+        await events.__anext__()
+    assert timers.pending() == []
+    with pytest.raises(StopAsyncIteration):
+        await events.__anext__()
+
+
+async def test_real_loop_role_chunk_then_silence_is_cut_at_the_ttft() -> None:
+    """On the real loop, a role chunk then silence ends at a 50 ms TTFT, not a 30 s idle timeout."""
+    loop = asyncio.get_running_loop()
+    request = dataclasses.replace(
+        _request(timeout_s=0.05, idle_timeout_s=30.0), is_content=chunk_has_content
+    )
+    first, end = stream_deadlines(request, loop)
+    events = _Scripted(request, loop, first, end)
+    events.feed.put_nowait(ROLE_CHUNK)
+    async with asyncio.timeout(5.0):
+        assert await events.__anext__() == json.loads(ROLE_CHUNK)
+        with pytest.raises(TransientError, match="no first content") as info:
+            await events.__anext__()
+    assert info.value.timeout is True
+    assert _our_handles(loop, events) == []
+
+
+@pytest.mark.parametrize(
+    ("chunk", "expected"),
+    [
+        ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, False),
+        (
+            {"choices": [{"delta": {"role": "assistant", "content": None, "refusal": None}}]},
+            False,
+        ),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}]}, False),
+        ({"choices": [{"index": 0}]}, False),
+        ({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}, False),
+        ({"choices": [{"delta": {"content": "x"}}]}, True),
+        ({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c"}]}}]}, True),
+        ({"choices": [{"delta": {"refusal": "no"}}]}, True),
+        ({"choices": [{"delta": {"function_call": {"name": "f"}}}]}, True),
+        ({"choices": [{"delta": {"reasoning_content": "hmm"}}]}, True),
+        ({"choices": [{"delta": {}, "finish_reason": "stop"}]}, True),
+        ({"error": {"message": "boom"}}, True),
+        ("not an object", True),
+        ({"choices": "not a list"}, True),
+    ],
+)
+def test_chunk_has_content_tells_content_from_the_preamble(chunk: Any, expected: bool) -> None:
+    """Text, tool calls, refusals, reasoning, a finish or an error are content; the rest is not."""
+    assert chunk_has_content(chunk) is expected

@@ -35,11 +35,11 @@ __all__ = [
     "config_problem",
 ]
 
-SourceProtocol = Literal["openai", "monkey_ocr", "vision_ocr"]
+SourceProtocol = Literal["openai", "anthropic", "monkey_ocr", "vision_ocr"]
 ScopeKind = Literal["chat", "embed", "ocr"]
 
 _PROTOCOLS_BY_KIND: dict[str, tuple[str, ...]] = {
-    "chat": ("openai",),
+    "chat": ("openai", "anthropic"),
     "embed": ("openai",),
     "ocr": ("monkey_ocr", "vision_ocr"),
 }

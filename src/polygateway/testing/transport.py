@@ -13,10 +13,19 @@ from typing import Any, NoReturn
 
 from polygateway.testing.builders import chat_completion
 from polygateway.testing.clock import FakeClock
-from polygateway.transport.exchange import deadline_reached
+from polygateway.transport.exchange import deadline_reached, deliver_hint
 from polygateway.transport.http import HttpRequest, TransientError
 
-__all__ = ["Delay", "FakeTransport", "Gate", "Hang", "Outcome", "ScriptExhausted", "StreamScript"]
+__all__ = [
+    "Delay",
+    "FakeTransport",
+    "Gate",
+    "Hang",
+    "Outcome",
+    "ScriptExhausted",
+    "StreamScript",
+    "WithHeaders",
+]
 
 
 class Hang:
@@ -45,6 +54,19 @@ class Delay:
     seconds: float
     outcome: Outcome
     cut_at_timeout: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WithHeaders:
+    """Play ``outcome`` and, if it is a success (a body or a stream), show ``headers`` first.
+
+    The limits they announce reach the request's ``on_hint`` as a real
+    transport hands them over: a source announcing its rate-limit window in a
+    script. A failure carries its back-off in ``TransientError``.
+    """
+
+    headers: Mapping[str, str]
+    outcome: Outcome
 
 
 class Gate:
@@ -99,6 +121,14 @@ class StreamScript:
         gap_s: fake time before each event after the first; a gap longer than
             the idle timeout fails as "stream idle" at that timeout.
 
+    The TTFT rule of a real transport is played too: while no event the
+    request's ``is_content`` accepts has been returned (a role-only chunk is
+    not content), the wait for the next event, ``hang_after`` or ``gap_s``, is
+    bounded by the TTFT counted from the stream's start (``timeout_s`` from
+    the moment it was requested) and fails as "no first content" there; the
+    idle timeout applies only after the first content. A request without
+    ``is_content`` takes every event as content.
+
     A request with ``deadline_in_s`` is cut at that end as a real transport
     cuts it (the clock advanced to the end, then a timeout saying the call's
     deadline was reached), however well the script flows.
@@ -120,6 +150,7 @@ Outcome = (
     | Hang
     | Delay
     | Gate
+    | WithHeaders
     | StreamScript
     | Callable[[HttpRequest], Any]
 )
@@ -208,6 +239,7 @@ class FakeTransport:
         ``end``: the fake clock's time when a stream is cut (``inf``: never).
         """
         spent = 0.0  # fake time this request's delays took so far
+        headers: Mapping[str, str] | None = None
         while True:
             if isinstance(outcome, TransientError):
                 raise outcome
@@ -223,10 +255,15 @@ class FakeTransport:
                 outcome = outcome.outcome
             elif isinstance(outcome, Gate):
                 outcome = await outcome._pass()
+            elif isinstance(outcome, WithHeaders):
+                headers = outcome.headers
+                outcome = outcome.outcome
             elif isinstance(outcome, StreamScript | Mapping | list):
                 if isinstance(outcome, StreamScript) != stream:
                     kind = "StreamScript" if stream else "JSON body"
                     raise ScriptExhausted(f"expected a {kind} for {request.source!r}")
+                if headers is not None:
+                    deliver_hint(request, headers)
                 return outcome
             else:
                 result = outcome(request)
@@ -264,8 +301,9 @@ class FakeTransport:
         self.open_streams += 1
         try:
             end = self._end(request)
+            first = self._clock() + request.timeout_s
             script = await self._resolve(self._next(request), request, stream=True, end=end)
-            yield _ScriptedEvents(script, request, self._sleep, self._clock, end)
+            yield _ScriptedEvents(script, request, self._sleep, self._clock, end, first)
         finally:
             self.open_streams -= 1
             self.in_flight -= 1
@@ -278,7 +316,7 @@ class FakeTransport:
 class _ScriptedEvents:
     """The events of one ``StreamScript``, failing where it says, and cut at the stream's end."""
 
-    __slots__ = ("_clock", "_end", "_i", "_request", "_script", "_sleep")
+    __slots__ = ("_clock", "_content", "_end", "_first", "_i", "_request", "_script", "_sleep")
 
     def __init__(
         self,
@@ -287,12 +325,17 @@ class _ScriptedEvents:
         sleep: Callable[[float], Awaitable[None]],
         clock: FakeClock,
         end: float,
+        first: float,
     ) -> None:
         self._script = script
         self._request = request
         self._sleep = sleep
         self._clock = clock
         self._end = end
+        self._first = first
+        """The TTFT deadline on the fake clock: it bounds every wait until the first content."""
+        self._content = request.is_content is None
+        """An event with content was returned (always, for a request without ``is_content``)."""
         self._i = 0
 
     def __aiter__(self) -> _ScriptedEvents:
@@ -317,16 +360,25 @@ class _ScriptedEvents:
         if i > 0 and self._clock() >= self._end:
             # The end passed while the consumer held the last event.
             raise deadline_reached(request)
-        idle_s = request.idle_timeout_s or request.timeout_s
+        if self._content:
+            wait_s, what = request.idle_timeout_s or request.timeout_s, "stream idle"
+        else:
+            # No content yet: the TTFT, counted from the request, still bounds the wait.
+            wait_s = max(0.0, self._first - self._clock())
+            what = "no first content" if i else "no first event"
         if script.hang_after is not None and i >= script.hang_after:
-            await self._cut(idle_s, "stream idle")
+            await self._cut(wait_s, what)
         if i >= len(script.events):
             if script.done:
                 raise StopAsyncIteration
             raise TransientError(f"stream ended without [DONE] at {request.source}", truncated=True)
         if i > 0 and script.gap_s:
-            if script.gap_s > min(idle_s, self._end - self._clock()):
-                await self._cut(idle_s, "stream idle")
+            if script.gap_s > min(wait_s, self._end - self._clock()):
+                await self._cut(wait_s, what)
             await self._sleep(script.gap_s)
         self._i = i + 1
-        return script.events[i]
+        event = script.events[i]
+        if not self._content:
+            is_content = request.is_content
+            self._content = is_content is None or is_content(event)
+        return event

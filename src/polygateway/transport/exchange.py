@@ -6,6 +6,8 @@
   module's exception table says for the failures both libraries share, so
   the two transports word them alike.
 - ``check_opened``: a stream must answer 2xx with ``text/event-stream``.
+- ``deliver_hint``: the limits a 2xx answer's headers announce, handed to the
+  request's ``on_hint``; dates in them are read against the wall clock here.
 - ``json_content``: a request's JSON body encoded once, here, so a body JSON
   cannot carry (bytes, a set, NaN, a lone surrogate) is refused before
   anything is sent, alike on both transports.
@@ -13,8 +15,10 @@
   failure's message needs them (the success path never pays for the scan).
 - ``EventStream``: the parsed ``data:`` events of one stream with the TTFT and
   idle deadlines, and the call's end (``HttpRequest.deadline_in_s``), enforced
-  by one timer per stream. A client module subclasses it with its library's
-  read (``_next_data``) and its exception boundary (``_FAILURES``, ``_translate``);
+  by one timer per stream; the TTFT runs to the first event carrying content
+  (``HttpRequest.is_content``), not to a role announcement before it. A client
+  module subclasses it with its library's read (``_next_data``) and its
+  exception boundary (``_FAILURES``, ``_translate``);
   ``stream_deadlines`` fixes the first deadline and the end when the request
   starts, and ``open_timed_out`` says which of them cut the opening.
 """
@@ -28,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self, overload
 
+from polygateway.transport.hints import read_hint
 from polygateway.transport.http import (
     STREAM_END,
     HttpRequest,
@@ -50,6 +55,7 @@ __all__ = [
     "connect_limit",
     "connect_timed_out",
     "deadline_reached",
+    "deliver_hint",
     "json_content",
     "open_timed_out",
     "phase_timed_out",
@@ -154,6 +160,16 @@ def answer_error(
     )
 
 
+def deliver_hint(request: HttpRequest, headers: Mapping[str, str]) -> None:
+    """Hand ``request.on_hint`` what a 2xx answer's headers announce about the source's limits."""
+    sink = request.on_hint
+    if sink is None:
+        return
+    hint = read_hint(headers, time.time())  # edge: reset times are wall-clock dates
+    if hint is not None:
+        sink(hint)
+
+
 async def check_opened(
     status: int,
     headers: Mapping[str, str],
@@ -216,10 +232,15 @@ class RequestSecrets(Sequence[str]):
 class EventStream:
     """Parsed ``data:`` events of one stream, with the TTFT and idle deadlines and the end enforced.
 
-    The first event must arrive by ``first_deadline`` (on the loop's clock);
-    each later one within ``idle_timeout_s`` (default: ``timeout_s``) of the
-    call that asks for it, and none after ``end``, the call's deadline
-    (``stream_deadlines``; ``inf``: none), however well the stream flows.
+    The first content must arrive by ``first_deadline`` (on the loop's clock):
+    events before it that ``request.is_content`` rejects (a role-only chunk,
+    usage only) are returned but leave that deadline in force, so a source
+    that announces itself and then stalls is cut at its TTFT, not after an
+    idle timeout (without ``is_content`` every event is content). After the
+    first content, each event must come within ``idle_timeout_s`` (default:
+    ``timeout_s``) of the call that asks for it, and none after ``end``, the
+    call's deadline (``stream_deadlines``; ``inf``: none), however well the
+    stream flows.
     Any way out but an event ends the iteration for good, and so does
     ``close()`` (the transport calls it when its context exits).
 
@@ -244,7 +265,9 @@ class EventStream:
         "_first_deadline",
         "_handle",
         "_idle_s",
+        "_is_content",
         "_loop",
+        "_preamble",
         "_reader",
         "_request",
         "_secrets",
@@ -270,7 +293,11 @@ class EventStream:
         self._end = end
         """The call's deadline on the loop's clock: no event is waited for past it."""
         self._idle_s = request.idle_timeout_s or request.timeout_s
+        self._is_content = request.is_content
         self._seen = False
+        """Content has come: each read's deadline is idle, no longer the first deadline."""
+        self._preamble = False
+        """Events without content came before any content (they do not end the TTFT)."""
         self._finished = False
         self._deadline = first_deadline
         """The deadline of the read in progress (or of the last one)."""
@@ -290,7 +317,7 @@ class EventStream:
         """The data of the next event that has any, or ``None`` at end of stream.
 
         Events without data (a named ping, an id-only event) are not chunks:
-        they neither count as the first event nor reset idle.
+        they neither count as the first content nor reset idle.
         """
         raise NotImplementedError
 
@@ -348,12 +375,14 @@ class EventStream:
         return reader.uncancel() <= self._cancelling
 
     def _timed_out(self) -> TransientError:
-        """The classified expiry of a read: the call's end, else TTFT (no event yet) or idle."""
+        """The classified expiry of a read: the call's end, else TTFT (no content yet) or idle."""
         request = self._request
         if self._deadline >= self._end:
             return deadline_reached(request)
         if self._seen:
             return timeout_error("stream idle", request.source, self._idle_s)
+        if self._preamble:
+            return timeout_error("no first content", request.source, request.timeout_s)
         return timeout_error("no first event", request.source, request.timeout_s)
 
     async def __anext__(self) -> Any:
@@ -405,10 +434,17 @@ class EventStream:
             parsed = parse_event_data(data, self._request.source)
             if parsed is STREAM_END:
                 raise StopAsyncIteration
+            if not self._seen:
+                # The predicate runs only until the first content: once per event of
+                # the preamble, never on the chunks after it.
+                is_content = self._is_content
+                if is_content is None or is_content(parsed):
+                    self._seen = True
+                else:
+                    self._preamble = True
             event = True
         finally:
             if not event:
                 self.close()
-        self._seen = True
         self._finished = False
         return parsed

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage, positional_builder
-from polygateway.transport.http import HttpRequest, TransientError, excerpt
+from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
     json_target,
     malformed_body,
@@ -36,6 +36,7 @@ __all__ = [
     "IMAGE_PART_TOKENS",
     "ParsedChat",
     "chat_request",
+    "chunk_has_content",
     "embedding_request",
     "estimate_chat_tokens",
     "estimate_embedding_tokens",
@@ -92,13 +93,15 @@ def chat_request(
     timeout_s: float,
     ttft_timeout_s: float | None = None,
     idle_timeout_s: float | None = None,
+    on_hint: HintSink | None = None,
 ) -> HttpRequest:
     """The request of one chat completion to ``source``.
 
     ``params`` (max_tokens, temperature, tools, tool_choice, response_format,
     ...) pass through as given. A stream asks for usage in its last chunk and
     carries the TTFT timeout as its ``timeout_s`` and the idle timeout
-    separately; each defaults to ``timeout_s``.
+    separately; each defaults to ``timeout_s``. Its TTFT runs to the first
+    chunk with content (``chunk_has_content``).
     """
     body: dict[str, Any] = _passthrough(params) if params else {}
     body["model"] = source.model
@@ -117,7 +120,41 @@ def chat_request(
         json=body,
         idle_timeout_s=(idle_timeout_s or timeout_s) if stream else None,
         connect_timeout_s=source.connect_timeout_s,
+        is_content=chunk_has_content if stream else None,
+        on_hint=on_hint,
     )
+
+
+def chunk_has_content(event: Any) -> bool:
+    """Whether a streamed chunk ends the TTFT: it carries content, not just a preamble.
+
+    Content is any delta field but ``role`` holding data (text, tool-call
+    pieces, a refusal, a legacy ``function_call``, ``reasoning_content``, or
+    whatever field a server adds), or a ``finish_reason``. A role-only or
+    empty delta and the usage-only chunk of ``include_usage`` are not. An
+    ``{"error": ...}`` event, or one that is not an object, counts, so that its
+    failure surfaces at once rather than at the TTFT. Called on the first
+    chunks of a stream only, until one holds; never raises.
+    """
+    if type(event) is not dict or event.get("error") is not None:
+        return True
+    choices = event.get("choices")
+    if type(choices) is not list:
+        # Not a chunk: the reader names the fault at once.
+        return True
+    for choice in choices:
+        if type(choice) is not dict or choice.get("finish_reason"):
+            return True
+        delta = choice.get("delta")
+        if type(delta) is not dict:
+            if delta is not None:
+                return True
+            continue
+        for name, value in delta.items():
+            # Empty strings, empty lists and nulls are the padding of a preamble chunk.
+            if value and name != "role":
+                return True
+    return False
 
 
 def _content_text(value: Any, what: str) -> str:
@@ -344,6 +381,7 @@ def embedding_request(
     params: Mapping[str, Any],
     *,
     timeout_s: float,
+    on_hint: HintSink | None = None,
 ) -> HttpRequest:
     """The request embedding one batch of ``texts`` at ``source``."""
     body: dict[str, Any] = _passthrough(params)
@@ -357,6 +395,7 @@ def embedding_request(
         headers=headers,
         json=body,
         connect_timeout_s=source.connect_timeout_s,
+        on_hint=on_hint,
     )
 
 

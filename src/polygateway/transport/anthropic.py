@@ -1,0 +1,631 @@
+"""The Anthropic Messages wire format: chat completions, plain and streamed, as ``POST /messages``.
+
+Pure functions and one stream reader, no I/O. A chat call takes OpenAI-style
+messages and parameters whichever source serves it; this module builds the
+Messages API request from them and reads the answer back into the same
+``ParsedChat`` and ``ChatChunk`` the OpenAI wire gives, so a scope may mix
+both kinds of source and a caller cannot tell which one served. The mapping
+follows the public Messages API reference (``anthropic-version: 2023-06-01``):
+
+- system (and developer) messages become the top-level ``system`` text;
+- content parts: text as text blocks, ``image_url`` as an image block (a
+  ``data:`` URL as a base64 source, an http(s) URL as a url source), any
+  other part (a block already in Anthropic's shape) as given;
+- an assistant's ``tool_calls`` become ``tool_use`` blocks and ``role: "tool"``
+  messages a user turn of ``tool_result`` blocks; consecutive turns of one
+  role are merged, since the API wants user and assistant turns to alternate;
+- ``max_tokens`` is required by the API: ``DEFAULT_MAX_TOKENS`` when unset;
+- stop reasons are mapped to OpenAI's words (``end_turn`` -> ``stop``, ...),
+  usage to prompt (input, cache writes, cache reads) and completion tokens.
+
+An Anthropic stream has no ``[DONE]``: it ends with ``message_stop`` and the
+connection closing, which the transport reports as a truncated stream; the
+``message_delta`` before it carries the finish reason that makes that end a
+clean one for the chat client. A message the API cannot carry (an unknown
+role, tool-call arguments that are not a JSON object, an image URL that is
+neither ``data:`` nor http(s)) is refused as the request's fault, before
+anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage, positional_builder
+from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
+from polygateway.transport.openai import ParsedChat
+from polygateway.transport.wire import (
+    endpoint,
+    malformed_body,
+    opt_int,
+    opt_str,
+    req_list,
+    req_obj,
+    req_str,
+)
+
+if TYPE_CHECKING:
+    from polygateway.config import SourceConfig
+
+__all__ = [
+    "ANTHROPIC_VERSION",
+    "DEFAULT_MAX_TOKENS",
+    "MessagesStreamReader",
+    "event_has_content",
+    "finish_reason",
+    "messages_request",
+    "parse_messages_response",
+    "provider_error",
+]
+
+ANTHROPIC_VERSION: Final = "2023-06-01"
+"""The ``anthropic-version`` header sent unless the source's ``headers`` set their own."""
+
+DEFAULT_MAX_TOKENS: Final = 4096
+"""``max_tokens`` sent when the caller set none: the API refuses a request without it.
+
+The OpenAI wire leaves an unset limit unset, so a call that names none is
+served by either kind of source in a mixed scope.
+"""
+
+_STOP_REASONS: Final[Mapping[str, str]] = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+"""Anthropic's stop reasons in OpenAI's words; others (``pause_turn``, ...) are kept as given."""
+
+_ERROR_STATUSES: Final[Mapping[str, int]] = {
+    "overloaded_error": 529,
+    "rate_limit_error": 429,
+    "api_error": 500,
+}
+"""The HTTP status an in-band error type stands for, so it is classified as that status."""
+
+_MAPPED = frozenset(
+    {
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "tools",
+        "tool_choice",
+        "user",
+    }
+)
+"""Call parameters this module translates or drops; every other one passes through as given."""
+
+_TOOL_CHOICES: Final[Mapping[str, dict[str, str]]] = {
+    "auto": {"type": "auto"},
+    "none": {"type": "none"},
+    "required": {"type": "any"},
+}
+
+_SYSTEM_ROLES = frozenset({"system", "developer"})
+_JSON = "application/json"
+
+_new_chunk = positional_builder(ChatChunk)
+"""``ChatChunk`` from every field, positionally (text, tool_calls, finish_reason, source, usage)."""
+
+
+# --- The request ---------------------------------------------------------------------------
+
+
+def _rejected(source: str, detail: str) -> TransientError:
+    """The caller's request cannot be written as a Messages API request: its fault, no retry."""
+    return TransientError(
+        f"the request to {source} was not sent: {detail}", failure="request_rejected"
+    )
+
+
+def _headers(source: SourceConfig) -> dict[str, str]:
+    """Key, version and content type, then the source's own headers, which win by any case."""
+    headers = {"Content-Type": _JSON, "anthropic-version": ANTHROPIC_VERSION}
+    if source.api_key is not None:
+        key = source.api_key.get_secret_value()
+        if key:
+            headers["x-api-key"] = key
+    if source.headers:
+        # Names are case-insensitive: a source's "Anthropic-Version" replaces ours, not joins it.
+        own = {name.lower() for name in source.headers}
+        headers = {name: value for name, value in headers.items() if name.lower() not in own}
+        headers.update(source.headers)
+    return headers
+
+
+def _image(url: Any, what: str, source: str) -> dict[str, Any]:
+    """An ``image_url`` as an image block: a base64 ``data:`` URL or an http(s) URL."""
+    if not isinstance(url, str):
+        raise _rejected(source, f"{what} has no URL")
+    if url.startswith("data:"):
+        header, comma, data = url[5:].partition(",")
+        media_type, *options = header.split(";")
+        if not comma or "base64" not in options or not media_type:
+            raise _rejected(source, f"{what} is a data: URL that is not base64 with a media type")
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": media_type, "data": data},
+        }
+    if url[:8].lower().startswith(("http://", "https://")):
+        return {"type": "image", "source": {"type": "url", "url": url}}
+    raise _rejected(source, f"{what} is neither a data: URL nor an http(s) URL")
+
+
+def _part(part: Any, what: str, source: str) -> dict[str, Any]:
+    """One content part as a content block."""
+    if not isinstance(part, Mapping):
+        raise _rejected(source, f"{what} is not an object")
+    kind = part.get("type", "text")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _rejected(source, f"{what}.text is not a string")
+        return {**part, "type": "text"}
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, Mapping) else image
+        return _image(url, f"{what}.image_url", source)
+    # Anything else is taken to be a block in Anthropic's own shape (image, document, ...).
+    return dict(part)
+
+
+def _content(value: Any, what: str, source: str) -> str | list[dict[str, Any]]:
+    """Message content: a string as is, a list of parts as blocks, null as empty."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence):
+        return [_part(part, f"{what}[{i}]", source) for i, part in enumerate(value)]
+    raise _rejected(source, f"{what} is neither a string nor a list of parts")
+
+
+def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content as a list of blocks; an empty string is no block (the API refuses empty text)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return content
+
+
+def _system_text(value: Any, what: str, source: str) -> str:
+    """A system message's text: a string, or its text parts joined."""
+    content = _content(value, what, source)
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, block in enumerate(content):
+        if block.get("type") != "text":
+            raise _rejected(source, f"{what}[{i}] is not text, and the system prompt is text only")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _tool_input(arguments: Any, what: str, source: str) -> dict[str, Any]:
+    """Tool-call arguments (JSON text, or an object) as the ``input`` object of a ``tool_use``."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise _rejected(source, f"{what} is not valid JSON") from exc
+    if not isinstance(arguments, dict):
+        raise _rejected(source, f"{what} is not a JSON object")
+    return arguments
+
+
+def _tool_use(call: Any, what: str, source: str) -> dict[str, Any]:
+    """One of an assistant's ``tool_calls`` as a ``tool_use`` block."""
+    if not isinstance(call, Mapping):
+        raise _rejected(source, f"{what} is not an object")
+    function = call.get("function")
+    call_id = call.get("id")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise _rejected(source, f"{what}.function has no name")
+    if not isinstance(call_id, str) or not call_id:
+        raise _rejected(source, f"{what} has no id, which a tool_result must refer to")
+    return {
+        "type": "tool_use",
+        "id": call_id,
+        "name": function["name"],
+        "input": _tool_input(function.get("arguments"), f"{what}.function.arguments", source),
+    }
+
+
+def _assistant(message: Mapping[str, Any], what: str, source: str) -> str | list[dict[str, Any]]:
+    """An assistant turn: its content, then its tool calls as ``tool_use`` blocks."""
+    content = _content(message.get("content"), f"{what}.content", source)
+    calls = message.get("tool_calls")
+    if not calls:
+        return content
+    if not isinstance(calls, Sequence) or isinstance(calls, str):
+        raise _rejected(source, f"{what}.tool_calls is not a list")
+    uses = [_tool_use(call, f"{what}.tool_calls[{i}]", source) for i, call in enumerate(calls)]
+    return _blocks(content) + uses
+
+
+def _tool_result(message: Mapping[str, Any], what: str, source: str) -> list[dict[str, Any]]:
+    """A ``role: "tool"`` message as the ``tool_result`` block of a user turn."""
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise _rejected(source, f"{what} has no tool_call_id")
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": call_id}
+    content = message.get("content")
+    if content is not None:
+        result["content"] = _content(content, f"{what}.content", source)
+    return [result]
+
+
+def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, list[dict[str, Any]]]:
+    """The system text and the alternating user / assistant turns of OpenAI-style messages."""
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        what = f"messages[{i}]"
+        role = message.get("role")
+        content: str | list[dict[str, Any]]
+        if role in _SYSTEM_ROLES:
+            text = _system_text(message.get("content"), f"{what}.content", source)
+            if text:
+                system.append(text)
+            continue
+        if role == "user":
+            content = _content(message.get("content"), f"{what}.content", source)
+        elif role == "assistant":
+            content = _assistant(message, what, source)
+        elif role == "tool":
+            role, content = "user", _tool_result(message, what, source)
+        else:
+            raise _rejected(source, f"{what} has role {role!r}, which has no Messages API turn")
+        if turns and turns[-1]["role"] == role:
+            last = turns[-1]
+            last["content"] = _blocks(last["content"]) + _blocks(content)
+        else:
+            turns.append({"role": role, "content": content})
+    return "\n\n".join(system), turns
+
+
+def _tool(tool: Any, what: str, source: str) -> dict[str, Any]:
+    """An OpenAI function tool as an Anthropic tool; one already in Anthropic's shape as given."""
+    if not isinstance(tool, Mapping):
+        raise _rejected(source, f"{what} is not an object")
+    if tool.get("type") != "function":
+        return dict(tool)
+    function = tool.get("function")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise _rejected(source, f"{what}.function has no name")
+    mapped: dict[str, Any] = {"name": function["name"]}
+    description = function.get("description")
+    if description is not None:
+        mapped["description"] = description
+    schema = function.get("parameters")
+    mapped["input_schema"] = schema if schema is not None else {"type": "object", "properties": {}}
+    return mapped
+
+
+def _tool_choice(choice: Any, source: str) -> dict[str, Any]:
+    """OpenAI's ``tool_choice`` in Anthropic's words; an Anthropic-shaped object as given."""
+    if isinstance(choice, str):
+        mapped = _TOOL_CHOICES.get(choice)
+        if mapped is None:
+            raise _rejected(source, f"tool_choice {choice!r} is not auto, none or required")
+        return dict(mapped)
+    if not isinstance(choice, Mapping):
+        raise _rejected(source, "tool_choice is neither a string nor an object")
+    if choice.get("type") == "function":
+        function = choice.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise _rejected(source, "tool_choice.function has no name")
+        return {"type": "tool", "name": function["name"]}
+    return dict(choice)
+
+
+def _stop_sequences(stop: Any, source: str) -> list[str]:
+    """``stop`` (a string or a list of strings) as ``stop_sequences``."""
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise _rejected(source, "stop is neither a string nor a list of strings")
+
+
+def messages_request(
+    source: SourceConfig,
+    messages: Sequence[Mapping[str, Any]],
+    params: Mapping[str, Any],
+    *,
+    stream: bool,
+    timeout_s: float,
+    ttft_timeout_s: float | None = None,
+    idle_timeout_s: float | None = None,
+    on_hint: HintSink | None = None,
+) -> HttpRequest:
+    """The request of one chat completion to an Anthropic ``source`` (``POST {base_url}/messages``).
+
+    ``params`` use the OpenAI names: ``max_tokens`` (or
+    ``max_completion_tokens``; ``DEFAULT_MAX_TOKENS`` when neither is set),
+    ``stop``, ``tools``, ``tool_choice`` and ``user`` are translated,
+    ``stream_options`` is dropped (every Anthropic stream reports usage), and
+    every other parameter (temperature, top_p, top_k, ...) passes through as
+    given. A stream carries the TTFT timeout as its ``timeout_s``, which runs
+    to the first content (``event_has_content``), and the idle timeout
+    separately; each defaults to ``timeout_s``.
+
+    Raises:
+        TransientError: ``request_rejected``, for messages or parameters the
+            Messages API cannot carry.
+    """
+    name = source.name
+    system, turns = _turns(messages, name)
+    body: dict[str, Any] = {k: v for k, v in params.items() if v is not None and k not in _MAPPED}
+    body["model"] = source.model
+    limit = params.get("max_tokens")
+    if limit is None:
+        limit = params.get("max_completion_tokens")
+    body["max_tokens"] = DEFAULT_MAX_TOKENS if limit is None else limit
+    if system:
+        body["system"] = system
+    body["messages"] = turns
+    if (stop := params.get("stop")) is not None:
+        body["stop_sequences"] = _stop_sequences(stop, name)
+    if (tools := params.get("tools")) is not None:
+        if not isinstance(tools, Sequence) or isinstance(tools, str):
+            raise _rejected(name, "tools is not a list")
+        body["tools"] = [_tool(tool, f"tools[{i}]", name) for i, tool in enumerate(tools)]
+    if (choice := params.get("tool_choice")) is not None:
+        body["tool_choice"] = _tool_choice(choice, name)
+    if (user := params.get("user")) is not None:
+        metadata = body.get("metadata")
+        body["metadata"] = {**(metadata if isinstance(metadata, Mapping) else {}), "user_id": user}
+    if stream:
+        body["stream"] = True
+    return HttpRequest(
+        name,
+        endpoint(source, "messages"),
+        (ttft_timeout_s or timeout_s) if stream else timeout_s,  # timeout_s
+        headers=_headers(source),
+        json=body,
+        idle_timeout_s=(idle_timeout_s or timeout_s) if stream else None,
+        connect_timeout_s=source.connect_timeout_s,
+        is_content=event_has_content if stream else None,
+        on_hint=on_hint,
+    )
+
+
+# --- The answer ----------------------------------------------------------------------------
+
+
+def finish_reason(stop_reason: str | None) -> str | None:
+    """An Anthropic ``stop_reason`` in OpenAI's words (``end_turn`` -> ``stop``, ...)."""
+    if stop_reason is None:
+        return None
+    return _STOP_REASONS.get(stop_reason, stop_reason)
+
+
+def provider_error(error: Any) -> TransientError:
+    """The failure an Anthropic error object (``{"type": ..., "message": ...}``) reports.
+
+    ``overloaded_error``, ``rate_limit_error`` and ``api_error`` are classified
+    as the statuses they stand for (529, 429, 500); any other is transient.
+    """
+    kind = error.get("type") if isinstance(error, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    kind = kind if isinstance(kind, str) else "error"
+    detail = kind if message is None else f"{kind}: {message}"
+    return TransientError(
+        f"provider error: {excerpt(detail)}", status_code=_ERROR_STATUSES.get(kind)
+    )
+
+
+def _is_error(body: dict[str, Any]) -> bool:
+    return body.get("type") == "error" or body.get("error") is not None
+
+
+def _input_counts(usage: dict[str, Any], what: str) -> tuple[int, int, int]:
+    """(input, cache writes, cache reads): together, the prompt the provider counted."""
+    return (
+        opt_int(usage.get("input_tokens"), f"{what}.input_tokens"),
+        opt_int(usage.get("cache_creation_input_tokens"), f"{what}.cache_creation_input_tokens"),
+        opt_int(usage.get("cache_read_input_tokens"), f"{what}.cache_read_input_tokens"),
+    )
+
+
+def _usage(value: Any) -> Usage:
+    """A message's usage: cached prompt tokens are prompt tokens too."""
+    usage = req_obj(value, "usage")
+    prompt = sum(_input_counts(usage, "usage"))
+    completion = opt_int(usage.get("output_tokens"), "usage.output_tokens")
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _arguments(value: Any, what: str) -> str:
+    """A ``tool_use`` input as the JSON text of OpenAI's tool-call arguments."""
+    return json.dumps(req_obj(value, what), ensure_ascii=False)
+
+
+def parse_messages_response(body: Any) -> ParsedChat:
+    """Read a Messages API answer; any shape but the promised one is a malformed body.
+
+    Text blocks are joined, ``tool_use`` blocks become tool calls; other
+    blocks (thinking, server tools) have no place in the chat answer and are
+    skipped. An error object raises its classified failure (``provider_error``).
+    """
+    answer = req_obj(body, "body")
+    if _is_error(answer):
+        raise provider_error(answer.get("error"))
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for i, raw_block in enumerate(req_list(answer.get("content"), "content")):
+        what = f"content[{i}]"
+        block = req_obj(raw_block, what)
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(req_str(block.get("text"), f"{what}.text"))
+        elif kind == "tool_use":
+            calls.append(
+                ToolCall(
+                    id=req_str(block.get("id"), f"{what}.id"),
+                    name=req_str(block.get("name"), f"{what}.name"),
+                    arguments=_arguments(block.get("input"), f"{what}.input"),
+                    type="function",
+                )
+            )
+        elif not isinstance(kind, str):
+            raise malformed_body(f"{what}.type is not a string")
+    raw_usage = answer.get("usage")
+    return ParsedChat(
+        text="".join(texts),
+        finish_reason=finish_reason(opt_str(answer.get("stop_reason"), "stop_reason")),
+        tool_calls=tuple(calls),
+        usage=Usage() if raw_usage is None else _usage(raw_usage),
+        raw=answer,
+    )
+
+
+# --- The stream ----------------------------------------------------------------------------
+
+
+def event_has_content(event: Any) -> bool:
+    """Whether a stream event ends the TTFT: it carries content, not just the message's frame.
+
+    Content: a ``content_block_delta`` with text, tool input or thinking, the
+    start of a ``tool_use`` block, a ``message_delta`` with a stop reason, or
+    an error (or an event not shaped as one), which must surface at once.
+    ``message_start``, an empty text block's start, ``ping`` and the ``*_stop``
+    events are not. Called on the first events of a stream only; never raises.
+    """
+    if type(event) is not dict:
+        return True
+    kind = event.get("type")
+    if kind == "content_block_delta":
+        delta = event.get("delta")
+        if type(delta) is not dict:
+            return True
+        return bool(delta.get("text") or delta.get("partial_json") or delta.get("thinking"))
+    if kind == "content_block_start":
+        block = event.get("content_block")
+        if type(block) is not dict:
+            return True
+        return block.get("type") == "tool_use" or bool(block.get("text"))
+    if kind == "message_delta":
+        delta = event.get("delta")
+        return type(delta) is not dict or delta.get("stop_reason") is not None
+    return kind == "error" or type(kind) is not str
+
+
+def _block_index(event: dict[str, Any], what: str) -> int:
+    """The ``index`` of a content block event."""
+    index = event.get("index")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise malformed_body(f"{what}.index is not an integer")
+    return index
+
+
+class MessagesStreamReader:
+    """The events of one Messages API stream read into ``ChatChunk``s, as ``parse_chat_chunk`` does.
+
+    Stateful, one per stream: the prompt's token counts come in
+    ``message_start`` and the completion's in ``message_delta``, and tool calls
+    are numbered among themselves (a ``ToolCallDelta.index`` is the n-th
+    ``tool_use`` block, as OpenAI numbers tool calls), not among all blocks.
+    Events that carry nothing for the caller (``ping``, ``message_stop``, a
+    thinking delta, event types added to the API later) read as an empty chunk,
+    which the chat client does not deliver.
+    """
+
+    __slots__ = ("_cache_read", "_cache_write", "_input", "_tools")
+
+    def __init__(self) -> None:
+        self._input = 0
+        self._cache_write = 0
+        self._cache_read = 0
+        self._tools: dict[int, int] = {}
+        """Content block index -> the tool call's own index."""
+
+    def read(self, event: Any, source: str = "") -> ChatChunk:
+        """The chunk of one event; an ``error`` event raises its classified failure."""
+        if type(event) is not dict:
+            raise malformed_body("event is not an object")
+        kind = event.get("type")
+        if kind == "content_block_delta":
+            return self._block_delta(event, source)
+        if kind == "content_block_start":
+            return self._block_start(event, source)
+        if kind == "message_delta":
+            return self._message_delta(event, source)
+        if kind == "message_start":
+            message = req_obj(event.get("message"), "message_start.message")
+            usage = message.get("usage")
+            if usage is not None:
+                counts = _input_counts(req_obj(usage, "message.usage"), "message.usage")
+                self._input, self._cache_write, self._cache_read = counts
+        elif kind == "error":
+            raise provider_error(event.get("error"))
+        elif type(kind) is not str:
+            raise malformed_body("event.type is not a string")
+        return _new_chunk("", (), None, source, None)
+
+    def _block_delta(self, event: dict[str, Any], source: str) -> ChatChunk:
+        delta = req_obj(event.get("delta"), "content_block_delta.delta")
+        kind = delta.get("type")
+        if kind == "text_delta":
+            text = req_str(delta.get("text"), "content_block_delta.delta.text")
+            return _new_chunk(text, (), None, source, None)
+        if kind == "input_json_delta":
+            index = _block_index(event, "content_block_delta")
+            call = self._tools.get(index)
+            if call is None:
+                raise malformed_body(f"input_json_delta for block {index}, not a tool_use block")
+            partial = req_str(delta.get("partial_json"), "content_block_delta.delta.partial_json")
+            return _new_chunk("", (ToolCallDelta(call, arguments=partial),), None, source, None)
+        return _new_chunk("", (), None, source, None)
+
+    def _block_start(self, event: dict[str, Any], source: str) -> ChatChunk:
+        block = req_obj(event.get("content_block"), "content_block_start.content_block")
+        kind = block.get("type")
+        if kind == "tool_use":
+            index = _block_index(event, "content_block_start")
+            call = self._tools.setdefault(index, len(self._tools))
+            delta = ToolCallDelta(
+                call,
+                id=req_str(block.get("id"), "content_block.id"),
+                name=req_str(block.get("name"), "content_block.name"),
+                arguments="",
+            )
+            return _new_chunk("", (delta,), None, source, None)
+        text = opt_str(block.get("text"), "content_block.text") if kind == "text" else None
+        return _new_chunk(text or "", (), None, source, None)
+
+    def _message_delta(self, event: dict[str, Any], source: str) -> ChatChunk:
+        delta = req_obj(event.get("delta") or {}, "message_delta.delta")
+        finish = finish_reason(opt_str(delta.get("stop_reason"), "message_delta.stop_reason"))
+        raw_usage = event.get("usage")
+        usage = None
+        if raw_usage is not None:
+            counts = req_obj(raw_usage, "message_delta.usage")
+            # Cumulative counts: the input ones, when present, replace those of message_start.
+            if counts.get("input_tokens") is not None:
+                self._input = opt_int(counts["input_tokens"], "message_delta.usage.input_tokens")
+            if counts.get("cache_creation_input_tokens") is not None:
+                self._cache_write = opt_int(
+                    counts["cache_creation_input_tokens"],
+                    "message_delta.usage.cache_creation_input_tokens",
+                )
+            if counts.get("cache_read_input_tokens") is not None:
+                self._cache_read = opt_int(
+                    counts["cache_read_input_tokens"],
+                    "message_delta.usage.cache_read_input_tokens",
+                )
+            prompt = self._input + self._cache_write + self._cache_read
+            completion = opt_int(counts.get("output_tokens"), "message_delta.usage.output_tokens")
+            usage = Usage(prompt, completion, prompt + completion)
+        return _new_chunk("", (), finish, source, usage)
