@@ -253,7 +253,9 @@ class EmbeddingClient(GovernedClient):
 
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> _Batch:
             on_admitted()
-            request = embedding_request(source, texts, params, timeout_s=ctx.timeout_s)
+            request = embedding_request(
+                source, texts, params, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+            )
             vectors, usage = parse_embedding_response(await transport.send(request), len(texts))
             ctx.usage = usage
             return _Batch(vectors, usage)

@@ -262,7 +262,9 @@ class OcrClient(GovernedClient):
 
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> _Read:
             if source.protocol == "vision_ocr":
-                request = vision_ocr.text_request(source, data, kind, timeout_s=ctx.timeout_s)
+                request = vision_ocr.text_request(
+                    source, data, kind, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+                )
                 parsed = parse_chat_response(await transport.send(request))
                 ctx.usage = parsed.usage
                 return _Read(parsed.text, (), "", parsed.raw)

@@ -11,7 +11,8 @@ can start calls and kill the process while they are in flight.
 
 Commands (``op``):
 
-- ``calls``: ``n`` chat calls, ``concurrency`` at a time; answers every call's record.
+- ``calls``: ``n`` chat calls, ``concurrency`` at a time (each bounded by
+  ``deadline_s`` when given); answers every call's record.
 - ``run``: calls from ``concurrency`` tasks from ``start_at`` (a ``time.monotonic()``
   value; default now) until ``duration_s`` later (no new call starts after that;
   calls under way finish); answers every call's record.
@@ -51,12 +52,12 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def _one_call(client: ChatClient) -> dict[str, Any]:
+async def _one_call(client: ChatClient, deadline_s: float | None = None) -> dict[str, Any]:
     """One governed chat call, recorded whatever its end."""
     started = time.monotonic()
     record: dict[str, Any] = {"started": started}
     try:
-        response = await client.complete(MESSAGES, max_tokens=8)
+        response = await client.complete(MESSAGES, max_tokens=8, deadline_s=deadline_s)
     except GatewayError as exc:
         record.update(
             ok=False,
@@ -75,13 +76,15 @@ async def _one_call(client: ChatClient) -> dict[str, Any]:
     return record
 
 
-async def _calls(client: ChatClient, n: int, concurrency: int) -> list[dict[str, Any]]:
-    """``n`` calls, at most ``concurrency`` at a time."""
+async def _calls(
+    client: ChatClient, n: int, concurrency: int, deadline_s: float | None = None
+) -> list[dict[str, Any]]:
+    """``n`` calls, at most ``concurrency`` at a time, each bounded by ``deadline_s`` if given."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated() -> dict[str, Any]:
         async with gate:
-            return await _one_call(client)
+            return await _one_call(client, deadline_s)
 
     return list(await asyncio.gather(*(gated() for _ in range(n))))
 
@@ -153,7 +156,9 @@ async def _serve(config: dict[str, Any]) -> None:
     async def answer_(command: dict[str, Any], answer: dict[str, Any]) -> None:
         op = command["op"]
         if op == "calls":
-            answer["records"] = await _calls(client, command["n"], command["concurrency"])
+            answer["records"] = await _calls(
+                client, command["n"], command["concurrency"], command.get("deadline_s")
+            )
         elif op == "run":
             start_at = command.get("start_at", time.monotonic())
             answer["records"] = await _run(

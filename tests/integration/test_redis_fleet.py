@@ -340,6 +340,28 @@ async def test_a_429_seen_by_one_process_paces_the_source_for_all(
         assert served_by(after) == {"a"}
 
 
+async def test_a_permanent_429_sees_one_probe_per_hint_across_the_fleet(
+    fleet_redis: Any, spawn: Spawn
+) -> None:
+    """Four processes, 10 calls each, 10 s against a 429-forever source: at most 6 requests."""
+    limited = FaultProfile(latency_s=0.01, rate_429=1.0, retry_after_s=2.0)
+    async with SimulatedUpstream({"a": limited}) as sim:
+        settings = fleet_settings(fleet_redis.url, [source(sim, "a")], poll_interval_s=0.5)
+        workers = await spawn(PROCESSES, settings)
+        # The first 429 teaches the fleet the hint.
+        taught = await workers[0].records("calls", n=1, concurrency=1, deadline_s=0.3)
+        assert taught[0]["reason"] == "deadline"
+        runs = await asyncio.gather(
+            *(w.records("calls", n=10, concurrency=10, deadline_s=10.0) for w in workers)
+        )
+        stats = sim.stats("a")
+    records = [r for run in runs for r in run]
+    assert all(r["reason"] == "deadline" for r in records)
+    # The teaching 429, then one probe per 2 s pause, fleet-wide: 6 at the very most.
+    assert stats.requests <= 6
+    assert stats.max_in_window(1.9) == 1
+
+
 async def test_a_breaker_tripped_by_one_process_is_open_for_all(
     fleet_redis: Any, spawn: Spawn
 ) -> None:

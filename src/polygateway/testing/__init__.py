@@ -5,7 +5,8 @@
 - ``FakeTimers``: virtual time for many concurrent sleepers, woken in deadline order;
   ``settle()`` lets the event loop run a few turns.
 - ``FakeTransport``: a scripted upstream (bodies, ``TransientError``, ``Hang``,
-  ``Delay``, ``Gate``, callables, ``StreamScript``) that records what it was sent.
+  ``Delay``, ``Gate``, callables, ``StreamScript``, ``WithHeaders``) that records what
+  it was sent.
 - ``Recorder``: an emitter that keeps every attempt record.
 - ``CountingBackend``: wraps a backend, counts its operations, can hold ``acquire``.
 - ``TransientError``: re-exported, to script failures.
@@ -37,6 +38,7 @@ from polygateway.testing.transport import (
     Outcome,
     ScriptExhausted,
     StreamScript,
+    WithHeaders,
 )
 from polygateway.transport.http import TransientError
 
@@ -55,6 +57,7 @@ __all__ = [
     "SleepBudgetExceeded",
     "StreamScript",
     "TransientError",
+    "WithHeaders",
     "chat_chunk_events",
     "chat_completion",
     "embedding_body",

@@ -45,6 +45,7 @@ from polygateway.transport.exchange import (
     check_opened,
     connect_limit,
     connect_timed_out,
+    deliver_hint,
     json_content,
     open_timed_out,
     phase_timed_out,
@@ -219,6 +220,8 @@ class AiohttpTransport:
             raise timeout_error("request timed out", request.source, request.timeout_s) from exc
         if not 200 <= status < 300:
             raise answer_error(status, headers, body, request, secrets_in(request.headers))
+        if request.on_hint is not None:
+            deliver_hint(request, headers)
         return parse_json_body(body, request.source)
 
     @asynccontextmanager
@@ -261,6 +264,8 @@ class AiohttpTransport:
                 raise _translate(exc, request, secrets) from exc
             except TimeoutError as exc:
                 raise open_timed_out(request, first_deadline, end) from exc
+            if request.on_hint is not None:
+                deliver_hint(request, response.headers)
             events = _AiohttpEvents(response, request, secrets, loop, first_deadline, end)
             # First out (LIFO): the stream's timer goes before the response closes.
             stack.callback(events.close)

@@ -39,6 +39,7 @@ from polygateway.transport.exchange import (
     check_opened,
     connect_limit,
     connect_timed_out,
+    deliver_hint,
     json_content,
     open_timed_out,
     phase_timed_out,
@@ -240,6 +241,8 @@ class HttpxTransport:
             raise answer_error(
                 response.status_code, response.headers, response.content, request, secrets
             )
+        if request.on_hint is not None:
+            deliver_hint(request, response.headers)
         return parse_json_body(response.content, request.source)
 
     @asynccontextmanager
@@ -282,6 +285,8 @@ class HttpxTransport:
                 raise open_timed_out(request, first_deadline, end) from exc
             except _HTTPX_FAILURES as exc:
                 raise _translate(exc, request, secrets) from exc
+            if request.on_hint is not None:
+                deliver_hint(request, response.headers)
             sse = source.aiter_sse()
             # LIFO: the event generator is closed before its response.
             stack.push_async_callback(sse.aclose)

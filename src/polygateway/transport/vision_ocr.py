@@ -12,7 +12,7 @@ import base64
 from typing import TYPE_CHECKING, Any, Final
 
 from polygateway.transport.files import FileKind, media_type_for
-from polygateway.transport.http import HttpRequest
+from polygateway.transport.http import HintSink, HttpRequest
 from polygateway.transport.openai import chat_request, parse_chat_response
 
 if TYPE_CHECKING:
@@ -44,7 +44,12 @@ def image_messages(data: bytes, kind: FileKind) -> list[dict[str, Any]]:
 
 
 def text_request(
-    source: SourceConfig, data: bytes, kind: FileKind, *, timeout_s: float
+    source: SourceConfig,
+    data: bytes,
+    kind: FileKind,
+    *,
+    timeout_s: float,
+    on_hint: HintSink | None = None,
 ) -> HttpRequest:
     """The chat completion request transcribing one image at ``source``.
 
@@ -52,7 +57,12 @@ def text_request(
         ValueError: for a PDF (the client must reject it before this point).
     """
     return chat_request(
-        source, image_messages(data, kind), _PARAMS, stream=False, timeout_s=timeout_s
+        source,
+        image_messages(data, kind),
+        _PARAMS,
+        stream=False,
+        timeout_s=timeout_s,
+        on_hint=on_hint,
     )
 
 
