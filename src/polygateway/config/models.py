@@ -48,6 +48,7 @@ _PROTOCOLS_BY_KIND: dict[str, tuple[str, ...]] = {
 # braces or colons in them would break the Redis hash tag or the key layout.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HEADER_NAME_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
 def config_problem(message: str, *, at: str = "") -> PydanticCustomError:
@@ -66,6 +67,8 @@ class SourceConfig(BaseModel):
     model: str = ""
     api_key_env: str | None = None
     api_key: SecretStr | None = None
+    api_key_header: str | None = None
+    query: dict[str, str] = Field(default_factory=dict)
     max_concurrency: PositiveInt = 8
     rpm: PositiveFloat | None = None
     rpm_burst: PositiveFloat | None = None
@@ -113,6 +116,27 @@ class SourceConfig(BaseModel):
                 "(letters, digits and '_'), not the key itself"
             )
         return value
+
+    @field_validator("api_key_header")
+    @classmethod
+    def _check_api_key_header(cls, value: str | None) -> str | None:
+        """A header name (Azure's ``api-key``); ``None`` keeps the protocol's own."""
+        if value is not None and not _HEADER_NAME_RE.match(value):
+            raise config_problem("api_key_header must be an HTTP header name, such as 'api-key'")
+        return value
+
+    @model_validator(mode="after")
+    def _check_key_header_clash(self) -> Self:
+        """The key's header is set from the environment; a fixed value beside it would clash."""
+        if self.api_key_header is not None:
+            for header in self.headers:
+                if header.strip().lower() == self.api_key_header.lower():
+                    raise config_problem(
+                        f"headers must not set {header!r}: it carries the key (api_key_header); "
+                        "name the variable holding the key with api_key_env",
+                        at=f".headers.{header}",
+                    )
+        return self
 
     @field_validator("headers")
     @classmethod

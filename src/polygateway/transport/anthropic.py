@@ -38,6 +38,7 @@ from polygateway.transport.http import HintSink, HttpRequest, TransientError, ex
 from polygateway.transport.openai import ParsedChat
 from polygateway.transport.wire import (
     endpoint,
+    key_header,
     malformed_body,
     opt_int,
     opt_str,
@@ -128,10 +129,9 @@ def _rejected(source: str, detail: str) -> TransientError:
 def _headers(source: SourceConfig) -> dict[str, str]:
     """Key, version and content type, then the source's own headers, which win by any case."""
     headers = {"Content-Type": _JSON, "anthropic-version": ANTHROPIC_VERSION}
-    if source.api_key is not None:
-        key = source.api_key.get_secret_value()
-        if key:
-            headers["x-api-key"] = key
+    key = key_header(source, "x-api-key")
+    if key is not None:
+        headers[key[0]] = key[1]
     if source.headers:
         # Names are case-insensitive: a source's "Anthropic-Version" replaces ours, not joins it.
         own = {name.lower() for name in source.headers}

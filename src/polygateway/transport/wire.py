@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from polygateway.transport.http import TransientError
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "endpoint",
     "json_target",
+    "key_header",
     "malformed_body",
     "opt_int",
     "opt_str",
@@ -30,23 +32,40 @@ __all__ = [
 
 
 def endpoint(source: SourceConfig, path: str) -> str:
-    """``base_url`` joined with ``path`` by exactly one slash."""
-    return source.base_url.rstrip("/") + "/" + path.lstrip("/")
+    """``base_url`` joined with ``path`` by exactly one slash, then the source's ``query``."""
+    url = source.base_url.rstrip("/") + "/" + path.lstrip("/")
+    if source.query:
+        url += "?" + urlencode(source.query)
+    return url
+
+
+def key_header(source: SourceConfig, default: str = "Authorization") -> tuple[str, str] | None:
+    """The header carrying the source's key, or ``None`` without a key.
+
+    The name is the source's ``api_key_header``, else the protocol's
+    ``default``; an ``Authorization`` header carries the key as a bearer
+    token, any other (Azure's ``api-key``, Anthropic's ``x-api-key``) bare.
+    """
+    if source.api_key is None:
+        return None
+    key = source.api_key.get_secret_value()
+    if not key:
+        return None
+    name = source.api_key_header or default
+    return name, (f"Bearer {key}" if name.lower() == "authorization" else key)
 
 
 def source_headers(source: SourceConfig, *, content_type: str | None = None) -> dict[str, str]:
-    """The headers of a request to ``source``: bearer key, content type, then its own extras.
+    """The headers of a request to ``source``: its key, content type, then its own extras.
 
-    The source's configured ``headers`` come last and win: a provider that
-    wants its key as ``api-key`` is served by configuration, not code.
+    The source's configured ``headers`` come last and win.
     """
     headers: dict[str, str] = {}
     if content_type is not None:
         headers["Content-Type"] = content_type
-    if source.api_key is not None:
-        key = source.api_key.get_secret_value()
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
+    key = key_header(source)
+    if key is not None:
+        headers[key[0]] = key[1]
     headers.update(source.headers)
     return headers
 
