@@ -11,6 +11,7 @@ import base64
 import email.utils
 import json
 import logging
+import statistics
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -74,15 +75,20 @@ async def test_chat_completion_has_openai_shape_and_usage(client: httpx.AsyncCli
 
 
 async def test_zero_latency_answers_take_about_a_millisecond(client: httpx.AsyncClient) -> None:
-    """Sequential answers are not held back by Nagle's algorithm (about 40 ms each if they were)."""
+    """Sequential answers are not held back by Nagle's algorithm (40 ms or more each if they were).
+
+    The median of 20, not their sum: a few answers slowed by a loaded machine
+    do not fail it, while Nagle's delay would slow every one of them.
+    """
     async with SimulatedUpstream({"a": PROFILES["zero_latency"]}) as sim:
         url = f"{sim.base_url('a')}/embeddings"
         await client.post(url, json={"input": "warm up"})
-        started = time.monotonic()
+        took = []
         for _ in range(20):
+            started = time.monotonic()
             await client.post(url, json={"input": "x"})
-        elapsed = time.monotonic() - started
-    assert elapsed < 0.6
+            took.append(time.monotonic() - started)
+    assert statistics.median(took) < 0.03, sorted(took)
 
 
 async def test_request_with_tools_answers_one_tool_call(client: httpx.AsyncClient) -> None:
@@ -348,16 +354,20 @@ async def test_truncated_stream_ends_without_finish_reason_or_done(
 
 
 async def test_slow_first_token_delays_the_first_chunk(client: httpx.AsyncClient) -> None:
-    """ttft_s delays the first chunk after the headers by about that long."""
+    """ttft_s delays the first content chunk; the role chunk goes at once, as OpenAI's does."""
     async with SimulatedUpstream({"a": FaultProfile(ttft_s=0.4)}) as sim:
         url = f"{sim.base_url('a')}/chat/completions"
         async with client.stream("POST", url, json={**CHAT, "stream": True}) as r:
             headers_at = time.monotonic()
-            lines = r.aiter_lines()
+            lines = (line async for line in r.aiter_lines() if line)
             first = await anext(lines)
+            role_after = time.monotonic() - headers_at
+            content = await anext(lines)
             ttft = time.monotonic() - headers_at
             rest = [line async for line in lines]
-    assert first.startswith("data: ")
+    assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role_after < 0.2
+    assert json.loads(content[6:])["choices"][0]["delta"]["content"]
     assert ttft >= 0.4 * 0.8
     assert "data: [DONE]" in rest
 

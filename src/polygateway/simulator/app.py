@@ -1,38 +1,55 @@
-"""The simulated upstream as an ASGI app: OpenAI and MonkeyOCR routes per source, with faults.
+"""The simulated upstream as an ASGI app: each source imitates a provider's wire, with faults.
 
-Every source lives under its own path prefix (``/{source}/v1/chat/completions``,
-``/{source}/v1/embeddings``, ``/{source}/ocr/text``, ``/{source}/parse``). A
-request is read and validated (400 like the real service), then admitted by
-the source's server-side limits (429 like a real provider), then plays at
-most one random fault drawn from the source's seeded generator, then waits
-its latency and answers.
+Every source lives under its own path prefix. Its ``wire`` decides which
+routes it serves and how every answer looks:
 
-Faults on the wire:
+- ``openai``, ``litellm``, ``vllm``: ``/{source}/v1/chat/completions`` and
+  ``/{source}/v1/embeddings``;
+- ``azure``: ``/{source}/openai/deployments/{deployment}/chat/completions``
+  and ``.../embeddings``, with a required ``api-version`` query parameter;
+- ``anthropic``: ``/{source}/v1/messages`` (``x-api-key`` and
+  ``anthropic-version`` required, ``max_tokens`` required);
+- every source: MonkeyOCR's ``/{source}/ocr/text`` and ``/{source}/parse``.
 
-- ``429`` / ``5xx``: an error status with a JSON error body (429 carries Retry-After).
+A request is checked at the gate (route, ``api-version``, key headers: 401 /
+404 like the real service), read and validated (400), then admitted by the
+source's server-side limits (429 with the wire's headers), then plays at most
+one random fault drawn from the source's seeded generator, then waits its
+latency and answers. Every answer of a limited source carries the wire's
+rate-limit headers (research-wiki/guides/providers.md lists them).
+
+Faults on the wire, in every wire's shapes:
+
+- ``429`` / ``5xx``: an error status with the wire's error body (429 carries
+  Retry-After; a 5xx too when ``retry_after_on_5xx``).
 - ``hang``: no answer until ``hang_s`` passes, the client leaves, or the server shuts down.
 - ``reset``: the headers and half the body, then the connection is dropped. The app
   raises ``InjectedReset`` after starting the response, and uvicorn closes the
   transport: a client sees ``httpx.RemoteProtocolError`` (body shorter than its
   Content-Length, or a chunked stream cut short).
-- ``malformed`` / ``error_body``: a 200 whose body is not JSON, or is an error object.
-- ``truncate``: a stream that stops cleanly halfway, without finish_reason and ``[DONE]``.
+- ``malformed`` / ``error_body``: a 200 whose body is not JSON, or is an error
+  object; in a stream, an event that is not JSON, or an error event (in band
+  after some content on the ``anthropic`` and ``litellm`` wires, before any
+  content on the others).
+- ``truncate``: a stream that stops cleanly halfway, without its finish events.
 
-Streams are written with Starlette's ``StreamingResponse`` rather than
-sse-starlette: sse-starlette starts a process-wide shutdown watcher task that
-outlives the server, and an embedded simulator must leave no task behind.
+A stream sends what the provider sends at once (the OpenAI role chunk;
+Anthropic's ``message_start``, ``content_block_start`` and ``ping``), then
+waits ``ttft_s`` (on the ``vllm`` wire with ``: keep-alive`` comments), then
+the content. Streams are written with Starlette's ``StreamingResponse``
+rather than sse-starlette: sse-starlette starts a process-wide shutdown
+watcher task that outlives the server, and an embedded simulator must leave
+no task behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
+import hmac
 import json
 import logging
-import math
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from email.message import Message
@@ -47,18 +64,39 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from polygateway.simulator.limits import RateState, SlidingWindow
 from polygateway.simulator.payloads import (
     OCR_SUFFIXES,
     ChatReply,
+    StreamPlan,
+    anthropic_events,
+    anthropic_message,
     chat_chunks,
     chat_completion,
     chat_reply,
     embeddings_response,
+    input_tokens,
     ocr_text_response,
     parse_response,
 )
-from polygateway.simulator.profiles import Fault, FaultProfile
+from polygateway.simulator.profiles import Fault, FaultProfile, Wire
 from polygateway.simulator.stats import Outcome, SourceRecorder
+from polygateway.simulator.wires import (
+    DONE,
+    KEEPALIVE,
+    OPENAI_SHAPED,
+    Style,
+    back_off_headers,
+    error_in_200,
+    error_response,
+    forwarded,
+    malformed_body,
+    malformed_event,
+    mid_stream_errors,
+    rate_limit_headers,
+    sse,
+    stream_error,
+)
 
 __all__ = [
     "InjectedReset",
@@ -67,14 +105,25 @@ __all__ = [
     "build_app",
 ]
 
-_Style = Literal["openai", "monkey_ocr"]
+_Family = Literal["openai", "azure", "anthropic", "monkey_ocr"]
+"""Which provider's routes an endpoint belongs to."""
+
+_FAMILY_WIRES: Mapping[_Family, frozenset[Wire]] = {
+    "openai": frozenset({"openai", "litellm", "vllm"}),
+    "azure": frozenset({"azure"}),
+    "anthropic": frozenset({"anthropic"}),
+}
 _STREAM_OUTCOMES: dict[Fault | None, Outcome] = {
     "reset": "reset",
     "truncate": "truncated",
     "malformed": "malformed",
     "error_body": "error_body",
 }
-_MALFORMED = b'{"id": "sim-malformed", "object": "chat.completion", "choices": [{"index": 0,'
+_AZURE_DENIED = (
+    "Access denied due to invalid subscription key or wrong API endpoint. Make sure to "
+    "provide a valid key for an active subscription and use a correct regional API "
+    "endpoint for your resource."
+)
 
 
 class InjectedReset(Exception):
@@ -98,7 +147,8 @@ class _Source:
     profile: FaultProfile
     rng: random.Random
     recorder: SourceRecorder
-    window: deque[float] = field(default_factory=deque)
+    requests: SlidingWindow = field(default_factory=SlidingWindow)
+    tokens: SlidingWindow = field(default_factory=SlidingWindow)
     admitted: int = 0
     served: int = 0
 
@@ -120,6 +170,17 @@ class _Source:
             0.0,
             self.rng.uniform(p.latency_s - p.latency_jitter_s, p.latency_s + p.latency_jitter_s),
         )
+
+    def rate(self, now: float) -> RateState:
+        """What this source's server-side limits report at ``now``."""
+        profile = self.profile
+        requests = tokens = None
+        if (window := profile.request_window()) is not None:
+            limit, span = window
+            requests = self.requests.quota(limit, now, span)
+        if profile.token_limit is not None:
+            tokens = self.tokens.quota(profile.token_limit, now, profile.token_window_s)
+        return RateState(requests, tokens)
 
 
 class SimulatorState:
@@ -195,30 +256,6 @@ async def _until_disconnected(receive: Receive) -> None:
             return
 
 
-def _error(
-    style: _Style, status: int, message: str, headers: Mapping[str, str] | None = None
-) -> Response:
-    """An error answer in the route's own shape: OpenAI's error object or FastAPI's detail."""
-    body: dict[str, Any]
-    if style == "openai":
-        kind, code = ("server_error", None) if status >= 500 else ("invalid_request_error", None)
-        if status == 429:
-            kind = code = "rate_limit_exceeded"
-        body = {"error": {"message": message, "type": kind, "code": code}}
-    else:
-        body = {"detail": message}
-    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
-
-
-def _retry_after(seconds: float, style: str) -> dict[str, str]:
-    """Retry-After in the profile's style, plus OpenAI's ``retry-after-ms``."""
-    if style == "http-date":
-        value = email.utils.formatdate(time.time() + seconds, usegmt=True)  # edge: wall clock
-    else:
-        value = str(max(0, math.ceil(seconds)))
-    return {"retry-after": value, "retry-after-ms": str(round(seconds * 1000))}
-
-
 class _ResetResponse(Response):
     """Headers announcing the whole body, half of it, then a dropped connection."""
 
@@ -246,21 +283,16 @@ class _Gone(Response):
 
 @dataclass(slots=True)
 class _Job:
-    """A validated request: how to answer it well, and how its error body looks."""
+    """A validated request: how to answer it well, how its error body looks, what it costs."""
 
     build: Callable[[], dict[str, Any]]
     error_body: dict[str, Any]
-    reply: ChatReply | None = None
-    include_usage: bool = False
+    plan: StreamPlan | None = None
+    reply_id: str = ""
+    tokens: int = 0
 
 
 _Parser = Callable[[Request, bytes, _Source], Awaitable[_Job | Response]]
-
-
-def _sse(obj: Any) -> bytes:
-    """One SSE event carrying JSON (or the ``[DONE]`` sentinel when given a str)."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 def _json_body(body: bytes) -> dict[str, Any] | None:
@@ -272,33 +304,113 @@ def _json_body(body: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | Response:
-    """Validate a chat completion request and prepare its reply."""
-    data = _json_body(body)
-    if data is None or not isinstance(data.get("messages"), list) or not data["messages"]:
-        return _error("openai", 400, "'messages' must be a non-empty list")
+def _same(given: str | None, expected: str) -> bool:
+    """Whether a presented key is the expected one, compared in constant time."""
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _gate(request: Request, family: _Family, profile: FaultProfile) -> Response | None:
+    """What the provider refuses before reading the body: wrong route, version or key."""
+    wire = profile.wire
+    if wire not in _FAMILY_WIRES[family]:
+        message = (
+            "Resource not found" if wire == "azure" else f"no {request.url.path} on a {wire} source"
+        )
+        return error_response(wire, 404, message)
+    if wire == "azure" and not request.query_params.get("api-version"):
+        # Azure answers a request without api-version as a route it does not know.
+        return error_response(wire, 404, "Resource not found")
+    headers, key = request.headers, profile.api_key
+    if wire == "anthropic":
+        given = headers.get("x-api-key")
+        if not given:
+            return error_response(wire, 401, "x-api-key header is required")
+        if key is not None and not _same(given, key):
+            return error_response(wire, 401, "invalid x-api-key")
+        if not headers.get("anthropic-version"):
+            return error_response(wire, 400, "anthropic-version: header is required")
+        return None
+    if key is None:
+        return None
+    if wire == "azure":
+        return (
+            None if _same(headers.get("api-key"), key) else error_response(wire, 401, _AZURE_DENIED)
+        )
+    authorization = headers.get("authorization")
+    if _same(authorization, f"Bearer {key}"):
+        return None
+    if authorization is None:
+        return error_response(wire, 401, "You didn't provide an API key.")
+    return error_response(wire, 401, "Incorrect API key provided.")
+
+
+def _reply(data: Mapping[str, Any], source: _Source) -> ChatReply:
+    """The reply to a valid chat request, numbered in the source's sequence."""
     source.served += 1
-    stream = bool(data.get("stream"))
-    options = data.get("stream_options")
-    reply = chat_reply(
+    return chat_reply(
         data,
         source=source.name,
         request_no=source.served,
         created=int(time.time()),  # edge: wall clock, as OpenAI's ``created``
         min_words=source.profile.stream_chunks,
     )
+
+
+async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | Response:
+    """Validate a chat completion request (OpenAI-shaped wires) and prepare its reply."""
+    wire = source.profile.wire
+    data = _json_body(body)
+    if data is None or not isinstance(data.get("messages"), list) or not data["messages"]:
+        return error_response(wire, 400, "'messages' must be a non-empty list")
+    deployment = request.path_params.get("deployment")
+    if deployment and not isinstance(data.get("model"), str):
+        # Azure names the model by its deployment, in the path.
+        data = {**data, "model": deployment}
+    reply = _reply(data, source)
+    plan = None
+    if data.get("stream"):
+        options = data.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        plan = chat_chunks(reply, chunks=source.profile.stream_chunks, include_usage=include_usage)
     return _Job(
         build=lambda: chat_completion(reply),
-        error_body={
-            "error": {"message": "simulated upstream error", "type": "server_error", "code": None}
-        },
-        reply=reply if stream else None,
-        include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        error_body=error_in_200(wire),
+        plan=plan,
+        reply_id=reply.id,
+        tokens=reply.total_tokens,
+    )
+
+
+async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Job | Response:
+    """Validate an Anthropic Messages request (``max_tokens`` required) and prepare its reply."""
+    data = _json_body(body)
+    if data is None:
+        return error_response("anthropic", 400, "the request body is not a JSON object")
+    if not isinstance(data.get("messages"), list) or not data["messages"]:
+        return error_response("anthropic", 400, "messages: Field required")
+    max_tokens = data.get("max_tokens")
+    if max_tokens is None:
+        return error_response("anthropic", 400, "max_tokens: Field required")
+    if type(max_tokens) is not int or max_tokens < 1:
+        return error_response(
+            "anthropic", 400, "max_tokens: Input should be a valid integer greater than 0"
+        )
+    reply = _reply(data, source)
+    plan = (
+        anthropic_events(reply, chunks=source.profile.stream_chunks) if data.get("stream") else None
+    )
+    return _Job(
+        build=lambda: anthropic_message(reply),
+        error_body=error_in_200("anthropic"),
+        plan=plan,
+        reply_id=reply.id,
+        tokens=reply.total_tokens,
     )
 
 
 async def _parse_embeddings(request: Request, body: bytes, source: _Source) -> _Job | Response:
     """Validate an embeddings request (a string or a non-empty list of strings)."""
+    wire = source.profile.wire
     data = _json_body(body)
     raw = data.get("input") if data is not None else None
     inputs = [raw] if isinstance(raw, str) else raw
@@ -307,18 +419,19 @@ async def _parse_embeddings(request: Request, body: bytes, source: _Source) -> _
         or not inputs
         or not all(isinstance(t, str) and t for t in inputs)
     ):
-        return _error(
-            "openai", 400, "'input' must be a non-empty string or list of non-empty strings"
+        return error_response(
+            wire, 400, "'input' must be a non-empty string or list of non-empty strings"
         )
     assert data is not None  # for mypy: a valid input came from a body
-    model = data.get("model") if isinstance(data.get("model"), str) else "sim-embedding"
+    model = data.get("model")
+    if not isinstance(model, str):
+        model = request.path_params.get("deployment") or "sim-embedding"
     fmt = data.get("encoding_format") or "float"
     dim = source.profile.embedding_dim
     return _Job(
         build=lambda: embeddings_response(inputs, model=str(model), dim=dim, encoding_format=fmt),
-        error_body={
-            "error": {"message": "simulated upstream error", "type": "server_error", "code": None}
-        },
+        error_body=error_in_200(wire),
+        tokens=input_tokens(inputs),
     )
 
 
@@ -349,12 +462,14 @@ def _ocr_parser(task: Literal["text", "parse"]) -> _Parser:
     async def parse(request: Request, body: bytes, source: _Source) -> _Job | Response:
         upload = _multipart_file(request, body)
         if upload is None:
-            return _error("monkey_ocr", 422, "field 'file' is required (multipart/form-data)")
+            return error_response(
+                "monkey_ocr", 422, "field 'file' is required (multipart/form-data)"
+            )
         filename, data = upload
         suffix = PurePosixPath(filename).suffix.lower()
         if suffix not in OCR_SUFFIXES:
             allowed = ", ".join(sorted(OCR_SUFFIXES))
-            return _error(
+            return error_response(
                 "monkey_ocr", 400, f"Unsupported file type: {suffix!r}. Allowed: {allowed}"
             )
         if task == "text":
@@ -376,16 +491,48 @@ def _ocr_parser(task: Literal["text", "parse"]) -> _Parser:
     return parse
 
 
+async def _first_token_wait(state: SimulatorState, profile: FaultProfile) -> AsyncIterator[bytes]:
+    """Wait out ``ttft_s``; on the ``vllm`` wire, say ``: keep-alive`` while waiting.
+
+    A comment goes out after every ``keepalive_s`` of silence, and one just
+    before the first content if the wait was shorter. Ends early at shutdown
+    (the caller checks ``state.closing``).
+    """
+    left = profile.ttft_s
+    if profile.wire != "vllm":
+        await state.pause(left)
+        return
+    said = False
+    while left > profile.keepalive_s:
+        if await state.pause(profile.keepalive_s):
+            return
+        left -= profile.keepalive_s
+        said = True
+        yield KEEPALIVE
+    if await state.pause(left):
+        return
+    if not said:
+        yield KEEPALIVE
+
+
 class _Endpoint:
-    """One route of every source: validate, admit, play the fault, answer, record."""
+    """One route of every source: gate, validate, admit, play the fault, answer, record."""
 
-    __slots__ = ("parse", "route", "state", "style")
+    __slots__ = ("family", "parse", "route", "state")
 
-    def __init__(self, state: SimulatorState, route: str, style: _Style, parse: _Parser) -> None:
+    def __init__(self, state: SimulatorState, route: str, family: _Family, parse: _Parser) -> None:
         self.state = state
         self.route = route
-        self.style: _Style = style
+        self.family: _Family = family
         self.parse = parse
+
+    def _style(self, source: _Source | None) -> Style:
+        """The shape of this route's answers: MonkeyOCR's, else the source's wire."""
+        if self.family == "monkey_ocr":
+            return "monkey_ocr"
+        if source is None:
+            return self.family
+        return source.profile.wire
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one request; the source's open-request count covers the whole response."""
@@ -393,8 +540,11 @@ class _Endpoint:
         source = self.state.sources.get(request.path_params["source"])
         if source is None:
             unknown = request.path_params["source"]
-            await _error(self.style, 404, f"unknown source {unknown!r}")(scope, receive, send)
+            await error_response(self._style(None), 404, f"unknown source {unknown!r}")(
+                scope, receive, send
+            )
             return
+        style = self._style(source)
         recorder = source.recorder
         admitted = False
         route = self.route
@@ -402,137 +552,206 @@ class _Endpoint:
             body = await request.body()
         except ClientDisconnect:
             return  # the client left while sending its request: nothing to answer
-        job = await self.parse(request, body, source)
-        if isinstance(job, _Job) and job.reply is not None:
-            route = "chat_stream"
+        job: _Job | Response | None = None
+        if self.family != "monkey_ocr":
+            job = _gate(request, self.family, source.profile)
+        if job is None:
+            job = await self.parse(request, body, source)
+        if isinstance(job, _Job) and job.plan is not None:
+            route = f"{route}_stream"
         recorder.arrive(route)
         try:
             if isinstance(job, Response):
                 recorder.finish("bad_request", job.status_code)
                 response = job
-            elif (refusal := self._admit(source)) is not None:
-                response = refusal
             else:
-                admitted = True
-                response = await self._play(request, source, job)
+                refusal, headers = self._admit(source, job, style)
+                if refusal is not None:
+                    response = refusal
+                else:
+                    admitted = True
+                    response = await self._play(request, source, job, style, headers)
             await response(scope, receive, send)
         finally:
             if admitted:
                 source.admitted -= 1
             recorder.leave()
 
-    def _admit(self, source: _Source) -> Response | None:
-        """Apply the server-side limits; a 429 when one is exceeded, else take a place."""
-        profile, recorder = source.profile, source.recorder
-        if profile.max_concurrency is not None and source.admitted >= profile.max_concurrency:
-            recorder.limits_hit["concurrency"] += 1
-            recorder.finish("429", 429)
-            return _error(self.style, 429, "too many concurrent requests", {"retry-after": "1"})
-        now = self.state.now()
-        window = source.window
-        while window and window[0] <= now - 60.0:
-            window.popleft()
-        if profile.rpm_limit is not None and len(window) >= profile.rpm_limit:
-            recorder.limits_hit["rpm"] += 1
-            recorder.finish("429", 429)
-            wait = window[0] + 60.0 - now
-            headers = {
-                "retry-after": str(max(1, math.ceil(wait))),
-                "retry-after-ms": str(round(wait * 1000)),
-            }
-            return _error(self.style, 429, "rate limit reached: requests per minute", headers)
-        window.append(now)
-        source.admitted += 1
-        return None
+    def _out(self, source: _Source, style: Style, headers: Mapping[str, str]) -> dict[str, str]:
+        """The headers as the source's wire returns them (LiteLLM's forwarded copies)."""
+        if style == "monkey_ocr":
+            return dict(headers)
+        return forwarded(source.profile.wire, headers)
 
-    async def _play(self, request: Request, source: _Source, job: _Job) -> Response:
+    def _rate_headers(self, source: _Source, style: Style, now: float) -> dict[str, str]:
+        """The wire's rate-limit headers of a source at ``now`` (none on OCR routes)."""
+        if style == "monkey_ocr":
+            return {}
+        wall = time.time()  # edge: Anthropic's resets are wall-clock times
+        return rate_limit_headers(source.profile.wire, source.rate(now), wall)
+
+    def _admit(
+        self, source: _Source, job: _Job, style: Style
+    ) -> tuple[Response | None, dict[str, str]]:
+        """Apply the server-side limits: a 429 when one is exceeded, else take a place.
+
+        Returns the refusal (or None) and the rate-limit headers every answer
+        to this request carries, counted after this request.
+        """
+        profile, recorder = source.profile, source.recorder
+        wire = profile.wire
+        now = self.state.now()
+
+        def refuse(cause: str, wait_s: float, message: str, kind: str | None = None) -> Response:
+            recorder.limits_hit[cause] += 1
+            recorder.finish("429", 429)
+            headers = self._rate_headers(source, style, now)
+            headers |= back_off_headers(wire, wait_s, floor_s=1)
+            return error_response(style, 429, message, self._out(source, style, headers), kind=kind)
+
+        if profile.max_concurrency is not None and source.admitted >= profile.max_concurrency:
+            return refuse("concurrency", 1.0, "too many concurrent requests"), {}
+        if (window := profile.request_window()) is not None:
+            limit, span = window
+            wait = source.requests.wait_for(1, limit, now, span)
+            if wait > 0:
+                cause = "rpm" if profile.rpm_limit is not None else "requests"
+                return refuse(cause, wait, "rate limit reached for requests", "requests"), {}
+        if profile.token_limit is not None:
+            wait = source.tokens.wait_for(
+                job.tokens, profile.token_limit, now, profile.token_window_s
+            )
+            if wait > 0:
+                return refuse("tokens", wait, "rate limit reached for tokens", "tokens"), {}
+        # Only a limited quantity is logged: an unlimited one would grow without end.
+        if window is not None:
+            source.requests.spend(now, 1)
+        if profile.token_limit is not None:
+            source.tokens.spend(now, job.tokens)
+        source.admitted += 1
+        return None, self._rate_headers(source, style, now)
+
+    async def _play(
+        self, request: Request, source: _Source, job: _Job, style: Style, headers: dict[str, str]
+    ) -> Response:
         """Play this request's random fault, or answer it well."""
         profile, recorder = source.profile, source.recorder
+        wire = profile.wire
         fault = source.draw()
         if fault == "429":
             recorder.limits_hit["random"] += 1
             recorder.finish("429", 429)
-            headers = {}
             if profile.retry_after_s is not None:
-                headers = _retry_after(profile.retry_after_s, profile.retry_after_style)
-            return _error(self.style, 429, "rate limit reached", headers)
+                headers = headers | back_off_headers(
+                    wire, profile.retry_after_s, style=profile.retry_after_style
+                )
+            return error_response(
+                style, 429, "rate limit reached", self._out(source, style, headers)
+            )
         if await self.state.pause(source.latency()):
-            return self._shutting_down(source)
+            return self._shutting_down(source, style)
         hung = fault == "hang"
         if hung:
             recorder.finish("hang")
             ended = await self.state.hold(request.receive, profile.hang_s)
             if ended == "closing":
-                return self._shutting_down(source, record=False)
+                return self._shutting_down(source, style, record=False)
             if ended == "gone":
                 return _Gone()
             # A hang that outlived ``hang_s`` was a very slow answer after all.
             fault = None
+        out = self._out(source, style, headers)
         if fault == "5xx":
             status = source.rng.choice(profile.statuses_5xx)
             recorder.finish("5xx", status)
-            return _error(self.style, status, "simulated upstream error")
-        if job.reply is not None:
-            return self._stream(source, job, fault, record=not hung)
+            if profile.retry_after_on_5xx and profile.retry_after_s is not None:
+                back_off = back_off_headers(
+                    wire, profile.retry_after_s, style=profile.retry_after_style
+                )
+                out = self._out(source, style, headers | back_off)
+            message = "Overloaded" if status == 529 else "simulated upstream error"
+            return error_response(style, status, message, out)
+        if job.plan is not None:
+            return self._stream(source, job, fault, record=not hung, headers=out)
         if fault == "malformed":
             recorder.finish("malformed", 200)
-            return Response(_MALFORMED, media_type="application/json")
+            return Response(malformed_body(style), media_type="application/json", headers=out)
         if fault == "error_body":
             recorder.finish("error_body", 200)
-            return JSONResponse(job.error_body)
+            return JSONResponse(job.error_body, headers=out)
         if fault == "reset":
             recorder.finish("reset", 200)
-            return _ResetResponse(json.dumps(job.build()).encode(), media_type="application/json")
+            return _ResetResponse(
+                json.dumps(job.build()).encode(), media_type="application/json", headers=out
+            )
         if hung:
             recorder.by_status[200] += 1
         else:
             recorder.finish("ok", 200)
-        return JSONResponse(job.build())
+        return JSONResponse(job.build(), headers=out)
 
-    def _shutting_down(self, source: _Source, *, record: bool = True) -> Response:
+    def _shutting_down(self, source: _Source, style: Style, *, record: bool = True) -> Response:
         """The answer to a request still waiting when the server stops."""
         if record:
             source.recorder.finish("shutdown", 503)
         else:
             source.recorder.by_status[503] += 1
-        return _error(self.style, 503, "simulator shutting down", {"connection": "close"})
+        return error_response(style, 503, "simulator shutting down", {"connection": "close"})
 
-    def _stream(self, source: _Source, job: _Job, fault: Fault | None, *, record: bool) -> Response:
-        """An SSE chat stream, cut short or broken when the fault says so."""
+    def _stream(
+        self,
+        source: _Source,
+        job: _Job,
+        fault: Fault | None,
+        *,
+        record: bool,
+        headers: Mapping[str, str],
+    ) -> Response:
+        """A stream in the wire's events, cut short or broken when the fault says so."""
         profile, recorder = source.profile, source.recorder
-        reply = job.reply
-        assert reply is not None  # only chat jobs that asked for a stream come here
+        plan = job.plan
+        assert plan is not None  # only jobs that asked for a stream come here
         if record:
             recorder.finish(_STREAM_OUTCOMES.get(fault, "ok"), 200)
         else:
             recorder.by_status[200] += 1
-        events = chat_chunks(reply, chunks=profile.stream_chunks, include_usage=job.include_usage)
+        wire = profile.wire
         state = self.state
+        # A broken stream stops halfway through its content, never before the first of it.
+        cut = max(1, len(plan.body) // 2)
+        broken = fault in ("reset", "truncate") or (
+            fault == "error_body" and mid_stream_errors(wire)
+        )
+        events = plan.body[:cut] if broken else plan.body + plan.tail
 
         async def body() -> AsyncIterator[bytes]:
-            if await state.pause(profile.ttft_s):
+            for event in plan.head:
+                yield sse(event)
+            async for comment in _first_token_wait(state, profile):
+                yield comment
+            if state.closing.is_set():
                 return
             if fault == "malformed":
-                yield b'data: {"id": "' + reply.id.encode() + b'", "choices": [\n\n'
+                yield malformed_event(wire, job.reply_id)
                 return
-            if fault == "error_body":
-                yield _sse(
-                    {"error": {"message": "simulated upstream error", "type": "server_error"}}
-                )
+            if fault == "error_body" and not broken:
+                yield sse(stream_error(wire))
                 return
-            # A broken stream stops halfway through its content, never before the first chunk.
-            stop = max(2, len(events) // 2) if fault in ("reset", "truncate") else len(events)
-            for i, event in enumerate(events[:stop]):
+            for i, event in enumerate(events):
                 if i and await state.pause(profile.chunk_interval_s):
                     return
-                yield _sse(event)
+                yield sse(event)
             if fault == "reset":
                 raise InjectedReset("simulated connection reset mid-stream")
-            if fault != "truncate":
-                yield _sse("[DONE]")
+            if fault == "error_body":
+                yield sse(stream_error(wire))
+            elif fault != "truncate" and wire in OPENAI_SHAPED:
+                yield sse(DONE)
 
         return StreamingResponse(
-            body(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            body(),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", **headers},
         )
 
 
@@ -540,12 +759,19 @@ def build_app(state: SimulatorState) -> Starlette:
     """The ASGI app serving every source of ``state``."""
     chat = _Endpoint(state, "chat", "openai", _parse_chat)
     embeddings = _Endpoint(state, "embeddings", "openai", _parse_embeddings)
+    azure_chat = _Endpoint(state, "chat", "azure", _parse_chat)
+    azure_embeddings = _Endpoint(state, "embeddings", "azure", _parse_embeddings)
+    messages = _Endpoint(state, "chat", "anthropic", _parse_messages)
     ocr_text = _Endpoint(state, "ocr_text", "monkey_ocr", _ocr_parser("text"))
     parse = _Endpoint(state, "parse", "monkey_ocr", _ocr_parser("parse"))
+    deployment = "/{source}/openai/deployments/{deployment}"
     return Starlette(
         routes=[
             Route("/{source}/v1/chat/completions", chat, methods=["POST"]),
             Route("/{source}/v1/embeddings", embeddings, methods=["POST"]),
+            Route(f"{deployment}/chat/completions", azure_chat, methods=["POST"]),
+            Route(f"{deployment}/embeddings", azure_embeddings, methods=["POST"]),
+            Route("/{source}/v1/messages", messages, methods=["POST"]),
             Route("/{source}/ocr/text", ocr_text, methods=["POST"]),
             Route("/{source}/parse", parse, methods=["POST"]),
         ]

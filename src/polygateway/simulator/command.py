@@ -1,7 +1,8 @@
 """The simulator's command line: ``polygateway simulate`` (``cli.py`` delegates to ``main``).
 
 Serves until SIGINT / SIGTERM (or ``--duration`` seconds), then prints what
-each source saw.
+each source saw. ``--wire`` makes every source imitate one provider
+(``openai``, ``azure``, ``anthropic``, ``litellm``, ``vllm``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 
-from polygateway.simulator.profiles import PROFILES, FaultProfile, get_profile
+from polygateway.simulator.profiles import PROFILES, WIRES, FaultProfile, Wire, get_profile
 from polygateway.simulator.server import SimulatedUpstream
 from polygateway.simulator.stats import format_stats
 
@@ -27,7 +28,7 @@ def build_parser(prog: str = "polygateway simulate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Serve a fault-injecting simulated upstream "
-        "(OpenAI chat and embeddings, MonkeyOCR).",
+        "(OpenAI, Azure OpenAI, Anthropic, LiteLLM or vLLM wire; MonkeyOCR).",
     )
     parser.add_argument(
         "--profile",
@@ -42,6 +43,12 @@ def build_parser(prog: str = "polygateway simulate") -> argparse.ArgumentParser:
         metavar="NAME=PROFILE",
         help="a source with its own profile; repeatable, added to --sources",
     )
+    parser.add_argument(
+        "--wire",
+        default="openai",
+        choices=WIRES,
+        help="the provider every source imitates on the wire (default openai)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: a free one)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault dice (default 0)")
@@ -52,8 +59,13 @@ def build_parser(prog: str = "polygateway simulate") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_sources(profile: str, names: str, extra: Sequence[str]) -> dict[str, FaultProfile]:
-    """The sources the command line asks for: ``names`` share ``profile``, ``extra`` say theirs."""
+def parse_sources(
+    profile: str, names: str, extra: Sequence[str], wire: Wire = "openai"
+) -> dict[str, FaultProfile]:
+    """The sources the command line asks for: ``names`` share ``profile``, ``extra`` say theirs.
+
+    Every source speaks ``wire``.
+    """
     sources = {n.strip(): get_profile(profile) for n in names.split(",") if n.strip()}
     for item in extra:
         name, sep, prof = item.partition("=")
@@ -62,7 +74,28 @@ def parse_sources(profile: str, names: str, extra: Sequence[str]) -> dict[str, F
         sources[name.strip()] = get_profile(prof.strip())
     if not sources:
         raise ValueError("no source to simulate")
-    return sources
+    return {name: replace(p, wire=wire) for name, p in sources.items()}
+
+
+def _describe(sim: SimulatedUpstream, name: str, profile: FaultProfile) -> str:
+    """One line naming a source, its profile, its wire and the URLs a client configures."""
+    kind = next(
+        (k for k, p in PROFILES.items() if replace(p, wire=profile.wire) == profile), "custom"
+    )
+    ocr = sim.base_url(name, "monkey_ocr")
+    wire = profile.wire
+    if wire == "openai":
+        return f"  {name} ({kind}): {sim.base_url(name)}  ocr: {ocr}"
+    if wire == "anthropic":
+        where = f"{sim.base_url(name, 'anthropic')}/messages"
+    elif wire == "azure":
+        where = (
+            f"{sim.base_url(name, 'azure', deployment='DEPLOYMENT')}/chat/completions"
+            "?api-version=VERSION"
+        )
+    else:
+        where = sim.base_url(name)
+    return f"  {name} ({kind}, {wire}): {where}  ocr: {ocr}"
 
 
 async def _serve(sim: SimulatedUpstream, duration: float | None) -> None:
@@ -79,9 +112,7 @@ async def _serve(sim: SimulatedUpstream, duration: float | None) -> None:
         async with sim:
             print(f"PolyGateway simulator listening on {sim.url}", flush=True)
             for name, profile in sim.sources.items():
-                kind = next((k for k, p in PROFILES.items() if p == profile), "custom")
-                ocr = sim.base_url(name, "monkey_ocr")
-                print(f"  {name} ({kind}): {sim.base_url(name)}  ocr: {ocr}", flush=True)
+                print(_describe(sim, name, profile), flush=True)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(duration):
                     await stop.wait()
@@ -106,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: {', '.join(changed) or 'no delay, no fault'}")
         return 0
     try:
-        sources = parse_sources(args.profile, args.sources, args.source)
+        sources = parse_sources(args.profile, args.sources, args.source, args.wire)
     except (KeyError, ValueError) as exc:
         parser.error(str(exc.args[0]) if exc.args else str(exc))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

@@ -1,9 +1,11 @@
-"""The bodies a healthy upstream answers with: OpenAI chat / embeddings and MonkeyOCR shapes.
+"""The bodies a healthy upstream answers with: OpenAI, Anthropic Messages and MonkeyOCR shapes.
 
 Pure functions of the request, so a test can predict every answer: the reply
 text depends on the source and the request, an embedding vector on its input
 text alone (its first component is a stable hash, which makes the input order
-visible in the output).
+visible in the output). One ``ChatReply`` is shaped either as an OpenAI
+``chat.completion`` (and its chunks) or as an Anthropic ``message`` (and its
+events), so every wire says the same words.
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ from typing import Any
 __all__ = [
     "OCR_SUFFIXES",
     "ChatReply",
+    "Event",
+    "StreamPlan",
+    "anthropic_events",
+    "anthropic_message",
     "chat_chunks",
     "chat_completion",
     "chat_reply",
     "content_list",
     "embedding_vector",
     "embeddings_response",
+    "input_tokens",
     "ocr_text_response",
     "parse_response",
 ]
@@ -39,6 +46,11 @@ _FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing"
 def _tokens(text: str) -> int:
     """A rough token count (4 characters a token), never 0, like an estimate providers match."""
     return max(1, len(text) // 4)
+
+
+def input_tokens(texts: Sequence[str]) -> int:
+    """The tokens an embeddings request spends: what its usage reports."""
+    return sum(_tokens(t) for t in texts)
 
 
 def _prompt_text(messages: Sequence[Any]) -> str:
@@ -76,14 +88,35 @@ class ChatReply:
         """``tool_calls`` when the reply is a tool call, else ``stop``."""
         return "tool_calls" if self.tool_name is not None else "stop"
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens of the answer: a word each, or a fixed 8 for a tool call."""
+        return len(self.words) if self.tool_name is None else 8
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt and completion tokens: what the reply spends of a token limit."""
+        return self.prompt_tokens + self.completion_tokens
+
     def usage(self) -> dict[str, int]:
         """The OpenAI usage object of this reply."""
-        completion = len(self.words) if self.tool_name is None else 8
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
         }
+
+    def runs(self, chunks: int) -> list[str]:
+        """The text split into ``chunks`` near-equal runs that concatenate to ``content``."""
+        n = max(1, min(chunks, len(self.words)))
+        out: list[str] = []
+        for i in range(n):
+            # Every run after the first starts with the space that joined it, so
+            # the deltas concatenate to the non-streamed content exactly.
+            lo, hi = len(self.words) * i // n, len(self.words) * (i + 1) // n
+            text = " ".join(self.words[lo:hi])
+            out.append(text if i == 0 else " " + text)
+        return out
 
     def tool_call(self) -> dict[str, Any]:
         """The one tool call of a tool reply, arguments as a JSON string like OpenAI sends."""
@@ -111,9 +144,11 @@ def chat_reply(
     tool_name: str | None = None
     tools = request.get("tools")
     if isinstance(tools, list) and tools:
-        first = tools[0]
-        function = first.get("function") if isinstance(first, Mapping) else None
-        name = function.get("name") if isinstance(function, Mapping) else None
+        # Offered tools make the reply a call of the first one, named where OpenAI
+        # ({"function": {"name"}}) or Anthropic ({"name"}) puts the name.
+        first = tools[0] if isinstance(tools[0], Mapping) else {}
+        function = first.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else first.get("name")
         tool_name = name if isinstance(name, str) else "tool"
     model = request.get("model")
     return ChatReply(
@@ -141,13 +176,38 @@ def chat_completion(reply: ChatReply) -> dict[str, Any]:
     }
 
 
-def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> list[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects of a stream: role, deltas, finish, then usage.
+Event = tuple[str | None, Any]
+"""One SSE event: its ``event:`` name (Anthropic names its events, OpenAI does not) and its data."""
 
-    The ``[DONE]`` sentinel is not a chunk; the server sends it after these.
+
+@dataclass(frozen=True, slots=True)
+class StreamPlan:
+    """A healthy stream's events in three parts, so the server can time and break them.
+
+    Attributes:
+        head: what the provider sends at once, before the model has produced
+            anything (the OpenAI role chunk; Anthropic's ``message_start``,
+            ``content_block_start`` and ``ping``).
+        body: the content events; the first-token delay comes before the first
+            of them, and a broken stream stops halfway through them.
+        tail: the events that finish the answer (finish reason, usage, stop).
     """
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    head: tuple[Event, ...]
+    body: tuple[Event, ...]
+    tail: tuple[Event, ...]
+
+
+def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> StreamPlan:
+    """The ``chat.completion.chunk`` objects of a stream: role, deltas, finish, then usage.
+
+    The usage chunk (empty ``choices``) comes only when the request set
+    ``stream_options.include_usage``, and then every other chunk carries
+    ``"usage": null``. The ``[DONE]`` sentinel is not a chunk; the server sends
+    it after these.
+    """
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> Event:
         body: dict[str, Any] = {
             "id": reply.id,
             "object": "chat.completion.chunk",
@@ -157,32 +217,139 @@ def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> list[d
         }
         if include_usage:
             body["usage"] = None
-        return body
+        return None, body
 
-    out: list[dict[str, Any]] = []
+    head: tuple[Event, ...] = ()
+    body: tuple[Event, ...]
     if reply.tool_name is not None:
+        # The call's name is model output, so it comes after the first-token delay
+        # together with the role, as OpenAI's first tool chunk carries both.
         call = reply.tool_call()
         start = {**call, "index": 0, "function": {"name": reply.tool_name, "arguments": ""}}
-        out.append(chunk({"role": "assistant", "content": None, "tool_calls": [start]}))
         args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
-        out.append(chunk({"tool_calls": [args]}))
+        body = (
+            chunk({"role": "assistant", "content": None, "tool_calls": [start]}),
+            chunk({"tool_calls": [args]}),
+        )
     else:
-        out.append(chunk({"role": "assistant", "content": ""}))
-        n = max(1, min(chunks, len(reply.words)))
-        for i in range(n):
-            # Split the words into n near-equal runs; every run after the first
-            # starts with the space that joined it, so the deltas concatenate to
-            # the non-streamed content exactly.
-            lo, hi = len(reply.words) * i // n, len(reply.words) * (i + 1) // n
-            text = " ".join(reply.words[lo:hi])
-            out.append(chunk({"content": text if i == 0 else " " + text}))
-    out.append(chunk({}, reply.finish_reason))
+        head = (chunk({"role": "assistant", "content": ""}),)
+        body = tuple(chunk({"content": text}) for text in reply.runs(chunks))
+    tail = [chunk({}, reply.finish_reason)]
     if include_usage:
-        last = chunk({})
+        _, last = chunk({})
         last["choices"] = []
         last["usage"] = reply.usage()
-        out.append(last)
-    return out
+        tail.append((None, last))
+    return StreamPlan(head, body, tuple(tail))
+
+
+def _message_id(reply: ChatReply) -> str:
+    """The reply's id in Anthropic's ``msg_`` form."""
+    return "msg_" + reply.id.removeprefix("chatcmpl-")
+
+
+def _stop_reason(reply: ChatReply) -> str:
+    """Anthropic's ``stop_reason``: ``tool_use`` for a tool call, else ``end_turn``."""
+    return "tool_use" if reply.tool_name is not None else "end_turn"
+
+
+def _tool_use_id(reply: ChatReply) -> str:
+    """The id of the reply's ``tool_use`` block."""
+    return f"toolu_{reply.id[-8:]}"
+
+
+def anthropic_message(reply: ChatReply) -> dict[str, Any]:
+    """A non-streamed Anthropic ``message``: content blocks, ``stop_reason`` and usage."""
+    content: list[dict[str, Any]] = [{"type": "text", "text": reply.content}]
+    if reply.tool_name is not None:
+        content = [
+            {"type": "tool_use", "id": _tool_use_id(reply), "name": reply.tool_name, "input": {}}
+        ]
+    return {
+        "id": _message_id(reply),
+        "type": "message",
+        "role": "assistant",
+        "model": reply.model,
+        "content": content,
+        "stop_reason": _stop_reason(reply),
+        "stop_sequence": None,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens},
+    }
+
+
+def anthropic_events(reply: ChatReply, *, chunks: int) -> StreamPlan:
+    """The named events of an Anthropic stream, as the Messages API sends them.
+
+    ``message_start`` (empty content), one content block (``content_block_start``,
+    deltas, ``content_block_stop``), ``message_delta`` with the stop reason and
+    the cumulative output tokens, ``message_stop``. A ``ping`` closes what is
+    sent at once: after a text block starts (as in the documented example), or
+    before a ``tool_use`` block, whose tool name is model output. A text block
+    streams ``text_delta``s, a tool call ``input_json_delta`` partial JSON
+    strings. There is no ``[DONE]``.
+    """
+
+    def event(name: str, **data: Any) -> Event:
+        return name, {"type": name, **data}
+
+    start = event(
+        "message_start",
+        message={
+            "id": _message_id(reply),
+            "type": "message",
+            "role": "assistant",
+            "model": reply.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 1},
+        },
+    )
+    ping = event("ping")
+    block_stop = event("content_block_stop", index=0)
+    if reply.tool_name is not None:
+        # The block names the tool, which is model output: it follows the delay.
+        block = {
+            "type": "tool_use",
+            "id": _tool_use_id(reply),
+            "name": reply.tool_name,
+            "input": {},
+        }
+        head: tuple[Event, ...] = (start, ping)
+        body: tuple[Event, ...] = (
+            event("content_block_start", index=0, content_block=block),
+            *(
+                event(
+                    "content_block_delta",
+                    index=0,
+                    delta={"type": "input_json_delta", "partial_json": part},
+                )
+                for part in ("", "{}")
+            ),
+            block_stop,
+        )
+        closing: tuple[Event, ...] = ()
+    else:
+        head = (
+            start,
+            event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+            ping,
+        )
+        body = tuple(
+            event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+            for text in reply.runs(chunks)
+        )
+        closing = (block_stop,)
+    tail = (
+        *closing,
+        event(
+            "message_delta",
+            delta={"stop_reason": _stop_reason(reply), "stop_sequence": None},
+            usage={"output_tokens": reply.completion_tokens},
+        ),
+        event("message_stop"),
+    )
+    return StreamPlan(head, body, tail)
 
 
 def embedding_vector(text: str, dim: int = 8) -> list[float]:
@@ -214,7 +381,7 @@ def embeddings_response(
         if encoding_format == "base64":
             embedding = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode("ascii")
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-    tokens = sum(_tokens(t) for t in inputs)
+    tokens = input_tokens(inputs)
     return {
         "object": "list",
         "data": data,

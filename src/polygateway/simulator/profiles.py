@@ -2,24 +2,32 @@
 
 Every request to a source draws at most one random fault, so the fault rates
 of a profile are probabilities of disjoint outcomes and must add up to at most
-1. The server-side limits (``rpm_limit``, ``max_concurrency``) are not random:
-they answer 429 exactly when a real provider would.
+1. The server-side limits (``request_limit`` / ``rpm_limit``, ``token_limit``,
+``max_concurrency``) are not random: they answer 429 exactly when a real
+provider would.
+
+The ``wire`` is orthogonal to the faults: it says which provider the source
+imitates (routes, stream shape, error bodies, rate-limit and back-off
+headers), and every fault is played in that provider's shapes. What each wire
+sends is written down, with its sources, in research-wiki/guides/providers.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Literal, get_args
 
 __all__ = [
     "FAULTS",
     "PROFILES",
+    "WIRES",
     "Fault",
     "FaultProfile",
     "RetryAfterStyle",
+    "Wire",
     "get_profile",
 ]
 
@@ -30,19 +38,48 @@ FAULTS: tuple[Fault, ...] = get_args(Fault)
 
 RetryAfterStyle = Literal["seconds", "http-date"]
 
+Wire = Literal["openai", "azure", "anthropic", "litellm", "vllm"]
+"""The provider a source imitates on the wire."""
+
+WIRES: tuple[Wire, ...] = get_args(Wire)
+
 
 @dataclass(frozen=True, slots=True)
 class FaultProfile:
     """How one simulated source behaves; the defaults are a healthy, instant source.
 
     Attributes:
+        wire: the provider imitated: ``openai``, ``azure`` (deployment routes,
+            ``api-version``, ``api-key``), ``anthropic`` (Messages API),
+            ``litellm`` (OpenAI shapes, provider headers forwarded as
+            ``llm_provider-*``, stream errors in band) or ``vllm`` (OpenAI
+            shapes, no rate-limit headers, ``: keep-alive`` comments before the
+            first token).
+        api_key: the key the source demands in its wire's header (``Authorization:
+            Bearer``, ``api-key``, ``x-api-key``); a missing or different key is a 401.
+            ``None`` accepts any key (the ``anthropic`` wire still wants the header).
         latency_s: mean delay before the response headers.
         latency_jitter_s: the delay is uniform on ``latency_s ± latency_jitter_s``, floored at 0.
-        ttft_s: extra delay after the headers of a stream, before its first chunk.
-        rate_429: probability of a 429 answer.
-        retry_after_s: the Retry-After of a random 429; ``None`` sends no header.
+        ttft_s: extra delay of a stream before its first content: after the
+            events a provider sends at once (the OpenAI role chunk; Anthropic's
+            ``message_start``, ``content_block_start`` and ``ping``).
+        keepalive_s: on the ``vllm`` wire, one ``: keep-alive`` comment per this
+            many seconds of the ``ttft_s`` wait (at least one before the first content).
+        rate_429: probability of a 429 answer (1.0: every request, "429 forever").
+        retry_after_s: the Retry-After of a random 429 (and of a 5xx when
+            ``retry_after_on_5xx``); ``None`` sends no header.
         retry_after_style: Retry-After as delta seconds or as an HTTP date.
-        rpm_limit: server-side requests per sliding 60 s window; over it, 429.
+        retry_after_on_5xx: a random 5xx (503, 529, ...) carries Retry-After too.
+        request_limit: server-side requests per sliding window of
+            ``request_window_s``; over it, 429. Remaining = limit minus the
+            requests admitted in the last ``request_window_s``; reset = time
+            until the oldest of them leaves the window.
+        request_window_s: the window of ``request_limit``.
+        rpm_limit: the same as ``request_limit`` with a 60 s window (kept for
+            existing profiles; give one or the other).
+        token_limit: server-side tokens (prompt + completion of each admitted
+            request) per sliding window of ``token_window_s``; over it, 429.
+        token_window_s: the window of ``token_limit``.
         max_concurrency: server-side requests in service at once; over it, 429 with Retry-After 1.
         rate_5xx: probability of a 5xx answer, its status drawn from ``statuses_5xx``.
         rate_hang: probability of never answering (until ``hang_s``, the client leaves,
@@ -57,13 +94,22 @@ class FaultProfile:
         embedding_dim: length of each embedding vector.
     """
 
+    wire: Wire = "openai"
+    # Kept out of repr: a key, even a made-up one, has no business in logs.
+    api_key: str | None = field(default=None, repr=False)
     latency_s: float = 0.0
     latency_jitter_s: float = 0.0
     ttft_s: float = 0.0
+    keepalive_s: float = 0.5
     rate_429: float = 0.0
     retry_after_s: float | None = 1.0
     retry_after_style: RetryAfterStyle = "seconds"
+    retry_after_on_5xx: bool = False
+    request_limit: int | None = None
+    request_window_s: float = 60.0
     rpm_limit: int | None = None
+    token_limit: int | None = None
+    token_window_s: float = 60.0
     max_concurrency: int | None = None
     rate_5xx: float = 0.0
     statuses_5xx: tuple[int, ...] = (500, 502, 503)
@@ -91,8 +137,19 @@ class FaultProfile:
         if total > 1 + 1e-9:
             # One draw picks at most one fault, so the rates share one unit interval.
             raise ValueError(f"FaultProfile fault rates add up to {total:.3f}, more than 1")
-        if self.rpm_limit is not None and self.rpm_limit < 1:
-            raise ValueError("FaultProfile.rpm_limit must be >= 1 or None")
+        if self.wire not in WIRES:
+            raise ValueError(
+                f"FaultProfile.wire unknown: {self.wire!r} (known: {', '.join(WIRES)})"
+            )
+        for knob in ("request_limit", "rpm_limit", "token_limit"):
+            limit = getattr(self, knob)
+            if limit is not None and limit < 1:
+                raise ValueError(f"FaultProfile.{knob} must be >= 1 or None")
+        if self.request_limit is not None and self.rpm_limit is not None:
+            raise ValueError("FaultProfile: give request_limit or rpm_limit, not both")
+        for knob in ("request_window_s", "token_window_s", "keepalive_s"):
+            if getattr(self, knob) <= 0:
+                raise ValueError(f"FaultProfile.{knob} must be > 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("FaultProfile.max_concurrency must be >= 1 or None")
         if self.rate_5xx > 0 and not self.statuses_5xx:
@@ -105,6 +162,14 @@ class FaultProfile:
             raise ValueError("FaultProfile.embedding_dim must be >= 1")
         if self.retry_after_style not in ("seconds", "http-date"):
             raise ValueError(f"FaultProfile.retry_after_style unknown: {self.retry_after_style!r}")
+
+    def request_window(self) -> tuple[int, float] | None:
+        """The server-side request limit and its window in seconds, or None when unlimited."""
+        if self.request_limit is not None:
+            return self.request_limit, self.request_window_s
+        if self.rpm_limit is not None:
+            return self.rpm_limit, 60.0
+        return None
 
     def fault_rates(self) -> dict[Fault, float]:
         """Each random fault and its probability, in the order the draw walks them."""

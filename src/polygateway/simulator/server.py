@@ -26,7 +26,7 @@ from polygateway.simulator.stats import SourceStats
 
 __all__ = ["SimulatedUpstream", "SimulatorNotRunning"]
 
-SourceProtocol = Literal["openai", "vision_ocr", "monkey_ocr"]
+SourceProtocol = Literal["openai", "vision_ocr", "monkey_ocr", "anthropic", "azure"]
 
 # Uvicorn's last resort if something ignores the closing event: cancel what is left.
 _GRACEFUL_SHUTDOWN_S = 3
@@ -176,13 +176,24 @@ class SimulatedUpstream:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def base_url(self, name: str, protocol: SourceProtocol = "openai") -> str:
-        """A source's base URL as a client configures it (``/v1`` for OpenAI-style protocols)."""
+    def base_url(
+        self, name: str, protocol: SourceProtocol = "openai", *, deployment: str = "sim"
+    ) -> str:
+        """A source's base URL as a PolyGateway source configures it.
+
+        ``/v1`` for the OpenAI-style protocols and ``anthropic`` (the client adds
+        ``/chat/completions``, ``/embeddings`` or ``/messages``); for ``azure``,
+        the deployment's URL (the client adds ``/chat/completions`` and the
+        source's ``query`` its ``api-version``); the bare source prefix for
+        MonkeyOCR.
+        """
         if name not in self.state.sources:
             raise KeyError(f"unknown simulated source {name!r}")
         if protocol == "monkey_ocr":
             return f"{self.url}/{name}"
-        if protocol in ("openai", "vision_ocr"):
+        if protocol == "azure":
+            return f"{self.url}/{name}/openai/deployments/{deployment}"
+        if protocol in ("openai", "vision_ocr", "anthropic"):
             return f"{self.url}/{name}/v1"
         raise ValueError(f"unknown protocol {protocol!r}")
 

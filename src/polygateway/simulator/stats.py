@@ -47,13 +47,16 @@ class SourceStats:
         name: the source.
         requests: requests that reached the source (every outcome).
         by_route: requests per route (``chat``, ``chat_stream``, ``embeddings``,
-            ``ocr_text``, ``parse``).
+            ``ocr_text``, ``parse``), whatever the wire (an Anthropic ``/v1/messages``
+            and an Azure deployment's chat count as ``chat``).
         by_outcome: requests per ``Outcome``.
         by_status: answers per HTTP status sent (hangs and resets that sent none are absent).
-        limits_hit: 429s per cause (``random``, ``rpm``, ``concurrency``).
+        limits_hit: 429s per cause (``random``, ``rpm``, ``requests``, ``tokens``,
+            ``concurrency``).
         current_concurrent: requests open at the moment of the snapshot.
         max_concurrent: most requests open at once since the record began.
-        arrivals: monotonic arrival time of each request, in order.
+        arrivals: monotonic arrival time (``time.monotonic()``) of each request
+            that reached the source, in order, whatever its outcome.
         since: monotonic time the record began (creation or ``reset_stats``).
     """
 
@@ -71,6 +74,10 @@ class SourceStats:
     def outcome(self, outcome: Outcome) -> int:
         """Requests that ended with ``outcome`` (0 when none did)."""
         return self.by_outcome.get(outcome, 0)
+
+    def arrivals_between(self, start: float, end: float) -> int:
+        """Requests that arrived in ``[start, end)`` (monotonic times): counts a time window."""
+        return bisect.bisect_left(self.arrivals, end) - bisect.bisect_left(self.arrivals, start)
 
     def per_minute(self) -> dict[int, int]:
         """Arrivals per minute since the record began, keyed by minute index (0, 1, ...)."""
