@@ -352,10 +352,21 @@ def test_success_with_both_spent_pauses_until_the_later_reset() -> None:
     assert hint.exhausted_for_s(next_cost_tokens=1) == 5.0
 
 
-def test_success_with_room_or_without_reset_pauses_nothing() -> None:
-    """Requests left, or a spent window with no reset announced: no pause."""
-    assert ServerHint(remaining_requests=1, requests_reset_s=2.0).exhausted_for_s(1) is None
-    assert ServerHint(remaining_requests=0).exhausted_for_s(1) is None
+def test_success_with_room_left_pauses_nothing() -> None:
+    """Requests and tokens left: no pause."""
+    hint = ServerHint(remaining_requests=1, requests_reset_s=2.0, remaining_tokens=500)
+    assert hint.exhausted_for_s(100) is None
+
+
+def test_spent_window_without_its_reset_pauses_the_default() -> None:
+    """Azure announces remaining counts but no reset: a spent window pauses the default 1 s."""
+    assert ServerHint(remaining_requests=0).exhausted_for_s(1) == DEFAULT_RATE_LIMIT_PACE_S
+    assert ServerHint(remaining_tokens=0).exhausted_for_s(1) == DEFAULT_RATE_LIMIT_PACE_S
+
+
+def test_a_429_without_any_reset_names_no_back_off() -> None:
+    """A 429 announcing only a spent count leaves the default pace to the pacer."""
+    assert ServerHint(remaining_requests=0).back_off_s(rate_limited=True) is None
 
 
 def test_pause_for_each_outcome() -> None:

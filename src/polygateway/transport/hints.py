@@ -37,6 +37,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Final
 
+from polygateway.governance.pacer import DEFAULT_RATE_LIMIT_PACE_S
+
 __all__ = [
     "ServerHint",
     "parse_remaining",
@@ -168,7 +170,7 @@ class ServerHint:
             return self.retry_after_s
         if not rate_limited:
             return None
-        exhausted = self._exhausted_resets(next_cost_tokens=1)
+        exhausted = self._exhausted_resets(next_cost_tokens=1, unknown_reset_s=None)
         if exhausted is not None:
             return exhausted
         resets = [r for r in (self.requests_reset_s, self.tokens_reset_s) if r is not None]
@@ -180,22 +182,26 @@ class ServerHint:
         The requests window is exhausted at 0 remaining; the tokens window
         when fewer remain than ``next_cost_tokens`` (the estimate of the call
         just served stands in for the next one). The pause lasts until the
-        exhausted window's reset; without a reset, nothing is paused.
+        exhausted window's reset; a window announced spent without its reset
+        (Azure sends none) pauses for ``DEFAULT_RATE_LIMIT_PACE_S``, as a 429
+        without a hint would.
         """
-        return self._exhausted_resets(next_cost_tokens=max(1, next_cost_tokens))
+        return self._exhausted_resets(
+            next_cost_tokens=max(1, next_cost_tokens), unknown_reset_s=DEFAULT_RATE_LIMIT_PACE_S
+        )
 
-    def _exhausted_resets(self, *, next_cost_tokens: int) -> float | None:
+    def _exhausted_resets(
+        self, *, next_cost_tokens: int, unknown_reset_s: float | None
+    ) -> float | None:
         """The latest reset among the windows that cannot serve ``next_cost_tokens``."""
-        pause: float | None = None
+        resets: list[float | None] = []
         if self.remaining_requests is not None and self.remaining_requests <= 0:
-            pause = self.requests_reset_s
-        if (
-            self.remaining_tokens is not None
-            and self.remaining_tokens < next_cost_tokens
-            and self.tokens_reset_s is not None
-        ):
-            pause = self.tokens_reset_s if pause is None else max(pause, self.tokens_reset_s)
-        return pause
+            resets.append(self.requests_reset_s)
+        if self.remaining_tokens is not None and self.remaining_tokens < next_cost_tokens:
+            resets.append(self.tokens_reset_s)
+        known = [r if r is not None else unknown_reset_s for r in resets]
+        found = [r for r in known if r is not None]
+        return max(found) if found else None
 
 
 _Field = str
