@@ -48,9 +48,9 @@ class AttemptContext:
     for streams, ``ttft_s``; ``see_hint`` (a request's ``on_hint``) keeps what
     the answer's headers announce about the source's limits. ``permit_wait_s``
     and ``stalled_s`` describe the wait before the attempt, for its telemetry
-    record. ``deadline_in_s`` is
-    the time left before the call's deadline when the attempt began (``None``:
-    no deadline): a stream's request carries it, so the stream ends there.
+    record. ``deadline_in_s`` is the time left before the call's deadline when
+    the attempt began (``None``: no deadline): a stream's request carries it,
+    so the stream ends there.
     """
 
     __slots__ = (

@@ -62,6 +62,7 @@ from polygateway.middleware.classify import (
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import Emitter, NullEmitter, attempt_record
 from polygateway.models import positional_builder
+from polygateway.transport.hints import ServerHint
 from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
 
@@ -458,11 +459,8 @@ class RetryMW:
         self._admit.remember_hint(call, verdict.outcome.retry_after_s)
         return verdict
 
-    def _success_pause(self, call: CallState, ctx: AttemptContext) -> float | None:
+    def _success_pause(self, call: CallState, hint: ServerHint) -> float | None:
         """How long a success announced its source's window spent (clamped), or ``None``."""
-        hint = ctx.hint
-        if hint is None:
-            return None
         return clamped_hint(hint.exhausted_for_s(call.cost_tokens), self._policy.stall_window_s)
 
     async def _finish(
@@ -483,7 +481,8 @@ class RetryMW:
             status, error = exc.status_code, self._text(exc)
         elif exc is None and served.completed:
             used = ctx.usage.total_tokens if ctx.usage is not None else 0
-            pause = None if ctx.hint is None else self._success_pause(call, ctx)
+            hint = ctx.hint
+            pause = None if hint is None else self._success_pause(call, hint)
             # Every field, in order (kind, aimd_decrease, retry_after_s, tokens_used): one per call.
             outcome = _new_outcome("success", False, pause, used or None)
         else:
