@@ -528,11 +528,13 @@ class RetryMW:
             step = call.fails
         else:
             call.consecutive_429 += 1
-            if error.retry_after_s is not None:
+            hinted = error.retry_after_s
+            if hinted is not None and hinted > 0.0:
                 # An exempt 429 that named its back-off: the source is paused for exactly
                 # that long, fleet-wide, and reopens through one probe. The call moves on
                 # at once: to another source, or into the queue until the reopen, where
-                # its wait is non-productive and bills the stall clock.
+                # its wait is non-productive and bills the stall clock. (A hint of 0 asks
+                # for nothing: the call's own back-off keeps it from spinning.)
                 call.pick_started_at = self._now()
                 return
             # An exempt 429 without a hint: free of charge, but a saturated scope still
