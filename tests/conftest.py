@@ -1,9 +1,15 @@
-"""Suite-wide fixtures: a real ``redis-server`` on a free loopback port.
+"""Suite-wide fixtures: a real ``redis-server`` on a free loopback port; hypothesis defaults.
 
 The Redis tests run against the real server (Debian package ``redis-server``,
 installed by ``make test``), never a mock. When it is missing or cannot start
 the fixture fails loudly: a suite that silently skips its Redis half would
 report green while testing half the product.
+
+Property tests must not depend on the machine's speed: the suite's hypothesis
+profile has no per-example deadline and does not fail a test whose data is
+slow to generate (``HealthCheck.too_slow``). A test's own ``@settings`` keep
+these unless they name them (a ``suppress_health_check`` list replaces the
+profile's: add ``too_slow`` to it).
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "polygateway", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("polygateway")
 
 _START_DEADLINE_S = 10.0
 _STOP_DEADLINE_S = 10.0

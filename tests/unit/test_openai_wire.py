@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
@@ -379,6 +379,11 @@ def _outcome(read: Any, *args: Any) -> Any:
         return ("failed", str(exc))
 
 
+# Nested one_of/dictionaries are slow to generate, slower still on a loaded machine: neither
+# the per-example deadline nor the too_slow health check may fail the test for that.
+BODIES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
 def _body(inner: str) -> Any:
     """A body whose first choice holds ``inner`` (message or delta): mostly right, often not."""
     plain_message = st.fixed_dictionaries(
@@ -405,14 +410,14 @@ def _body(inner: str) -> Any:
     )
 
 
-@settings(max_examples=400)
+@BODIES
 @given(_body("message"))
 def test_chat_response_read_directly_or_walked_gives_the_same(body: Any) -> None:
     """Every body, right or wrong, reads the same as the field-by-field walk reads it."""
     assert _outcome(parse_chat_response, body) == _outcome(_walk_chat_response, body)
 
 
-@settings(max_examples=400)
+@BODIES
 @given(_body("delta"), st.sampled_from(["", "primary"]))
 def test_chat_chunk_read_directly_or_walked_gives_the_same(event: Any, source: str) -> None:
     """Every chunk, right or wrong, reads the same as the field-by-field walk reads it."""
