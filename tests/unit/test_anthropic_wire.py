@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _closing import closing
 from pydantic import SecretStr
 
 from polygateway.backends.memory import MemoryBackend
@@ -842,14 +843,16 @@ def make_chat(
     settings = gateway_settings(*(sources or ({"name": "claude", "protocol": "anthropic"},)))
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=BoundedSleep(clock),
-        rng=random.Random(3),
-        emitter=emitter,
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(3),
+            emitter=emitter,
+        )
     )
     return chat, transport, backend
 

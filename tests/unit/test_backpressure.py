@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -58,14 +59,16 @@ def make_chat(
     )
     backend = backend if backend is not None else MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
-        rng=random.Random(7),
-        emitter=emitter,
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
+            rng=random.Random(7),
+            emitter=emitter,
+        )
     )
     return chat, transport, backend
 
@@ -217,13 +220,15 @@ class TestStallBudget:
             sleep=timers.sleep,
             default=TransientError(status_code=429),
         )
-        chat = ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=timers.sleep,
-            rng=random.Random(3),
+        chat = closing(
+            ChatClient(
+                settings,
+                backend=backend,
+                transport=transport,
+                now=clock,
+                sleep=timers.sleep,
+                rng=random.Random(3),
+            )
         )
         task_a = asyncio.create_task(chat.complete(MESSAGES))
         await settle()

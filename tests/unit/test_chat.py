@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -35,14 +36,16 @@ def make_chat(
     settings = gateway_settings({"name": "primary", **source})
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=BoundedSleep(clock),
-        rng=random.Random(2),
-        emitter=emitter,
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(2),
+            emitter=emitter,
+        )
     )
     return chat, transport, backend
 

@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -51,14 +52,16 @@ def make_chat(
     settings = gateway_settings(*sources, **gateway)
     backend = backend if backend is not None else MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock, sleep=transport_sleep)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=sleep if sleep is not None else BoundedSleep(clock),
-        rng=random.Random(5),
-        emitter=emitter,
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else BoundedSleep(clock),
+            rng=random.Random(5),
+            emitter=emitter,
+        )
     )
     return chat, transport, backend
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -133,13 +134,15 @@ def make_chat(
         sources, max_connections=4, mock_transport=httpx.MockTransport(handler)
     )
     backend = MemoryBackend(now=clock)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=BoundedSleep(clock),
-        rng=random.Random(9),
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(9),
+        )
     )
     return chat, backend, calls
 

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -45,14 +46,16 @@ def make_chat(
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
     recorder = Recorder()
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=BoundedSleep(clock, max_calls=2000),
-        rng=random.Random(3),
-        emitter=recorder,
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=2000),
+            rng=random.Random(3),
+            emitter=recorder,
+        )
     )
     return chat, transport, backend, recorder
 

@@ -13,6 +13,7 @@ import random
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.base import AcquireResult, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -102,12 +103,14 @@ async def test_caller_cancelling_complete_gets_cancelled_error_and_frees_the_per
     clock = FakeClock()
     gate = Gate()
     backend = MemoryBackend(now=clock)
-    chat = ChatClient(
-        gateway_settings({"name": "primary"}),
-        backend=backend,
-        transport=FakeTransport([gate, chat_completion("late")], clock=clock),
-        now=clock,
-        rng=random.Random(1),
+    chat = closing(
+        ChatClient(
+            gateway_settings({"name": "primary"}),
+            backend=backend,
+            transport=FakeTransport([gate, chat_completion("late")], clock=clock),
+            now=clock,
+            rng=random.Random(1),
+        )
     )
     call: asyncio.Task[Any] = asyncio.create_task(chat.complete([{"role": "user", "content": "x"}]))
     await gate.wait_entered()

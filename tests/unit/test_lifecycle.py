@@ -7,15 +7,21 @@ import asyncio
 import gc
 import random
 import sys
+import warnings
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends import factory
 from polygateway.backends.factory import shared_backend
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
+from polygateway.config import ScopeKind
+from polygateway.embedding import EmbeddingClient
 from polygateway.errors import ConfigError, GatewayError
+from polygateway.middleware.lifecycle import GovernedClient
+from polygateway.ocr import OcrClient
 from polygateway.testing import (
     Delay,
     FakeClock,
@@ -39,13 +45,15 @@ def make_chat(
     settings = gateway_settings({"name": "primary", **source}, close_grace_s=10)
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock, sleep=timers.sleep)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=timers.sleep,
-        rng=random.Random(4),
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(4),
+        )
     )
     return chat, transport, backend
 
@@ -174,9 +182,9 @@ class TestSharedBackend:
     def test_from_settings_twice_shares_one_backend(self) -> None:
         """Two clients from one settings object use the same backend; other settings do not."""
         settings = gateway_settings("a")
-        one = ChatClient.from_settings(settings, transport=FakeTransport())
-        two = ChatClient.from_settings(settings, "chat", transport=FakeTransport())
-        other = ChatClient.from_settings(gateway_settings("a"), transport=FakeTransport())
+        one = closing(ChatClient.from_settings(settings, transport=FakeTransport()))
+        two = closing(ChatClient.from_settings(settings, "chat", transport=FakeTransport()))
+        other = closing(ChatClient.from_settings(gateway_settings("a"), transport=FakeTransport()))
         assert one.backend is two.backend
         assert isinstance(one.backend, MemoryBackend)
         assert other.backend is not one.backend
@@ -212,3 +220,46 @@ class TestSharedBackend:
         settings = gateway_settings("a", backend="redis", redis_url="redis://127.0.0.1:6398/0")
         with pytest.raises(ConfigError, match=r"polygateway\[redis\]"):
             shared_backend(settings)
+
+
+class TestUnclosedClientWarns:
+    """A client collected while open warns, as aiohttp's ClientSession does; a closed one not."""
+
+    @pytest.mark.parametrize("kind", ["chat", "embed", "ocr"])
+    def test_client_collected_open_emits_a_resource_warning(self, kind: ScopeKind) -> None:
+        """Never closed (used or not): a ResourceWarning naming the client, when it is collected."""
+        client_type: type[GovernedClient] = {
+            "chat": ChatClient,
+            "embed": EmbeddingClient,
+            "ocr": OcrClient,
+        }[kind]
+        settings = gateway_settings("a", scope=kind, kind=kind)
+        client = client_type(settings, kind, backend=MemoryBackend(), transport=FakeTransport())
+        # Reachable only from a garbage cycle, so it goes at the collection below, as a
+        # leaked client goes whenever the collector runs.
+        cycle: list[Any] = [client]
+        cycle.append(cycle)
+        del client, cycle
+        with pytest.warns(ResourceWarning, match=f"unclosed client {client_type.__name__}") as seen:
+            gc.collect()
+        assert isinstance(seen[0].source, client_type)
+
+    async def test_closed_client_is_collected_silently(self) -> None:
+        """After aclose() (or async with), collecting the client warns nothing."""
+        client = ChatClient(
+            gateway_settings("a"), backend=MemoryBackend(), transport=FakeTransport()
+        )
+        async with client:
+            pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            del client
+            gc.collect()
+
+    def test_client_whose_construction_failed_warns_nothing(self) -> None:
+        """A constructor that raised (ConfigError) left nothing open to warn about."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ConfigError):
+                ChatClient(gateway_settings("a", scope="embed", kind="embed"), "embed")
+            gc.collect()

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _closing import closing
 from _permit_thief import PermitThief
 
 from polygateway.backends.memory import MemoryBackend
@@ -197,14 +198,16 @@ def mock_client(
         max_connections=4,
         mock_transport=httpx.MockTransport(upstream),
     )
-    return OcrClient(
-        settings,
-        SCOPE,
-        backend=MemoryBackend(now=clock),
-        transport=transport,
-        now=clock,
-        sleep=clock.sleep,
-        rng=random.Random(3),
+    return closing(
+        OcrClient(
+            settings,
+            SCOPE,
+            backend=MemoryBackend(now=clock),
+            transport=transport,
+            now=clock,
+            sleep=clock.sleep,
+            rng=random.Random(3),
+        )
     )
 
 
@@ -219,15 +222,17 @@ def fake_client(
 ) -> tuple[OcrClient, FakeTransport]:
     """An OcrClient on a FakeTransport, for timing and cancellation."""
     transport = FakeTransport(script, clock=clock)
-    client = OcrClient(
-        settings if settings is not None else make_settings(),
-        SCOPE,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=sleep if sleep is not None else clock.sleep,
-        rng=random.Random(3),
-        emitter=recorder,
+    client = closing(
+        OcrClient(
+            settings if settings is not None else make_settings(),
+            SCOPE,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else clock.sleep,
+            rng=random.Random(3),
+            emitter=recorder,
+        )
     )
     return client, transport
 

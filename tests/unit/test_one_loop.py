@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _closing import closing
 
 import polygateway
 from polygateway import chat, embedding, ocr
@@ -56,9 +57,9 @@ def test_every_client_runs_the_one_retry_mw() -> None:
     settings = _settings()
     backend = MemoryBackend()
     clients = [
-        ChatClient(settings, "chat", backend=backend, transport=FakeTransport()),
-        EmbeddingClient(settings, "embed", backend=backend, transport=FakeTransport()),
-        OcrClient(settings, "ocr", backend=backend, transport=FakeTransport()),
+        closing(ChatClient(settings, "chat", backend=backend, transport=FakeTransport())),
+        closing(EmbeddingClient(settings, "embed", backend=backend, transport=FakeTransport())),
+        closing(OcrClient(settings, "ocr", backend=backend, transport=FakeTransport())),
     ]
     for client in clients:
         assert isinstance(client, GovernedClient)
@@ -70,7 +71,7 @@ def test_every_client_runs_the_one_retry_mw() -> None:
 def test_ocr_subset_loops_are_the_same_retry_mw() -> None:
     """The OCR client's loop over fewer sources (a PDF skips vision) is RetryMW too, same policy."""
     settings = _settings()
-    client = OcrClient(settings, "ocr", backend=MemoryBackend(), transport=FakeTransport())
+    client = closing(OcrClient(settings, "ocr", backend=MemoryBackend(), transport=FakeTransport()))
     monkey_only = client._loop_for(settings.scope("ocr").sources[:1])
     assert type(monkey_only) is RetryMW
     assert monkey_only is not client._mw

@@ -11,6 +11,7 @@ import random
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -60,14 +61,16 @@ def make_chat(
     settings = settings if settings is not None else gateway_settings(*sources, **gateway)
     backend = backend if backend is not None else MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock, sleep=transport_sleep, default=default)
-    chat = ChatClient(
-        settings,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
-        rng=random.Random(11),
-        emitter=emitter,
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
+            rng=random.Random(11),
+            emitter=emitter,
+        )
     )
     return chat, transport, backend
 

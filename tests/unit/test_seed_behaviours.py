@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.base import Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -107,14 +108,16 @@ def make_client(
         "embed": EmbeddingClient,
         "ocr": OcrClient,
     }[kind]
-    return client_type(
-        settings,
-        kind,
-        backend=backend if backend is not None else MemoryBackend(now=clock),
-        transport=transport,
-        now=clock,
-        sleep=sleep if sleep is not None else clock.sleep,
-        rng=rng if rng is not None else random.Random(7),
+    return closing(
+        client_type(
+            settings,
+            kind,
+            backend=backend if backend is not None else MemoryBackend(now=clock),
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else clock.sleep,
+            rng=rng if rng is not None else random.Random(7),
+        )
     )
 
 

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import pytest
+from _closing import closing
 from prometheus_client import CollectorRegistry
 
 from polygateway.backends.base import Lease
@@ -56,14 +57,16 @@ def record(**changes: Any) -> AttemptRecord:
 
 def make_chat(clock: FakeClock, script: Any, emitter: Emitter) -> ChatClient:
     """A chat client with two sources emitting to ``emitter``."""
-    return ChatClient(
-        gateway_settings("a", {"name": "b", "priority": 1}),
-        backend=MemoryBackend(now=clock),
-        transport=FakeTransport(script, clock=clock),
-        now=clock,
-        sleep=BoundedSleep(clock),
-        rng=random.Random(8),
-        emitter=emitter,
+    return closing(
+        ChatClient(
+            gateway_settings("a", {"name": "b", "priority": 1}),
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport(script, clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(8),
+            emitter=emitter,
+        )
     )
 
 

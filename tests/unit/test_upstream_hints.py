@@ -12,6 +12,7 @@ import random
 from typing import Any
 
 import pytest
+from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -39,13 +40,15 @@ def _chat(
     clock: FakeClock, script: Any, *sources: Any, default: Any = None, **gateway: Any
 ) -> ChatClient:
     settings = gateway_settings(*(sources or ("primary",)), **gateway)
-    return ChatClient(
-        settings,
-        backend=MemoryBackend(now=clock),
-        transport=FakeTransport(script, clock=clock, default=default),
-        now=clock,
-        sleep=BoundedSleep(clock, max_calls=2000),
-        rng=random.Random(3),
+    return closing(
+        ChatClient(
+            settings,
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport(script, clock=clock, default=default),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=2000),
+            rng=random.Random(3),
+        )
     )
 
 
@@ -114,13 +117,17 @@ async def test_embedding_batch_announcing_spent_window_pauses() -> None:
     """Embedding batches read the same headers."""
     clock = FakeClock()
     settings = gateway_settings("primary", scope="embed", kind="embed")
-    emb = EmbeddingClient(
-        settings,
-        backend=MemoryBackend(now=clock),
-        transport=FakeTransport([WithHeaders(SPENT, embedding_body([[0.1], [0.2]]))], clock=clock),
-        now=clock,
-        sleep=BoundedSleep(clock, max_calls=100),
-        rng=random.Random(3),
+    emb = closing(
+        EmbeddingClient(
+            settings,
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport(
+                [WithHeaders(SPENT, embedding_body([[0.1], [0.2]]))], clock=clock
+            ),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=100),
+            rng=random.Random(3),
+        )
     )
     await emb.embed(["a", "b"])
     snap = (await emb.backend.snapshot("embed")).source("primary")

@@ -426,19 +426,22 @@ async def _drive(
     chat = ChatClient.from_settings(settings, scope=SCOPES["chat"], emitter=emitter)
     backend = chat.backend
     try:
-        # Fail at once, in one line, when a shared backend is unreachable.
-        await backend.snapshot(SCOPES["chat"])
-        async with (
-            chat,
-            EmbeddingClient.from_settings(settings, scope=SCOPES["embed"], emitter=emitter) as emb,
-            OcrClient.from_settings(settings, scope=SCOPES["ocr"], emitter=emitter) as ocr,
-        ):
-            clients = _Clients(chat, emb, ocr)
-            plan = _plan(clients, args.scale, random.Random(args.seed))  # noqa: S311 - arrivals
-            planned = {kind: sum(1 for p in plan if p.kind == kind) for kind in SCOPES}
-            run = _Run(backend, emitter, planned)
-            await _with_progress(run, plan, args, out)
-            final = await run.snapshots()
+        # Entered first, so an unreachable backend below still closes it.
+        async with chat:
+            # Fail at once, in one line, when a shared backend is unreachable.
+            await backend.snapshot(SCOPES["chat"])
+            async with (
+                EmbeddingClient.from_settings(
+                    settings, scope=SCOPES["embed"], emitter=emitter
+                ) as emb,
+                OcrClient.from_settings(settings, scope=SCOPES["ocr"], emitter=emitter) as ocr,
+            ):
+                clients = _Clients(chat, emb, ocr)
+                plan = _plan(clients, args.scale, random.Random(args.seed))  # noqa: S311
+                planned = {kind: sum(1 for p in plan if p.kind == kind) for kind in SCOPES}
+                run = _Run(backend, emitter, planned)
+                await _with_progress(run, plan, args, out)
+                final = await run.snapshots()
     finally:
         await backend.aclose()
     return _report(args, out, sim, run, final)

@@ -11,7 +11,9 @@ mid-air: its next read raises the same error.
 
 ``GovernedClient`` is the base of the chat, embedding and OCR clients:
 settings to one ``RetryMW``, the shared backend, the transport, the
-lifecycle, and the async context manager around them.
+lifecycle, and the async context manager around them. A client collected
+while still open emits a ``ResourceWarning`` (as aiohttp's ``ClientSession``
+does): its transport's connections were never closed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Self, TypedDict, Unpack
@@ -272,6 +275,18 @@ class GovernedClient:
     def closed(self) -> bool:
         """Whether the client is closing or closed."""
         return self._life.closed
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # Only a warning: a finalizer must not await, so it cannot close anything.
+        # ``_warn`` is bound at definition, as aiohttp binds ``warnings``: at
+        # interpreter exit the module's globals may be gone before this runs.
+        life: Lifecycle | None = getattr(self, "_life", None)
+        if life is not None and not life.closed:
+            _warn(
+                f"unclosed client {self!r}: use `async with` or `await client.aclose()`",
+                ResourceWarning,
+                source=self,
+            )
 
     async def __aenter__(self) -> Self:
         return self
