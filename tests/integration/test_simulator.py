@@ -104,6 +104,65 @@ async def test_request_with_tools_answers_one_tool_call(client: httpx.AsyncClien
     assert call["function"] == {"name": "lookup", "arguments": "{}"}
 
 
+async def test_forced_tool_is_called_with_an_instance_of_its_schema(
+    client: httpx.AsyncClient,
+) -> None:
+    """tool_choice names the second tool: that one is called, its required arguments filled."""
+    place = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "size": {"anyOf": [{"type": "null"}, {"type": "integer"}]},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "unasked": {"type": "string"},
+        },
+        "required": ["city", "size", "tags"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": "lookup", "parameters": {}}},
+        {"type": "function", "function": {"name": "place", "parameters": place}},
+    ]
+    choice = {"type": "function", "function": {"name": "place"}}
+    async with SimulatedUpstream({"a": FaultProfile()}) as sim:
+        r = await client.post(
+            f"{sim.base_url('a')}/chat/completions",
+            json={**CHAT, "tools": tools, "tool_choice": choice},
+        )
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "place"
+    assert json.loads(call["function"]["arguments"]) == {
+        "city": "lorem",
+        "size": 1,
+        "tags": ["lorem"],
+    }
+
+
+async def test_json_schema_response_format_answers_json_of_the_schema(
+    client: httpx.AsyncClient,
+) -> None:
+    """response_format json_schema makes the reply text JSON of the schema, $defs resolved."""
+    schema = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/Where"}, "ok": {"type": "boolean"}},
+        "required": ["where", "ok"],
+        "$defs": {
+            "Where": {
+                "type": "object",
+                "properties": {"country": {"enum": ["FR", "DE"]}, "km": {"type": "number"}},
+                "required": ["country", "km"],
+            }
+        },
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
+    async with SimulatedUpstream({"a": FaultProfile()}) as sim:
+        r = await client.post(
+            f"{sim.base_url('a')}/chat/completions",
+            json={**CHAT, "response_format": response_format},
+        )
+    content = r.json()["choices"][0]["message"]["content"]
+    assert json.loads(content) == {"where": {"country": "FR", "km": 1}, "ok": True}
+
+
 async def test_stream_sends_role_deltas_finish_usage_then_done(client: httpx.AsyncClient) -> None:
     """A stream is role chunk, content deltas joining to the full reply, finish, usage, [DONE]."""
     async with SimulatedUpstream({"a": FaultProfile(stream_chunks=5)}) as sim:

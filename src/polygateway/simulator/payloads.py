@@ -6,6 +6,11 @@ text alone (its first component is a stable hash, which makes the input order
 visible in the output). One ``ChatReply`` is shaped either as an OpenAI
 ``chat.completion`` (and its chunks) or as an Anthropic ``message`` (and its
 events), so every wire says the same words.
+
+A request that asks for JSON of a schema gets an instance of it
+(``schema_instance``): ``response_format`` ``json_schema`` makes the reply
+text that JSON, and a tool call's arguments are an instance of the called
+tool's schema (the one ``tool_choice`` forces, else the first offered).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "input_tokens",
     "ocr_text_response",
     "parse_response",
+    "schema_instance",
 ]
 
 OCR_SUFFIXES = frozenset({".pdf", ".jpg", ".jpeg", ".png"})
@@ -77,10 +83,16 @@ class ChatReply:
     words: tuple[str, ...]
     tool_name: str | None
     prompt_tokens: int
+    json_text: str | None = None
+    """The reply text when the request asked for JSON of a schema (``response_format``)."""
+    tool_input: str = "{}"
+    """The tool call's arguments: JSON text of an instance of the tool's schema."""
 
     @property
     def content(self) -> str:
         """The full reply text (the streamed deltas join to exactly this)."""
+        if self.json_text is not None:
+            return self.json_text
         return " ".join(self.words)
 
     @property
@@ -90,8 +102,10 @@ class ChatReply:
 
     @property
     def completion_tokens(self) -> int:
-        """Tokens of the answer: a word each, or a fixed 8 for a tool call."""
-        return len(self.words) if self.tool_name is None else 8
+        """Tokens of the answer: a word each (JSON text: 4 characters each), 8 for a tool call."""
+        if self.tool_name is not None:
+            return 8
+        return len(self.words) if self.json_text is None else _tokens(self.json_text)
 
     @property
     def total_tokens(self) -> int:
@@ -108,6 +122,10 @@ class ChatReply:
 
     def runs(self, chunks: int) -> list[str]:
         """The text split into ``chunks`` near-equal runs that concatenate to ``content``."""
+        if self.json_text is not None:
+            text = self.json_text
+            n = max(1, min(chunks, len(text)))
+            return [text[len(text) * i // n : len(text) * (i + 1) // n] for i in range(n)]
         n = max(1, min(chunks, len(self.words)))
         out: list[str] = []
         for i in range(n):
@@ -123,7 +141,7 @@ class ChatReply:
         return {
             "id": f"call_{self.id[-8:]}",
             "type": "function",
-            "function": {"name": self.tool_name, "arguments": "{}"},
+            "function": {"name": self.tool_name, "arguments": self.tool_input},
         }
 
 
@@ -142,14 +160,22 @@ def chat_reply(
     if isinstance(max_tokens, int) and max_tokens > 0:
         words = words[:max_tokens]
     tool_name: str | None = None
+    tool_input = "{}"
     tools = request.get("tools")
     if isinstance(tools, list) and tools:
-        # Offered tools make the reply a call of the first one, named where OpenAI
-        # ({"function": {"name"}}) or Anthropic ({"name"}) puts the name.
-        first = tools[0] if isinstance(tools[0], Mapping) else {}
-        function = first.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else first.get("name")
+        # Offered tools make the reply a call of the one tool_choice forces, else of the
+        # first, named where OpenAI ({"function": {"name"}}) or Anthropic ({"name"}) puts it.
+        name, schema = _called_tool(tools, request.get("tool_choice"))
         tool_name = name if isinstance(name, str) else "tool"
+        arguments = schema_instance(schema)
+        # Arguments are an object whatever the schema says (an empty schema says nothing).
+        tool_input = json.dumps(arguments if isinstance(arguments, dict) else {})
+    json_text = None
+    answer_format = request.get("response_format")
+    if tool_name is None and isinstance(answer_format, Mapping):
+        spec = answer_format.get("json_schema")
+        if answer_format.get("type") == "json_schema" and isinstance(spec, Mapping):
+            json_text = json.dumps(schema_instance(spec.get("schema")))
     model = request.get("model")
     return ChatReply(
         id=f"chatcmpl-sim-{source}-{request_no}",
@@ -158,7 +184,81 @@ def chat_reply(
         words=tuple(words),
         tool_name=tool_name,
         prompt_tokens=_tokens(prompt),
+        json_text=json_text,
+        tool_input=tool_input,
     )
+
+
+def _tool_name_and_schema(tool: Any) -> tuple[Any, Any]:
+    """An offered tool's name and input schema, in OpenAI's shape or Anthropic's."""
+    if not isinstance(tool, Mapping):
+        return None, None
+    function = tool.get("function")
+    if isinstance(function, Mapping):
+        return function.get("name"), function.get("parameters")
+    return tool.get("name"), tool.get("input_schema")
+
+
+def _called_tool(tools: list[Any], choice: Any) -> tuple[Any, Any]:
+    """The tool a reply calls: the one ``tool_choice`` names (either API's form), or the first."""
+    forced = None
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        forced = function.get("name") if isinstance(function, Mapping) else choice.get("name")
+    offered = [_tool_name_and_schema(tool) for tool in tools]
+    for name, schema in offered:
+        if forced is not None and name == forced:
+            return name, schema
+    return offered[0]
+
+
+def schema_instance(schema: Any, root: Mapping[str, Any] | None = None) -> Any:
+    """A value valid for the JSON schema ``schema``, for a model asked to answer in it.
+
+    Objects get their required properties (all of them in a strict schema),
+    arrays one item, strings ``"lorem"``, numbers 1, booleans ``true``; an
+    ``enum`` or ``const`` gives its first value, a union its first non-null
+    branch, a local ``$ref`` what it points at. Enough for the schemas a
+    pydantic model of plain fields writes; anything else is ``null``.
+    """
+    if not isinstance(schema, Mapping):
+        return None
+    root = schema if root is None else root
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        return schema_instance(target, root)
+    if "const" in schema:
+        return schema["const"]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list):
+            for branch in branches:
+                if not (isinstance(branch, Mapping) and branch.get("type") == "null"):
+                    return schema_instance(branch, root)
+            return None
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind == "object" or "properties" in schema:
+        properties = schema.get("properties")
+        properties = properties if isinstance(properties, Mapping) else {}
+        required = schema.get("required")
+        names = required if isinstance(required, list) else []
+        return {name: schema_instance(properties.get(name), root) for name in names}
+    if kind == "array":
+        items = schema.get("items")
+        return [schema_instance(items, root)] if isinstance(items, Mapping) else []
+    return _PLAIN.get(kind) if isinstance(kind, str) else None
+
+
+_PLAIN: dict[str, Any] = {"string": "lorem", "integer": 1, "number": 1, "boolean": True}
+"""The value of each plain JSON type in a ``schema_instance``."""
 
 
 def chat_completion(reply: ChatReply) -> dict[str, Any]:
@@ -263,7 +363,12 @@ def anthropic_message(reply: ChatReply) -> dict[str, Any]:
     content: list[dict[str, Any]] = [{"type": "text", "text": reply.content}]
     if reply.tool_name is not None:
         content = [
-            {"type": "tool_use", "id": _tool_use_id(reply), "name": reply.tool_name, "input": {}}
+            {
+                "type": "tool_use",
+                "id": _tool_use_id(reply),
+                "name": reply.tool_name,
+                "input": json.loads(reply.tool_input),
+            }
         ]
     return {
         "id": _message_id(reply),
@@ -308,6 +413,7 @@ def anthropic_events(reply: ChatReply, *, chunks: int) -> StreamPlan:
     ping = event("ping")
     block_stop = event("content_block_stop", index=0)
     if reply.tool_name is not None:
+        half = len(reply.tool_input) // 2
         # The block names the tool, which is model output: it follows the delay.
         block = {
             "type": "tool_use",
@@ -324,7 +430,7 @@ def anthropic_events(reply: ChatReply, *, chunks: int) -> StreamPlan:
                     index=0,
                     delta={"type": "input_json_delta", "partial_json": part},
                 )
-                for part in ("", "{}")
+                for part in ("", reply.tool_input[:half], reply.tool_input[half:])
             ),
             block_stop,
         )
