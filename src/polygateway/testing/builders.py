@@ -59,14 +59,31 @@ def chat_chunk_events(
     *,
     usage: tuple[int, int] | None = None,
     role_first: bool = True,
+    tool_calls: Sequence[Mapping[str, str]] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``data:`` events of a streamed answer: a role chunk, one per text, a finish chunk.
 
     ``usage=(prompt, completion)`` adds the usage-only chunk ``include_usage``
     asks for; ``finish_reason=None`` leaves the finish chunk out.
+    ``tool_calls`` (items ``{"id", "name", "arguments"}``, as for
+    ``chat_completion``) follow the texts as OpenAI streams them: a chunk
+    naming each call (index, id, name, empty arguments), then its arguments
+    in two pieces.
     """
     events = [_chunk({"role": "assistant", "content": ""})] if role_first else []
     events += [_chunk({"content": t}) for t in texts]
+    for i, call in enumerate(tool_calls or ()):
+        head = {
+            "index": i,
+            "id": call.get("id", f"call_{i}"),
+            "type": "function",
+            "function": {"name": call["name"], "arguments": ""},
+        }
+        events.append(_chunk({"tool_calls": [head]}))
+        arguments = call.get("arguments", "{}")
+        half = len(arguments) // 2
+        for piece in (arguments[:half], arguments[half:]):
+            events.append(_chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}))
     if finish_reason is not None:
         events.append(_chunk({}, finish_reason))
     if usage is not None:
