@@ -17,7 +17,10 @@ flows, and the caller gets ``AllSourcesExhausted(reason="deadline")``.
 Each source speaks its own protocol's wire (``_ChatWire``: OpenAI chat
 completions or Anthropic Messages), chosen per attempt from the source, so a
 scope may mix both and fail over between them; the caller gets the same
-``ChatResponse`` and ``ChatChunk`` whichever served.
+``ChatResponse`` and ``ChatChunk`` whichever served. A ``response_model`` is
+asked of each in its own way too (``transport/structured.py``), and
+``ChatStream.response()`` puts a stream's chunks back together into the
+``ChatResponse`` that ``complete()`` gives (``transport/assembly.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, overload
 
-from polygateway.errors import RequestRejected, StreamInterrupted
+from polygateway.errors import StreamInterrupted
 from polygateway.middleware.attempt import AttemptContext, Served
 from polygateway.middleware.lifecycle import GovernedClient, InFlight
 from polygateway.models import AttemptRecord, ChatChunk, ChatResponse, positional_builder
@@ -38,7 +41,9 @@ from polygateway.transport.anthropic import (
     MessagesStreamReader,
     messages_request,
     parse_messages_response,
+    streamed_arguments,
 )
+from polygateway.transport.assembly import assemble_chat
 from polygateway.transport.http import HintSink, HttpRequest, TransientError
 from polygateway.transport.openai import (
     ParsedChat,
@@ -47,41 +52,22 @@ from polygateway.transport.openai import (
     parse_chat_chunk,
     parse_chat_response,
 )
+from polygateway.transport.params import ChatCheck
+from polygateway.transport.structured import AnswerFormat, answer_format
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from polygateway.config import SourceConfig
 
 __all__ = ["ChatClient", "ChatStream"]
 
 Messages = Sequence[Mapping[str, Any]]
 
+_M = TypeVar("_M", bound="BaseModel")
+
 _new_response = positional_builder(ChatResponse)
 """``ChatResponse`` without the frozen dataclass's per-field ``__setattr__`` (one per call)."""
-
-
-def _check_messages(messages: object, scope: str) -> list[Mapping[str, Any]]:
-    """The caller's messages, or ``RequestRejected`` before any request is sent."""
-    if type(messages) is list and messages:
-        # The common case, checked without the ABCs' slower isinstance.
-        for message in messages:
-            if type(message) is not dict:
-                break
-            role = message.get("role")
-            if type(role) is not str or not role:
-                break
-        else:
-            return list(messages)
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise RequestRejected("messages must be a list of message dicts", scope=scope)
-    if not messages:
-        raise RequestRejected("messages must not be empty", scope=scope)
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise RequestRejected(f"messages[{i}] is not a dict", scope=scope)
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise RequestRejected(f"messages[{i}] has no role", scope=scope)
-    return list(messages)
 
 
 _ChunkParser = Callable[[Any, str], ChatChunk]
@@ -111,11 +97,14 @@ class _ChatWire:
 
     ``chunk_reader`` is called once per stream: a stateless protocol hands
     back the same function every time, a stateful one a fresh reader.
+    ``stream_arguments`` writes a streamed tool call's joined argument pieces
+    as the protocol's completion writes them (``None``: as they came).
     """
 
     request: _RequestBuilder
     parse_response: Callable[[Any], ParsedChat]
     chunk_reader: Callable[[], _ChunkParser]
+    stream_arguments: Callable[[str], str] | None = None
 
 
 def _openai_chunks() -> _ChunkParser:
@@ -128,7 +117,9 @@ def _anthropic_chunks() -> _ChunkParser:
 
 _WIRES: dict[str, _ChatWire] = {
     "openai": _ChatWire(chat_request, parse_chat_response, _openai_chunks),
-    "anthropic": _ChatWire(messages_request, parse_messages_response, _anthropic_chunks),
+    "anthropic": _ChatWire(
+        messages_request, parse_messages_response, _anthropic_chunks, streamed_arguments
+    ),
 }
 """The wire of each chat protocol, looked up once per attempt (never per chunk)."""
 
@@ -145,32 +136,83 @@ class ChatClient(GovernedClient):
     KIND: ClassVar[str] = "chat"
     DEFAULT_SCOPE: ClassVar[str] = "chat"
 
+    def _setup(self) -> None:
+        """The checks of this scope's calls, from the protocols its sources speak."""
+        self._check = ChatCheck(source.protocol for source in self._config.sources)
+
+    @overload
     async def complete(
         self,
         messages: Messages,
         *,
+        response_model: type[_M],
+        fail_fast: bool = ...,
+        deadline_s: float | None = ...,
+        **params: Any,
+    ) -> ChatResponse[_M]: ...
+
+    @overload
+    async def complete(
+        self,
+        messages: Messages,
+        *,
+        response_model: None = ...,
+        fail_fast: bool = ...,
+        deadline_s: float | None = ...,
+        **params: Any,
+    ) -> ChatResponse[None]: ...
+
+    async def complete(
+        self,
+        messages: Messages,
+        *,
+        response_model: type[BaseModel] | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
         **params: Any,
-    ) -> ChatResponse:
-        """One chat completion; ``params`` (max_tokens, tools, ...) go to the provider as given.
+    ) -> ChatResponse[Any]:
+        """One chat completion; ``params`` (max_tokens, tools, ...) are checked, then sent.
+
+        Messages and parameters are checked against the chat completions API
+        before any permit is taken (``transport/params.py``): an unknown or
+        mistyped parameter, ``model=``, ``stream=`` or a malformed message is
+        refused. ``extra_body={...}`` carries provider fields unchecked.
+
+        ``response_model=Model`` (a pydantic model class) asks each source for
+        an answer of the model's JSON schema in its protocol's way and returns
+        the validated instance as ``r.parsed`` (typed ``Model``); with
+        ``n > 1``, the first choice is the one parsed. An answer that does not
+        validate raises ``ResponseParseError`` after the source is released as
+        a success and without trying another: the source served, and the
+        model's answer to the same question elsewhere would cost as much and
+        most likely fail alike (a refusal, an answer cut at ``max_tokens``);
+        the error carries the text and the response for the caller to decide.
 
         Raises:
-            RequestRejected: invalid messages, or a source answered 400/413/422.
+            RequestRejected: invalid messages or parameters (nothing sent;
+                ``response_model`` together with ``response_format`` too), or a
+                source answered 400/413/422.
+            ResponseParseError: the answer is not a valid ``response_model``.
             AllSourcesExhausted: the loop gave up (``reason`` says why).
             GovernanceBackendError: the shared state failed (fail closed).
             GatewayError: the client is closed.
         """
-        checked = _check_messages(messages, self._scope)
+        checked = self._check.complete(messages, params, self._scope)
+        answer: AnswerFormat | None = None
+        if response_model is not None:
+            answer = answer_format(response_model, params, self._scope)
         call = self._life.begin()
         transport = self._transport
 
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> ParsedChat:
             wire = _WIRES[source.protocol]
+            sent = params if answer is None else answer.params(source.protocol, params)
             request = wire.request(
-                source, checked, params, stream=False, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+                source, checked, sent, stream=False, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
             )
             parsed = wire.parse_response(await transport.send(request))
+            if answer is not None:
+                parsed = answer.read(source.protocol, parsed)
             ctx.usage = parsed.usage
             return parsed
 
@@ -193,8 +235,8 @@ class ChatClient(GovernedClient):
             self._life.end(call)
         parsed = served.value
         # ChatResponse's fields in order: text, source, finish_reason, tool_calls, usage,
-        # attempts, raw.
-        return _new_response(
+        # attempts, raw, choices, parsed.
+        response: ChatResponse[Any] = _new_response(
             parsed.text,
             served.source,
             parsed.finish_reason,
@@ -202,7 +244,14 @@ class ChatClient(GovernedClient):
             parsed.usage,
             served.attempts,
             parsed.raw,
+            parsed.choices,
+            None,
         )
+        if answer is None:
+            return response
+        # Validated once the permit is back: whatever the answer, the source served.
+        value = answer.validate(response, op_name="chat.complete", scope=self._scope)
+        return dataclasses.replace(response, parsed=value)
 
     def stream(
         self,
@@ -221,18 +270,12 @@ class ChatClient(GovernedClient):
         ``AllSourcesExhausted(reason="deadline")``.
 
         Raises:
-            RequestRejected: invalid messages, or ``stream_options`` that is not
-                an object (at once, before anything is sent).
+            RequestRejected: invalid messages or parameters, checked as for
+                ``complete()`` (at once, before anything is sent; ``stream=`` is
+                refused here too).
             GatewayError: the client is closed.
         """
-        checked = _check_messages(messages, self._scope)
-        options = params.get("stream_options")
-        if options is not None and not isinstance(options, Mapping):
-            # A stream's request adds include_usage to these options: they must be an object.
-            raise RequestRejected(
-                f"stream_options must be an object, not {type(options).__name__}",
-                scope=self._scope,
-            )
+        checked = self._check.stream(messages, params, self._scope)
         self._life.check_open()
         return ChatStream(self, checked, params, fail_fast=fail_fast, deadline_s=deadline_s)
 
@@ -240,15 +283,20 @@ class ChatClient(GovernedClient):
 class _Opened:
     """A stream that reached its first chunk: the connection, the events, what was read."""
 
-    __slots__ = ("buffered", "ended", "events", "finish_seen", "parse", "stack")
+    __slots__ = ("buffered", "ended", "events", "finish_seen", "parse", "stack", "wire")
 
     def __init__(
-        self, stack: AsyncExitStack, events: AsyncIterator[Any], parse: _ChunkParser
+        self,
+        stack: AsyncExitStack,
+        events: AsyncIterator[Any],
+        parse: _ChunkParser,
+        wire: _ChatWire,
     ) -> None:
         self.stack = stack
         self.events = events
         self.parse = parse
         """The source's protocol's chunk reader, this stream's own."""
+        self.wire = wire
         self.buffered: deque[ChatChunk] = deque()
         self.ended = False
         self.finish_seen = False
@@ -269,17 +317,24 @@ class ChatStream:
     cancelled: the caller's deadline is not the source's failure).
     A consumer that stops early releases the permit as cancelled (only a
     clean end counts as a success).
+
+    ``await s.response()`` is the whole answer as a ``ChatResponse``,
+    assembled from the chunks: after iterating, or instead of it (it reads
+    the stream to its end itself).
     """
 
     __slots__ = (
         "_call",
+        "_chunks",
         "_client",
         "_cm",
         "_deadline_s",
         "_delivered",
+        "_ended",
         "_fail_fast",
         "_messages",
         "_params",
+        "_response",
         "_served",
         "_started",
     )
@@ -300,6 +355,11 @@ class ChatStream:
         self._deadline_s = deadline_s
         self._started = False
         self._delivered = 0
+        self._chunks: list[ChatChunk] = []
+        """Every chunk delivered, for ``response()``."""
+        self._ended = False
+        """Whether the stream reached its clean end."""
+        self._response: ChatResponse[None] | None = None
         self._call: InFlight | None = None
         self._cm: AbstractAsyncContextManager[Served[_Opened]] | None = None
         self._served: Served[_Opened] | None = None
@@ -344,7 +404,7 @@ class ChatStream:
         stack = AsyncExitStack()
         try:
             events = await stack.enter_async_context(self._client._transport.stream(request))
-            opened = _Opened(stack, aiter(events), wire.chunk_reader())
+            opened = _Opened(stack, aiter(events), wire.chunk_reader(), wire)
             await self._fill(opened, ctx)
         except BaseException:
             # Clean-up only: the connection closes, the failure goes on to the loop.
@@ -394,8 +454,11 @@ class ChatStream:
                 await served.renew_if_due()
         if opened.buffered:
             self._delivered += 1
-            return opened.buffered.popleft()
+            chunk = opened.buffered.popleft()
+            self._chunks.append(chunk)
+            return chunk
         served.complete()
+        self._ended = True
         return None
 
     @asynccontextmanager
@@ -522,3 +585,51 @@ class ChatStream:
     async def aclose(self) -> None:
         """Stop the stream and release its permit (as cancelled unless it had ended)."""
         await self._exit(None, None, None)
+
+    # --- the whole answer ----------------------------------------------------------
+
+    async def response(self) -> ChatResponse[None]:
+        """The whole answer, as ``complete()`` would return it, assembled from the chunks.
+
+        Called instead of iterating (``await chat.stream(...).response()``, or
+        first thing inside ``async with``), it reads the stream to its end
+        itself; called inside ``async with`` after some chunks, it reads the
+        rest; after a stream iterated to its end, it only assembles. The same
+        object is returned on every call. Text, tool calls (their pieces
+        joined by ``ToolCallDelta.index``), finish reason, usage (``Usage()``
+        when the provider sent none), source and attempts are as
+        ``complete()`` gives them for the same answer; ``raw`` is a
+        ``chat.completion`` object built from them (a stream has no one JSON
+        answer); ``choices`` holds the one choice a stream follows.
+
+        Raises:
+            AllSourcesExhausted, RequestRejected, StreamInterrupted, ...: as
+                iterating the stream raises them, when this call reads it.
+            RuntimeError: the stream was closed, failed, or is being read by
+                a bare ``async for`` (nothing to read the rest from).
+        """
+        if self._response is not None:
+            return self._response
+        if not self._ended and (not self._started or self._cm is not None):
+            async for _ in self:
+                pass
+        if not self._ended or self._served is None:
+            raise RuntimeError(
+                "ChatStream.response(): the stream did not reach its end "
+                "(closed, failed, or being read elsewhere)"
+            )
+        served = self._served
+        parsed = assemble_chat(self._chunks, arguments=served.value.wire.stream_arguments)
+        # ChatResponse's fields in order, as complete() builds it.
+        self._response = _new_response(
+            parsed.text,
+            served.source,
+            parsed.finish_reason,
+            parsed.tool_calls,
+            parsed.usage,
+            served.attempts,
+            parsed.raw,
+            parsed.choices,
+            None,
+        )
+        return self._response

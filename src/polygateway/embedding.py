@@ -12,27 +12,53 @@ Inputs are split into batches no larger than ``max_batch_size`` texts and
 scope's sources, since any batch may go to any source). Batches run
 concurrently as tasks of one ``TaskGroup``; the scope's permits bound how
 many are really in flight, and at most ``2 x total_concurrency`` batch tasks
-exist at once, so a million texts never become a million tasks. The first
-batch that fails cancels its siblings and fails the whole call with its
-error, ``.batch = (start, stop)`` naming its input indices: a call never
-returns a partial or misordered result.
+exist at once, so a million texts never become a million tasks.
+
+A batch that fails after its retries does not stop its siblings: every
+other batch runs to its end, so every vector that can be computed is. Then
+``embed(..., partial=True)`` returns a ``PartialEmbeddingResponse`` (vectors
+in input order, ``None`` where a batch failed, ``failed_spans`` naming those
+batches); without it the first failure in input order is raised, its
+``.batch = (start, stop)`` naming the batch and its ``.partial`` holding that
+same result. Two things still stop every batch at once: the call's
+cancellation, and a ``GovernanceBackendError`` (the shared state failed, so
+nothing may run ungoverned); that error carries ``.partial`` too. A call
+never returns misordered vectors.
+
+``on_progress`` is called once per finished batch, from the event loop and
+never concurrently with itself; a callback that raises is logged and the
+call carries on (research-wiki/ARCHITECTURE.md, section 2).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, overload
 
-from polygateway.errors import GatewayError, RequestRejected
+from polygateway.errors import (
+    AllSourcesExhausted,
+    GatewayError,
+    GovernanceBackendError,
+    RequestRejected,
+)
 from polygateway.middleware.lifecycle import GovernedClient
-from polygateway.models import EmbeddingResponse, Usage
+from polygateway.models import (
+    AttemptRecord,
+    EmbeddingProgress,
+    EmbeddingResponse,
+    PartialEmbeddingResponse,
+    Usage,
+)
 from polygateway.transport.openai import (
     embedding_request,
     estimate_embedding_tokens,
     parse_embedding_response,
 )
+from polygateway.transport.params import check_embedding_params
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
@@ -43,6 +69,11 @@ __all__ = ["EmbeddingClient", "plan_batches"]
 _TASKS_PER_PERMIT: Final = 2
 """Batch tasks alive at once per permit of the scope: enough to keep every permit busy."""
 
+_log = logging.getLogger("polygateway.embedding")
+
+ProgressCallback = Callable[[EmbeddingProgress], None]
+"""``on_progress``: a plain function; typed to return ``None`` so an ``async def`` is refused."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
@@ -50,6 +81,155 @@ class _Batch:
 
     vectors: list[list[float]]
     usage: Usage
+
+
+def _total(usages: Iterable[Usage]) -> Usage:
+    """The sum of the batches' usage."""
+    prompt = completion = total = 0
+    for usage in usages:
+        prompt += usage.prompt_tokens
+        completion += usage.completion_tokens
+        total += usage.total_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+
+
+class _Outcomes:
+    """What the batches of one call came to, kept by batch index, and the progress they report.
+
+    Only the event loop's thread touches it, and nothing here awaits: a batch's
+    outcome, the counts and the report made of them change together, so
+    reports never interleave and their counts only grow.
+    """
+
+    __slots__ = (
+        "_batches_done",
+        "_batches_failed",
+        "_callback_errors",
+        "_on_progress",
+        "_scope",
+        "_texts_done",
+        "_texts_failed",
+        "_texts_total",
+        "errors",
+        "served",
+        "spans",
+    )
+
+    def __init__(
+        self,
+        spans: list[tuple[int, int]],
+        texts_total: int,
+        on_progress: ProgressCallback | None,
+        scope: str,
+    ) -> None:
+        self.spans = spans
+        self.served: list[Served[_Batch] | None] = [None] * len(spans)
+        # None for a batch served, not yet finished, or given up with the fail_fast probe.
+        self.errors: list[GatewayError | None] = [None] * len(spans)
+        self._texts_total = texts_total
+        self._on_progress = on_progress
+        self._scope = scope
+        self._texts_done = self._texts_failed = 0
+        self._batches_done = self._batches_failed = 0
+        self._callback_errors = 0
+
+    def serve(self, index: int, served: Served[_Batch]) -> None:
+        """Batch ``index`` was served."""
+        self.served[index] = served
+        self._finish(index, failed=False)
+
+    def fail(self, index: int, error: GatewayError | None) -> None:
+        """Batch ``index`` failed for good; ``None``: it was never sent (see ``_run_batches``)."""
+        self.errors[index] = error
+        self._finish(index, failed=True)
+
+    def first_error(self) -> GatewayError | None:
+        """The failure a call without ``partial=True`` raises: the first in input order."""
+        return next((e for e in self.errors if e is not None), None)
+
+    def complete(self) -> EmbeddingResponse:
+        """The response of a call whose every batch was served."""
+        served = [s for s in self.served if s is not None]
+        if len(served) != len(self.spans):  # unreachable: embed() checks first_error() first
+            raise RuntimeError("an embedding batch ended without vectors or an error")
+        return EmbeddingResponse(
+            vectors=[vector for s in served for vector in s.value.vectors],
+            usage=_total(s.value.usage for s in served),
+            sources=tuple(s.source for s in served),
+            batches=tuple(self.spans),
+            attempts=tuple(record for s in served for record in s.attempts),
+        )
+
+    def partial(self) -> PartialEmbeddingResponse:
+        """Every vector computed so far at its input position; any other batch is a failed span."""
+        vectors: list[list[float] | None] = []
+        failed: list[tuple[int, int]] = []
+        sources: list[str] = []
+        attempts: list[AttemptRecord] = []
+        for (start, stop), served, error in zip(self.spans, self.served, self.errors, strict=True):
+            if served is not None:
+                vectors.extend(served.value.vectors)
+                sources.append(served.source)
+                attempts.extend(served.attempts)
+                continue
+            vectors.extend([None] * (stop - start))
+            failed.append((start, stop))
+            sources.append("")
+            if isinstance(error, AllSourcesExhausted):
+                attempts.extend(error.attempts)
+        return PartialEmbeddingResponse(
+            vectors=vectors,
+            usage=_total(s.value.usage for s in self.served if s is not None),
+            failed_spans=tuple(failed),
+            sources=tuple(sources),
+            batches=tuple(self.spans),
+            attempts=tuple(attempts),
+        )
+
+    def _finish(self, index: int, *, failed: bool) -> None:
+        """Count a finished batch and report the call's progress."""
+        start, stop = self.spans[index]
+        self._texts_done += stop - start
+        self._batches_done += 1
+        if failed:
+            self._texts_failed += stop - start
+            self._batches_failed += 1
+        if self._on_progress is None:
+            return
+        progress = EmbeddingProgress(
+            texts_done=self._texts_done,
+            texts_total=self._texts_total,
+            texts_failed=self._texts_failed,
+            batches_done=self._batches_done,
+            batches_total=len(self.spans),
+            batches_failed=self._batches_failed,
+        )
+        try:
+            self._on_progress(progress)
+        except Exception:
+            # The callback is the caller's code (a progress bar, a log line): its bug must
+            # not throw away the vectors of a long job. Once with the traceback, then quietly.
+            self._callback_errors += 1
+            level = logging.WARNING if self._callback_errors == 1 else logging.DEBUG
+            _log.log(
+                level,
+                "on_progress raised (%d time(s) in this call); the embedding call in scope %r "
+                "carries on",
+                self._callback_errors,
+                self._scope,
+                exc_info=True,
+            )
+
+
+def _check_progress(on_progress: object, scope: str) -> None:
+    """Refuse an ``on_progress`` that is not a plain callable: an async one would never run."""
+    if on_progress is None:
+        return
+    if not callable(on_progress) or inspect.iscoroutinefunction(on_progress):
+        raise RequestRejected(
+            "on_progress must be a plain (not async) function taking an EmbeddingProgress",
+            scope=scope,
+        )
 
 
 def plan_batches(
@@ -94,7 +274,8 @@ def _check_texts(texts: object, scope: str) -> list[str]:
 
 
 def _check_params(params: Mapping[str, Any], scope: str) -> None:
-    """Refuse provider parameters whose answer this client could not read back."""
+    """Refuse unknown or mistyped parameters, and those whose answer this client cannot read."""
+    check_embedding_params(params, scope)
     fmt = params.get("encoding_format")
     # Not a set lookup: a caller's list or dict here must be refused, not crash on hashing.
     if fmt is not None and not (isinstance(fmt, str) and fmt == "float"):
@@ -127,115 +308,195 @@ class EmbeddingClient(GovernedClient):
         """Most estimated tokens in one request: the smallest ``max_batch_tokens`` of sources."""
         return self._max_batch_tokens
 
+    @overload
     async def embed(
         self,
         texts: Sequence[str],
         *,
+        partial: Literal[False] = False,
+        on_progress: ProgressCallback | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
         **params: Any,
-    ) -> EmbeddingResponse:
-        """Vectors of ``texts`` in input order; ``params`` (dimensions, user, ...) go as given.
+    ) -> EmbeddingResponse: ...
+
+    @overload
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        partial: Literal[True],
+        on_progress: ProgressCallback | None = None,
+        fail_fast: bool = False,
+        deadline_s: float | None = None,
+        **params: Any,
+    ) -> PartialEmbeddingResponse: ...
+
+    @overload
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        partial: bool,
+        on_progress: ProgressCallback | None = None,
+        fail_fast: bool = False,
+        deadline_s: float | None = None,
+        **params: Any,
+    ) -> EmbeddingResponse | PartialEmbeddingResponse: ...
+
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        partial: bool = False,
+        on_progress: ProgressCallback | None = None,
+        fail_fast: bool = False,
+        deadline_s: float | None = None,
+        **params: Any,
+    ) -> EmbeddingResponse | PartialEmbeddingResponse:
+        """Vectors of ``texts`` in input order; ``params`` (dimensions, user, ...) checked, sent.
+
+        ``params`` are those of the embeddings API, checked before any permit
+        is taken (an unknown or mistyped one, or ``model=``, is refused);
+        ``extra_body={...}`` carries provider fields unchecked.
+
+        Every batch runs to its end, whatever its siblings do, before the call
+        returns or raises. With ``partial=True`` batches that failed after their
+        retries do not fail the call: it returns a ``PartialEmbeddingResponse``
+        with ``None`` vectors and ``failed_spans`` where they were, and embedding
+        those spans again completes the set. Without it the first failure in
+        input order is raised, its ``.partial`` holding that same result.
+
+        ``on_progress`` is called with an ``EmbeddingProgress`` once per finished
+        batch (served or failed), on the event loop, never concurrently with
+        itself, counts growing to the totals; it must be a plain function (hand
+        async work to a task or a queue) and quick, since batches wait for it. An
+        exception it raises is logged (logger ``polygateway.embedding``) and the
+        call carries on: a progress display's bug does not cost the job.
 
         ``deadline_s`` bounds the whole call, every batch included. ``fail_fast``
         applies to the call: the first batch asks without waiting and the call
-        fails with ``no_runnable`` when the scope cannot take it at once; the
-        other batches start once it holds a permit and then queue behind the
-        call's own permits like any batch (waiting for oneself is not "no
-        runnable source").
+        fails with ``no_runnable`` when the scope cannot take it at once (its
+        other batches are then not sent, and count as failed); the other batches
+        start once it holds a permit and then queue behind the call's own
+        permits like any batch (waiting for oneself is not "no runnable source").
 
         Raises:
-            RequestRejected: a non-list, an empty string or a non-string item
-                (before any request), or a source answered 400/413/422;
-                ``.batch`` names the batch in the latter case.
-            AllSourcesExhausted: the loop gave up on a batch (``.reason``, ``.batch``).
-            GovernanceBackendError: the shared state failed (fail closed).
-            GatewayError: the client is closed.
+            RequestRejected: a non-list, an empty string, a non-string item, a
+                bad parameter, a non-bool ``partial`` or an async ``on_progress`` (before any
+                request), or a source answered 400/413/422 to a batch (``.batch``,
+                ``.partial``; not raised with ``partial=True``).
+            AllSourcesExhausted: the loop gave up on a batch (``.reason``,
+                ``.batch``, ``.partial``; not raised with ``partial=True``).
+            GovernanceBackendError: the shared state failed (fail closed): every
+                batch stops at once, even with ``partial=True``; ``.partial``
+                holds what was computed before.
+            GatewayError: the client is closed (``.partial`` when it closed
+                during the call).
         """
         items = _check_texts(texts, self._scope)
         _check_params(params, self._scope)
+        if not isinstance(partial, bool):
+            raise RequestRejected(
+                f"partial must be True or False, not {type(partial).__name__}", scope=self._scope
+            )
+        _check_progress(on_progress, self._scope)
         self._life.check_open()
-        if not items:
-            return EmbeddingResponse(vectors=[], usage=Usage())
         spans = plan_batches(
             items, max_batch_size=self._max_batch_size, max_batch_tokens=self._max_batch_tokens
         )
-        deadline_at = None if deadline_s is None else self._now() + deadline_s
-        call = self._life.begin()
-        try:
-            async with call.running():
-                served = await self._run_batches(items, spans, params, fail_fast, deadline_at)
-        finally:
-            self._life.end(call)
-        vectors: list[list[float]] = []
-        prompt = completion = total = 0
-        for batch in served:
-            vectors.extend(batch.value.vectors)
-            usage = batch.value.usage
-            prompt += usage.prompt_tokens
-            completion += usage.completion_tokens
-            total += usage.total_tokens
-        return EmbeddingResponse(
-            vectors=vectors,
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total),
-            sources=tuple(batch.source for batch in served),
-            batches=tuple(spans),
-            attempts=tuple(record for batch in served for record in batch.attempts),
-        )
+        outcomes = _Outcomes(spans, len(items), on_progress, self._scope)
+        if spans:
+            deadline_at = None if deadline_s is None else self._now() + deadline_s
+            call = self._life.begin()
+            try:
+                async with call.running():
+                    await self._run_batches(items, outcomes, params, fail_fast, deadline_at)
+            except GatewayError as exc:
+                # Fail closed, or closed under the call: what was computed still goes back.
+                exc.partial = outcomes.partial()
+                raise
+            finally:
+                self._life.end(call)
+        failure = outcomes.first_error()
+        if failure is None and not partial:
+            return outcomes.complete()
+        result = outcomes.partial()
+        if partial:
+            return result
+        if failure is None:  # unreachable: a failed batch without an error has a failed probe
+            raise RuntimeError("an embedding batch failed without an error")
+        failure.partial = result
+        raise failure
 
     async def _run_batches(
         self,
         items: list[str],
-        spans: list[tuple[int, int]],
+        outcomes: _Outcomes,
         params: Mapping[str, Any],
         fail_fast: bool,
         deadline_at: float | None,
-    ) -> list[Served[_Batch]]:
-        """Every batch through the loop, concurrently; the first failure cancels the rest."""
-        results: list[Served[_Batch] | None] = [None] * len(spans)
-        failed: list[BaseException] = []
+    ) -> None:
+        """Every batch through the loop, concurrently, each to its end; a backend failure stops all.
+
+        A batch's ``GatewayError`` is its outcome, kept in ``outcomes``; only a
+        ``GovernanceBackendError`` (or a bug) leaves a batch task and makes the
+        ``TaskGroup`` cancel the rest.
+        """
+        aborted: list[GovernanceBackendError] = []
         slots = asyncio.Semaphore(self._max_batch_tasks)
         # fail_fast: only the first batch asks without waiting; the rest follow its admission.
-        admitted = asyncio.Event()
-        if not fail_fast:
-            admitted.set()
+        gate = asyncio.Event()
+        admitted = not fail_fast
+        if admitted:
+            gate.set()
+
+        def admit() -> None:
+            nonlocal admitted
+            admitted = True
+            gate.set()
 
         async def one(index: int, span: tuple[int, int]) -> None:
             try:
                 if index > 0:
-                    await admitted.wait()
-                results[index] = await self._embed_batch(
-                    items, span, params, fail_fast and index == 0, deadline_at, admitted.set
-                )
-            except BaseException as exc:
-                # Not swallowed: the failure is noted (first one wins) and re-raised.
-                if not isinstance(exc, asyncio.CancelledError):
-                    if isinstance(exc, GatewayError):
-                        exc.batch = span
-                    failed.append(exc)
-                raise
+                    await gate.wait()
+                    if not admitted:
+                        # The first batch found the scope unable to take it: no_runnable is
+                        # the call's answer, and asking again for each batch would change it.
+                        outcomes.fail(index, None)
+                        return
+                try:
+                    served = await self._embed_batch(
+                        items, span, params, fail_fast and index == 0, deadline_at, admit
+                    )
+                except GovernanceBackendError as exc:
+                    exc.batch = span
+                    aborted.append(exc)
+                    raise
+                except GatewayError as exc:
+                    exc.batch = span
+                    outcomes.fail(index, exc)
+                else:
+                    outcomes.serve(index, served)
             finally:
+                if index == 0:
+                    gate.set()  # wakes the others even when the probe failed unadmitted
                 slots.release()
 
         try:
             async with asyncio.TaskGroup() as group:
-                for index, span in enumerate(spans):
+                for index, span in enumerate(outcomes.spans):
                     await slots.acquire()
-                    if failed:
+                    if aborted:
                         # The group is aborting: a task created now would be refused.
                         slots.release()
                         break
                     group.create_task(one(index, span))
         except BaseExceptionGroup as errors:
-            first = failed[0] if failed else None
-            _, others = errors.split(GatewayError)
-            if isinstance(first, GatewayError) and others is None:
-                raise first from None
+            _, others = errors.split(GovernanceBackendError)
+            if aborted and others is None:
+                raise aborted[0] from None
             raise
-        done = [r for r in results if r is not None]
-        if len(done) != len(spans):  # unreachable: a batch without a result raised in the group
-            raise RuntimeError("an embedding batch ended without a result or an error")
-        return done
 
     async def _embed_batch(
         self,

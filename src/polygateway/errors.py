@@ -7,6 +7,8 @@ The tree::
     ├── RequestRejected             the request itself is invalid (400/413/422, bad input):
     │                               no retry, no other source
     ├── StreamInterrupted           a stream failed after chunks reached the caller
+    ├── ResponseParseError          the answer does not validate as the call's response_model:
+    │                               .text, .errors; the model's answer, so no retry
     └── GatewayUnavailableError     the scope cannot serve now; callers requeue later
         ├── AllSourcesExhausted     .reason in {"retry_exhausted", "stalled", "no_runnable",
         │                           "deadline"}, .retry_after_s, .attempts
@@ -14,17 +16,19 @@ The tree::
 
 Every error carries ``.scope`` and ``.sources`` (a tuple of source names) and,
 for embedding calls, ``.batch`` (the ``(start, stop)`` input indices of the
-failing batch). Messages are built from names, reasons and status codes only:
-no secret, URL credential or header value ever enters one.
+failing batch) and ``.partial`` (every vector the call computed, positioned as
+the input, with the failed spans named). Messages are built from names,
+reasons and status codes only: no secret, URL credential or header value ever
+enters one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from polygateway.models import AttemptRecord
+    from polygateway.models import AttemptRecord, ChatResponse, PartialEmbeddingResponse
 
 __all__ = [
     "AllSourcesExhausted",
@@ -34,6 +38,7 @@ __all__ = [
     "GatewayUnavailableError",
     "GovernanceBackendError",
     "RequestRejected",
+    "ResponseParseError",
     "StreamInterrupted",
 ]
 
@@ -50,12 +55,15 @@ class GatewayError(Exception):
         scope: str | None = None,
         sources: Sequence[str] = (),
         batch: tuple[int, int] | None = None,
+        partial: PartialEmbeddingResponse | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.scope = scope
         self.sources: tuple[str, ...] = tuple(sources)
         self.batch = batch
+        # An embedding call's vectors outlive its failure: resume from failed_spans.
+        self.partial = partial
 
     def __str__(self) -> str:
         parts = [self.message]
@@ -65,6 +73,9 @@ class GatewayError(Exception):
             parts.append(f"sources={list(self.sources)!r}")
         if self.batch is not None:
             parts.append(f"batch={self.batch!r}")
+        if self.partial is not None:
+            kept = sum(v is not None for v in self.partial.vectors)
+            parts.append(f"partial={kept}/{len(self.partial.vectors)} vectors")
         return parts[0] if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})"
 
     def __repr__(self) -> str:
@@ -123,6 +134,36 @@ class StreamInterrupted(GatewayError):
     ) -> None:
         super().__init__(message, scope=scope, sources=sources)
         self.chunks_delivered = chunks_delivered
+
+
+class ResponseParseError(GatewayError):
+    """The answer does not validate as the call's ``response_model``.
+
+    The source served (its permit was released as a success) and the model
+    answered, just not in the shape asked for: another source would be asked
+    the same question at the same cost, so the call is not retried and the
+    caller decides (rephrase, raise ``max_tokens``, accept the text).
+    ``text`` is the answer as received (for an Anthropic source, the forced
+    tool's input as JSON), ``errors`` pydantic's validation errors
+    (``ValidationError.errors()``: ``type``, ``loc``, ``msg``, ``input``), and
+    ``response`` the whole ``ChatResponse``, usage and attempts included.
+    The message names the first error's place and kind, never the answer.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        text: str,
+        errors: Sequence[Mapping[str, Any]],
+        response: ChatResponse[None] | None = None,
+        scope: str | None = None,
+        sources: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message, scope=scope, sources=sources)
+        self.text = text
+        self.errors: tuple[Mapping[str, Any], ...] = tuple(errors)
+        self.response = response
 
 
 class GatewayUnavailableError(GatewayError):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal
+
+from typing_extensions import TypeVar
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -17,10 +19,13 @@ __all__ = [
     "AttemptRecord",
     "ChatChunk",
     "ChatResponse",
+    "Choice",
+    "EmbeddingProgress",
     "EmbeddingResponse",
     "FailureClass",
     "LayoutBlock",
     "LayoutResult",
+    "PartialEmbeddingResponse",
     "TextResult",
     "ToolCall",
     "ToolCallDelta",
@@ -29,6 +34,14 @@ __all__ = [
 ]
 
 _R = TypeVar("_R", bound="DataclassInstance")
+
+ParsedT = TypeVar("ParsedT", covariant=True, default=Any)
+"""What ``ChatResponse.parsed`` holds: the call's ``response_model`` instance, ``None`` without one.
+
+The default (``Any``) keeps a bare ``ChatResponse`` annotation valid under
+``mypy --strict``; ``ChatClient.complete`` returns ``ChatResponse[Model]``
+when given ``response_model=Model`` and ``ChatResponse[None]`` otherwise.
+"""
 
 FailureClass = Literal["rate_limited", "transient", "source_misconfigured", "request_rejected"]
 """What a failed attempt was, per the classification table of DESIGN.md section 4."""
@@ -87,8 +100,26 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True, slots=True)
-class ChatResponse:
-    """The answer of ``ChatClient.complete``; ``raw`` is the provider's JSON."""
+class Choice:
+    """One of the answers of a chat completion (``n > 1`` asks for several); ``index`` as sent."""
+
+    index: int
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatResponse(Generic[ParsedT]):
+    """The answer of ``ChatClient.complete`` (or of ``ChatStream.response()``).
+
+    ``text``, ``tool_calls`` and ``finish_reason`` are those of the first
+    choice; ``choices`` holds every choice the provider returned (one unless
+    the call asked for ``n > 1``). ``parsed`` is the answer validated as the
+    call's ``response_model`` (``None`` without one). ``raw`` is the
+    provider's JSON; for a stream, a ``chat.completion`` object built from
+    its chunks (``ChatStream.response``).
+    """
 
     text: str
     source: str
@@ -97,6 +128,10 @@ class ChatResponse:
     usage: Usage
     attempts: tuple[AttemptRecord, ...]
     raw: dict[str, Any] = field(repr=False)
+    choices: tuple[Choice, ...] = field(default=(), repr=False)
+    # None is the value without a response_model, where ParsedT is None (or Any, its
+    # default); mypy cannot see that a default of None fits every use of the class.
+    parsed: ParsedT = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +154,49 @@ class EmbeddingResponse:
     sources: tuple[str, ...] = ()
     batches: tuple[tuple[int, int], ...] = ()
     attempts: tuple[AttemptRecord, ...] = ()
+
+    @property
+    def failed_spans(self) -> tuple[tuple[int, int], ...]:
+        """Always empty: read alike on both responses, and a complete one has no failed batch."""
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class PartialEmbeddingResponse:
+    """What ``embed(..., partial=True)`` returns, and a failed call's error holds as ``.partial``.
+
+    ``vectors`` is positioned as the input, ``None`` for each text of a failed
+    batch; ``failed_spans`` are the ``(start, stop)`` input indices of those
+    batches, in input order, so embedding exactly those texts again completes
+    the set. ``sources`` lines up with ``batches``, ``""`` for a failed batch;
+    ``usage`` counts the served batches; ``attempts`` holds every attempt the
+    failed batches' errors recorded too.
+    """
+
+    vectors: list[list[float] | None]
+    usage: Usage
+    failed_spans: tuple[tuple[int, int], ...] = ()
+    sources: tuple[str, ...] = ()
+    batches: tuple[tuple[int, int], ...] = ()
+    attempts: tuple[AttemptRecord, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingProgress:
+    """Where one ``embed()`` call stands, handed to its ``on_progress`` as each batch finishes.
+
+    A batch is done once it is served or has failed for good (after its
+    retries), so ``texts_done`` reaches ``texts_total`` when the call ends,
+    failures included; ``texts_failed`` and ``batches_failed`` say how much of
+    it has no vectors. Every count only grows from one report to the next.
+    """
+
+    texts_done: int
+    texts_total: int
+    texts_failed: int
+    batches_done: int
+    batches_total: int
+    batches_failed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +245,12 @@ def positional_builder(cls: type[_R]) -> Callable[..., _R]:
     caller passes every field, positionally.
     """
     names = tuple(f.name for f in fields(cls))
-    twin = make_dataclass(f"_{cls.__name__}Builder", names, slots=True, eq=False, repr=False)
+    # A generic class (ChatResponse) has Generic as its base: the twin needs the same one,
+    # or CPython refuses the class assignment for a different layout.
+    bases = cls.__dict__.get("__orig_bases__", ())
+    twin = make_dataclass(
+        f"_{cls.__name__}Builder", names, bases=bases, slots=True, eq=False, repr=False
+    )
     # A layout the assignment refuses fails here, at import, not on the first call.
     probe = twin(*(None for _ in names))
     probe.__class__ = cls

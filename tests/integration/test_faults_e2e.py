@@ -26,7 +26,7 @@ from polygateway.cli.demo import tiny_png
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted, StreamInterrupted
-from polygateway.models import AttemptRecord, ChatChunk
+from polygateway.models import AttemptRecord, ChatChunk, EmbeddingProgress
 from polygateway.ocr import OcrClient
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 from polygateway.testing import Recorder
@@ -406,6 +406,56 @@ async def test_429_storm_on_embeddings_is_charged_until_retry_exhausted(rig: Rig
     assert caught.value.batch == (0, 2)
     arrivals = rig.sim.stats("bad").arrivals
     assert all(b - a >= 0.18 for a, b in itertools.pairwise(arrivals)), arrivals
+    assert await rig.permits("embed") == 0
+
+
+async def test_flaky_embedding_source_loses_no_computed_vector(rig: Rig) -> None:
+    """A source failing some batches: every other vector kept, only the failed spans re-sent.
+
+    One attempt per batch, so the simulator's seeded dice decide how many of
+    the 20 batches fail (their order only decides which). ``partial=True``
+    returns the rest in place; without it the error carries the same kind of
+    result; once the source heals, embedding only the failed spans gives
+    exactly the vectors of a clean run.
+    """
+    rig.sim.set_profile("bad", FaultProfile(rate_5xx=0.3, statuses_5xx=(500,)))
+    settings = rig.settings(
+        {"name": "bad", "max_batch_size": 2, "max_concurrency": 4},
+        kind="embed",
+        max_attempts=1,
+        breaker_failures=1000,  # the point is failed batches, not a tripped source
+    )
+    texts = [f"text {i}" for i in range(40)]
+    reports: list[EmbeddingProgress] = []
+    async with EmbeddingClient(settings, "embed", backend=rig.backend) as emb:
+        async with asyncio.timeout(BOUND_S):
+            first = await emb.embed(texts, partial=True, on_progress=reports.append)
+        assert rig.sim.stats("bad").requests == 20
+        assert 0 < len(first.failed_spans) < 20
+        assert [a.outcome for a in first.attempts].count("transient") == len(first.failed_spans)
+        assert [p.batches_done for p in reports] == list(range(1, 21))
+        assert (reports[-1].texts_done, reports[-1].batches_failed) == (
+            40,
+            len(first.failed_spans),
+        )
+        with pytest.raises(AllSourcesExhausted) as caught:
+            async with asyncio.timeout(BOUND_S):
+                await emb.embed(texts)
+        kept = caught.value.partial
+        assert kept is not None
+        assert kept.failed_spans
+        assert caught.value.batch == kept.failed_spans[0]
+        rig.sim.set_profile("bad", HEALTHY)
+        async with asyncio.timeout(BOUND_S):
+            merged = list(first.vectors)
+            for start, stop in first.failed_spans:
+                merged[start:stop] = (await emb.embed(texts[start:stop])).vectors
+            clean = await emb.embed(texts)
+    assert merged == clean.vectors
+    for start, stop in first.failed_spans:
+        assert first.vectors[start:stop] == [None] * (stop - start)
+    served = [i for i, v in enumerate(first.vectors) if v is not None]
+    assert [first.vectors[i] for i in served] == [clean.vectors[i] for i in served]
     assert await rig.permits("embed") == 0
 
 

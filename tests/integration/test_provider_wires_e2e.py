@@ -7,6 +7,8 @@ its own rate-limit headers, its error shapes. The same governance must hold
 on each: a slow first token after the role chunk fails over at the TTFT, a
 429 or 529 pauses its source for the hint, a window announced spent pauses
 its source before any 429, a broken stream is never passed off as whole.
+And the answer reads the same on each: a ``response_model`` comes back
+parsed, a stream's ``response()`` equals the completion.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import pytest
+from pydantic import BaseModel
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -270,3 +273,68 @@ async def test_azure_window_announced_spent_without_reset_pauses_the_default(
     # The 429 that a too-early retry may meet carries Retry-After, which then governs.
     assert stats.by_status.get(429, 0) <= 2
     assert stats.max_in_window(1.99) <= 4
+
+
+class Place(BaseModel):
+    """An answer of plain fields, nested and optional ones too."""
+
+    class Where(BaseModel):
+        country: str
+        capital: bool
+
+    city: str
+    population: int
+    area_km2: float
+    where: Where
+    tags: list[str]
+    note: str | None = None
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_response_model_round_trip_on_every_wire(sim: SimulatedUpstream, wire: Wire) -> None:
+    """The schema goes out in the wire's way; the simulator's JSON answer comes back parsed."""
+    sim.set_profile("s", profile(wire))
+    async with chat(sim, source(sim, "s", wire)) as client:
+        r = await asyncio.wait_for(
+            client.complete(HI, response_model=Place, max_tokens=64), BOUND_S
+        )
+    assert isinstance(r.parsed, Place)
+    assert r.parsed == Place.model_validate_json(r.text)
+    assert isinstance(r.parsed.where, Place.Where)
+    assert (r.tool_calls, r.finish_reason) == ((), "stop")
+    assert [a.outcome for a in r.attempts] == ["success"]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_stream_response_equals_complete_on_every_wire(
+    sim: SimulatedUpstream, wire: Wire
+) -> None:
+    """Text, tool calls, finish reason and usage of response() are those of complete()."""
+    sim.set_profile("s", profile(wire, stream_chunks=4))
+    async with chat(sim, source(sim, "s", wire)) as client:
+        for tools in ([], [WEATHER_REQUIRED]):
+            params: dict[str, Any] = {"max_tokens": 16, "tools": tools or None}
+            plain = await asyncio.wait_for(client.complete(HI, **params), BOUND_S)
+            streamed = await asyncio.wait_for(client.stream(HI, **params).response(), BOUND_S)
+            assert streamed.text == plain.text
+            # Call ids are numbered per request by the simulator: compare the calls themselves.
+            assert [(c.name, c.arguments) for c in streamed.tool_calls] == [
+                (c.name, c.arguments) for c in plain.tool_calls
+            ]
+            assert (streamed.finish_reason, streamed.usage) == (plain.finish_reason, plain.usage)
+            assert streamed.source == plain.source == "s"
+    assert plain.tool_calls[0].arguments == '{"city": "lorem"}'
+
+
+WEATHER_REQUIRED = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+"""A tool whose argument is required: the simulator's call fills it in."""

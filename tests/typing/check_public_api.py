@@ -7,10 +7,13 @@ from polygateway import (
     ChatClient,
     ChatResponse,
     EmbeddingClient,
+    EmbeddingProgress,
     EmbeddingResponse,
+    GatewayError,
     GatewaySettings,
     LayoutResult,
     OcrClient,
+    PartialEmbeddingResponse,
     TextResult,
 )
 
@@ -37,9 +40,37 @@ async def use_the_clients(settings: GatewaySettings, png: bytes, pdf: bytes) -> 
             _a = exc.attempts
     async with EmbeddingClient.from_settings(settings, scope="embed") as emb:
         e: EmbeddingResponse = await emb.embed(["a", "b"])
-        vectors: list[list[float]] = e.vectors
+        vectors: list[list[float]] = e.vectors  # a complete call: no None to check for
         _ = vectors
+        await resumable_job(emb, ["a", "b", "c"])
     async with OcrClient.from_settings(settings, scope="ocr") as ocr:
         t: TextResult = await ocr.recognize_text(png)
         d: LayoutResult = await ocr.parse_layout(pdf)
         _ = (t.text, d.markdown, [(b.type, b.text, b.bbox, b.page) for b in d.blocks])
+
+
+def show(p: EmbeddingProgress) -> None:
+    """A progress display: a plain function, called once per finished batch."""
+    print(f"{p.texts_done}/{p.texts_total} texts, {p.batches_failed} batches failed")
+
+
+async def resumable_job(emb: EmbeddingClient, texts: list[str]) -> list[list[float] | None]:
+    """``partial=True`` keeps what was computed; only the failed spans are embedded again."""
+    first: PartialEmbeddingResponse = await emb.embed(texts, partial=True, on_progress=show)
+    merged: list[list[float] | None] = list(first.vectors)
+    spans: tuple[tuple[int, int], ...] = first.failed_spans
+    for start, stop in spans:
+        try:
+            merged[start:stop] = (await emb.embed(texts[start:stop])).vectors
+        except GatewayError as exc:
+            failing: tuple[int, int] | None = exc.batch
+            kept: PartialEmbeddingResponse | None = exc.partial
+            _ = (failing, kept)
+    either = await emb.embed(texts, partial=bool(spans))  # a bool known only at run time
+    _ = either.failed_spans
+
+    async def async_show(p: EmbeddingProgress) -> None:
+        """Refused: nothing would await it."""
+
+    await emb.embed(texts, on_progress=async_show)  # type: ignore[arg-type]
+    return merged

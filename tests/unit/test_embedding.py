@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from _closing import closing
 from _permit_thief import PermitThief
 
 from polygateway.backends.base import SourceSpec
@@ -108,15 +109,17 @@ def rig(
     transport = FakeTransport(script, clock=clock, default=default)
     backend = backend if backend is not None else MemoryBackend(now=clock)
     recorder = Recorder()
-    client = EmbeddingClient(
-        settings if settings is not None else make_settings(),
-        SCOPE,
-        backend=backend,
-        transport=transport,
-        now=clock,
-        sleep=sleep if sleep is not None else clock.sleep,
-        rng=random.Random(7),
-        emitter=recorder,
+    client = closing(
+        EmbeddingClient(
+            settings if settings is not None else make_settings(),
+            SCOPE,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else clock.sleep,
+            rng=random.Random(7),
+            emitter=recorder,
+        )
     )
     return Rig(client, transport, backend, clock, recorder)
 
@@ -338,9 +341,12 @@ async def test_short_answer_every_time_fails_naming_batch_and_cause() -> None:
     assert all("expected 3 vectors, got 2" in (a.error or "") for a in error.attempts)
 
 
-async def test_first_failing_batch_cancels_siblings_and_is_named() -> None:
-    """A 400 on batch (2, 4) fails the call with RequestRejected(batch=(2, 4)); siblings stop."""
-    gate = Gate()
+async def test_failing_batch_lets_siblings_finish_and_is_named() -> None:
+    """A 400 on batch (2, 4): its siblings run to their end, then RequestRejected(batch=(2, 4)).
+
+    The error's ``.partial`` keeps the siblings' vectors, so nothing computed is lost.
+    """
+    gate = Gate(echo)
 
     def upstream(request: HttpRequest) -> Outcome:
         if request.json["input"][0] == "t2":
@@ -350,14 +356,21 @@ async def test_first_failing_batch_cancels_siblings_and_is_named() -> None:
     settings = make_settings(source(max_batch_size=2, max_concurrency=3))
     r = rig(settings=settings, default=upstream)
     task = asyncio.create_task(r.client.embed(texts(6)))
+    await gate.wait_entered(2)
+    await settle()
+    assert not task.done()  # the rejection waits for the siblings still in flight
+    gate.open()
     with pytest.raises(RequestRejected) as info:
         await task
     assert info.value.batch == (2, 4)
     assert info.value.status_code == 400
-    assert gate.entered == 2  # both siblings were in flight when the failure cancelled them
+    assert info.value.partial is not None
+    kept = [vector_of(t) for t in ("t0", "t1", "t4", "t5")]
+    assert info.value.partial.vectors == [*kept[:2], None, None, *kept[2:]]
+    assert info.value.partial.failed_spans == ((2, 4),)
     assert r.transport.in_flight == 0
     assert (await r.backend.snapshot(SCOPE)).in_flight == 0
-    assert sorted(r.recorder.outcomes()) == ["cancelled", "cancelled", "request_rejected"]
+    assert sorted(r.recorder.outcomes()) == ["request_rejected", "success", "success"]
 
 
 async def test_429_is_charged_to_max_attempts() -> None:

@@ -18,7 +18,14 @@ from _closing import closing
 from polygateway.backends.base import AcquireResult, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.models import AttemptRecord, ChatChunk, ChatResponse, Usage, positional_builder
+from polygateway.models import (
+    AttemptRecord,
+    ChatChunk,
+    ChatResponse,
+    Choice,
+    Usage,
+    positional_builder,
+)
 from polygateway.testing import FakeClock, FakeTransport, Gate, chat_completion, gateway_settings
 from polygateway.transport.http import TransientError, parse_json_body
 from polygateway.transport.openai import parse_chat_chunk, parse_chat_response
@@ -55,7 +62,8 @@ class TestPositionalBuilder:
     def test_chat_response_fields_in_declared_order(self) -> None:
         """The builder takes ChatResponse's fields positionally, in their declared order."""
         usage = Usage(1, 2, 3)
-        values = ("hi", "primary", "stop", (), usage, (), {"id": "x"})
+        choices = (Choice(0, "hi", (), "stop"),)
+        values = ("hi", "primary", "stop", (), usage, (), {"id": "x"}, choices, None)
         built = positional_builder(ChatResponse)(*values)
         assert built == ChatResponse(*values)
         assert [getattr(built, f.name) for f in dataclasses.fields(ChatResponse)] == list(values)

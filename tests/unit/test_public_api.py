@@ -22,6 +22,7 @@ CONTRACT = {
     "AllSourcesExhausted",
     "GovernanceBackendError",
     "StreamInterrupted",
+    "ResponseParseError",
 }
 
 
@@ -32,9 +33,12 @@ def test_all_is_sorted_and_pinned() -> None:
         "AttemptRecord",
         "ChatChunk",
         "ChatResponse",
+        "Choice",
+        "EmbeddingProgress",
         "EmbeddingResponse",
         "LayoutBlock",
         "LayoutResult",
+        "PartialEmbeddingResponse",
         "ScopeConfig",
         "SourceConfig",
         "TextResult",

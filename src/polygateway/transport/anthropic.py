@@ -33,7 +33,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage, positional_builder
+from polygateway.models import (
+    ChatChunk,
+    Choice,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    positional_builder,
+)
 from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.openai import ParsedChat
 from polygateway.transport.wire import (
@@ -59,6 +66,7 @@ __all__ = [
     "messages_request",
     "parse_messages_response",
     "provider_error",
+    "streamed_arguments",
 ]
 
 ANTHROPIC_VERSION: Final = "2023-06-01"
@@ -99,9 +107,13 @@ _MAPPED = frozenset(
         "tools",
         "tool_choice",
         "user",
+        "extra_body",
     }
 )
-"""Call parameters this module translates or drops; every other one passes through as given."""
+"""Call parameters this module translates or drops; every other one passes through as given.
+
+``extra_body`` is merged into the body last, its fields winning over any of the same name.
+"""
 
 _TOOL_CHOICES: Final[Mapping[str, dict[str, str]]] = {
     "auto": {"type": "auto"},
@@ -352,11 +364,13 @@ def messages_request(
     ``params`` use the OpenAI names: ``max_tokens`` (or
     ``max_completion_tokens``; ``DEFAULT_MAX_TOKENS`` when neither is set),
     ``stop``, ``tools``, ``tool_choice`` and ``user`` are translated,
-    ``stream_options`` is dropped (every Anthropic stream reports usage), and
+    ``stream_options`` is dropped (every Anthropic stream reports usage),
     every other parameter (temperature, top_p, top_k, ...) passes through as
-    given. A stream carries the TTFT timeout as its ``timeout_s``, which runs
-    to the first content (``event_has_content``), and the idle timeout
-    separately; each defaults to ``timeout_s``.
+    given, and the fields of ``extra_body`` are merged into the top level
+    last, winning over any of the same name (as the openai SDK merges it).
+    A stream carries the TTFT timeout as its ``timeout_s``, which runs to the
+    first content (``event_has_content``), and the idle timeout separately;
+    each defaults to ``timeout_s``.
 
     Raises:
         TransientError: ``request_rejected``, for messages or parameters the
@@ -386,6 +400,8 @@ def messages_request(
         body["metadata"] = {**(metadata if isinstance(metadata, Mapping) else {}), "user_id": user}
     if stream:
         body["stream"] = True
+    if extra := params.get("extra_body"):
+        body.update(extra)
     return HttpRequest(
         name,
         endpoint(source, "messages"),
@@ -482,13 +498,35 @@ def parse_messages_response(body: Any) -> ParsedChat:
         elif not isinstance(kind, str):
             raise malformed_body(f"{what}.type is not a string")
     raw_usage = answer.get("usage")
+    text = "".join(texts)
+    finish = finish_reason(opt_str(answer.get("stop_reason"), "stop_reason"))
     return ParsedChat(
-        text="".join(texts),
-        finish_reason=finish_reason(opt_str(answer.get("stop_reason"), "stop_reason")),
+        text=text,
+        finish_reason=finish,
         tool_calls=tuple(calls),
         usage=Usage() if raw_usage is None else _usage(raw_usage),
         raw=answer,
+        # The Messages API answers one choice.
+        choices=(Choice(0, text, tuple(calls), finish),),
     )
+
+
+def streamed_arguments(joined: str) -> str:
+    """A ``tool_use`` input streamed as partial JSON, written as a completion's input is.
+
+    The joined ``input_json_delta`` pieces are the model's own JSON text
+    (compact or spaced; empty for an empty input), while a completion's
+    input arrives parsed and is written with ``json.dumps``: re-written the
+    same way, a streamed answer's tool calls equal the completion's. Text
+    that does not parse is returned as received.
+    """
+    if not joined.strip():
+        return "{}"
+    try:
+        value = json.loads(joined)
+    except ValueError:
+        return joined
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else joined
 
 
 # --- The stream ----------------------------------------------------------------------------

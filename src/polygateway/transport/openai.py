@@ -16,7 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polygateway.models import ChatChunk, ToolCall, ToolCallDelta, Usage, positional_builder
+from polygateway.models import (
+    ChatChunk,
+    Choice,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    positional_builder,
+)
 from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
     json_target,
@@ -56,12 +63,14 @@ would reserve thousands of tokens the provider never charges.
 """
 
 _CHARS_PER_TOKEN = 4
-_RESERVED = frozenset({"model", "messages", "input", "stream"})
+_RESERVED = frozenset({"model", "messages", "input", "stream", "extra_body"})
 
 _new_usage = positional_builder(Usage)
 """``Usage`` from its three counts, without the frozen dataclass's per-field ``__setattr__``."""
 _new_chunk = positional_builder(ChatChunk)
 """``ChatChunk`` from every field, positionally, likewise."""
+_new_choice = positional_builder(Choice)
+"""``Choice`` from every field, positionally (index, text, tool_calls, finish_reason)."""
 
 
 @dataclass(slots=True)
@@ -77,11 +86,27 @@ class ParsedChat:
     tool_calls: tuple[ToolCall, ...]
     usage: Usage
     raw: dict[str, Any] = field(repr=False)
+    choices: tuple[Choice, ...] = ()
+    """Every choice; the fields above are those of the first (``n > 1`` asks for more)."""
 
 
 def _passthrough(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Caller parameters for the body; ``None`` means unset, and ours cannot be overridden."""
+    """Caller parameters for the body; ``None`` means unset, and ours cannot be overridden.
+
+    ``extra_body`` is not one of them: its fields are merged in last (``_with_extra``).
+    """
     return {k: v for k, v in params.items() if v is not None and k not in _RESERVED}
+
+
+def _with_extra(body: dict[str, Any], params: Mapping[str, Any]) -> None:
+    """Merge the caller's ``extra_body`` into the top level of ``body``, as the openai SDK does.
+
+    Last and shallow, so its fields win over the checked parameters of the
+    same name; a ``None`` in it is sent as JSON null, as given.
+    """
+    extra = params.get("extra_body")
+    if extra:
+        body.update(extra)
 
 
 def chat_request(
@@ -98,10 +123,12 @@ def chat_request(
     """The request of one chat completion to ``source``.
 
     ``params`` (max_tokens, temperature, tools, tool_choice, response_format,
-    ...) pass through as given. A stream asks for usage in its last chunk and
-    carries the TTFT timeout as its ``timeout_s`` and the idle timeout
-    separately; each defaults to ``timeout_s``. Its TTFT runs to the first
-    chunk with content (``chunk_has_content``).
+    ...) pass through as given, and the fields of ``extra_body`` are merged
+    into the top level last, winning over any of the same name. A stream
+    asks for usage in its last chunk and carries the TTFT timeout as its
+    ``timeout_s`` and the idle timeout separately; each defaults to
+    ``timeout_s``. Its TTFT runs to the first chunk with content
+    (``chunk_has_content``).
     """
     body: dict[str, Any] = _passthrough(params) if params else {}
     body["model"] = source.model
@@ -111,6 +138,8 @@ def chat_request(
         options = dict(body.get("stream_options") or {})
         options.setdefault("include_usage", True)
         body["stream_options"] = options
+    if params:
+        _with_extra(body, params)
     url, headers = json_target(source, "chat/completions")
     return HttpRequest(
         source.name,
@@ -202,7 +231,7 @@ def _error_event(body: dict[str, Any]) -> TransientError | None:
 
 
 def _choices(body: dict[str, Any]) -> list[Any]:
-    """The ``choices`` array; only ``choices[0]`` is read (n > 1 is not a gateway concern)."""
+    """The ``choices`` array: a completion reads each choice, a chunk its first only."""
     return req_list(body.get("choices"), "choices")
 
 
@@ -234,18 +263,22 @@ def _plain_usage(value: Any) -> Usage | None:
 def parse_chat_response(body: Any) -> ParsedChat:
     """Read a chat completion; any shape but the promised one is a malformed body.
 
-    The common completion (text, no tool calls) is read directly here. Every
-    check is exact (``type(x) is dict``), so whatever it accepts the generic
-    walk (``_walk_chat_response``) reads to the same result; anything else,
-    odd or wrong, goes to the walk, which accepts the variations or names the fault.
+    The common completion (one choice, text, no tool calls) is read directly
+    here. Every check is exact (``type(x) is dict``), so whatever it accepts
+    the generic walk (``_walk_chat_response``) reads to the same result;
+    anything else, odd or wrong or ``n > 1``, goes to the walk, which accepts
+    the variations or names the fault.
     """
     if type(body) is not dict or body.get("error") is not None:
         return _walk_chat_response(body)
     choices = body.get("choices")
-    if type(choices) is not list or not choices:
+    if type(choices) is not list or len(choices) != 1:
         return _walk_chat_response(body)
     choice = choices[0]
     if type(choice) is not dict:
+        return _walk_chat_response(body)
+    index = choice.get("index", 0)
+    if type(index) is not int:
         return _walk_chat_response(body)
     message = choice.get("message")
     if type(message) is not dict or message.get("tool_calls"):
@@ -260,7 +293,8 @@ def parse_chat_response(body: Any) -> ParsedChat:
     usage = Usage() if raw_usage is None else _plain_usage(raw_usage)
     if usage is None:
         return _walk_chat_response(body)
-    return ParsedChat(content or "", finish, (), usage, body)
+    text = content or ""
+    return ParsedChat(text, finish, (), usage, body, (_new_choice(index, text, (), finish),))
 
 
 def _walk_chat_response(body: Any) -> ParsedChat:
@@ -271,12 +305,32 @@ def _walk_chat_response(body: Any) -> ParsedChat:
     choices = _choices(answer)
     if not choices:
         raise malformed_body("choices is empty")
-    choice = req_obj(choices[0], "choices[0]")
-    message = req_obj(choice.get("message"), "choices[0].message")
-    text = _content_text(message.get("content"), "message.content")
+    read = tuple(_walk_choice(raw_choice, i) for i, raw_choice in enumerate(choices))
+    first = read[0]
+    usage = _usage(answer["usage"]) if answer.get("usage") is not None else Usage()
+    return ParsedChat(
+        text=first.text,
+        finish_reason=first.finish_reason,
+        tool_calls=first.tool_calls,
+        usage=usage,
+        raw=answer,
+        choices=read,
+    )
+
+
+def _walk_choice(raw_choice: Any, i: int) -> Choice:
+    """Choice ``i`` of a completion; its faults are named as ``choices[i]...``.
+
+    The first choice's message fields keep their short names (``message.content``).
+    ``index`` is the one sent, or the position when none is sent as an integer.
+    """
+    choice = req_obj(raw_choice, f"choices[{i}]")
+    message = req_obj(choice.get("message"), f"choices[{i}].message")
+    where = "message" if i == 0 else f"choices[{i}].message"
+    text = _content_text(message.get("content"), f"{where}.content")
     calls = []
-    for i, raw_call in enumerate(req_list(message.get("tool_calls") or [], "message.tool_calls")):
-        what = f"message.tool_calls[{i}]"
+    for j, raw_call in enumerate(req_list(message.get("tool_calls") or [], f"{where}.tool_calls")):
+        what = f"{where}.tool_calls[{j}]"
         call = req_obj(raw_call, what)
         function = req_obj(call.get("function"), f"{what}.function")
         calls.append(
@@ -287,13 +341,15 @@ def _walk_chat_response(body: Any) -> ParsedChat:
                 type=opt_str(call.get("type"), f"{what}.type") or "function",
             )
         )
-    usage = _usage(answer["usage"]) if answer.get("usage") is not None else Usage()
-    return ParsedChat(
+    index = choice.get("index")
+    if type(index) is not int:
+        # Never read before n > 1 was: a server that numbers its choices oddly is not faulted.
+        index = i
+    return Choice(
+        index=index,
         text=text,
-        finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason"),
         tool_calls=tuple(calls),
-        usage=usage,
-        raw=answer,
+        finish_reason=opt_str(choice.get("finish_reason"), f"choices[{i}].finish_reason"),
     )
 
 
@@ -383,10 +439,11 @@ def embedding_request(
     timeout_s: float,
     on_hint: HintSink | None = None,
 ) -> HttpRequest:
-    """The request embedding one batch of ``texts`` at ``source``."""
+    """The request embedding one batch of ``texts`` at ``source``; ``extra_body`` merged last."""
     body: dict[str, Any] = _passthrough(params)
     body["model"] = source.model
     body["input"] = list(texts)
+    _with_extra(body, params)
     url, headers = json_target(source, "embeddings")
     return HttpRequest(
         source=source.name,

@@ -1,0 +1,124 @@
+"""A streamed chat answer put back together: the ``ParsedChat`` its chunks add up to.
+
+Pure, no I/O, and protocol-blind: it reads the ``ChatChunk``s either wire's
+reader made (``parse_chat_chunk``, ``MessagesStreamReader``), so
+``ChatStream.response()`` returns what ``complete()`` would have for the same
+answer, whichever kind of source served:
+
+- text: the chunks' text, joined;
+- tool calls: the ``ToolCallDelta`` pieces grouped by ``index``, in index
+  order; a call's id and name are the first ones sent (OpenAI sends each
+  once; servers that repeat them on every piece do not get them doubled),
+  its arguments the pieces joined, then written by the protocol's
+  ``arguments`` function (the Anthropic wire re-writes its partial JSON as a
+  completion writes a tool input: ``streamed_arguments``);
+- finish reason and usage: the last ones sent (usage counts are cumulative on
+  every wire); ``Usage()`` when the provider sent none;
+- one choice: a stream follows the first choice only.
+
+``raw`` cannot be the provider's JSON (there is none for a whole stream): it
+is a ``chat.completion`` object in OpenAI's shape built from the assembled
+fields, the same shape whichever protocol served (no ``id``, ``model`` or
+``created``, which chunks do not carry to the caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from polygateway.models import ChatChunk, Choice, ToolCall, Usage
+from polygateway.transport.openai import ParsedChat
+
+__all__ = ["assemble_chat"]
+
+
+class _Call:
+    """One tool call's pieces so far."""
+
+    __slots__ = ("arguments", "id", "name")
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.name = ""
+        self.arguments: list[str] = []
+
+
+def assemble_chat(
+    chunks: Iterable[ChatChunk], *, arguments: Callable[[str], str] | None = None
+) -> ParsedChat:
+    """The answer ``chunks`` add up to (see the module docstring); ``raw`` is synthesized.
+
+    Args:
+        chunks: the chunks of one stream, in the order they came.
+        arguments: writes a tool call's joined argument pieces as the
+            protocol's completion would (``None``: as they came, as OpenAI's do).
+    """
+    texts: list[str] = []
+    calls: dict[int, _Call] = {}
+    finish: str | None = None
+    usage: Usage | None = None
+    for chunk in chunks:
+        if chunk.text:
+            texts.append(chunk.text)
+        for delta in chunk.tool_calls:
+            call = calls.get(delta.index)
+            if call is None:
+                call = calls[delta.index] = _Call()
+            if delta.id and not call.id:
+                call.id = delta.id
+            if delta.name and not call.name:
+                call.name = delta.name
+            if delta.arguments:
+                call.arguments.append(delta.arguments)
+        if chunk.finish_reason is not None:
+            finish = chunk.finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage
+    text = "".join(texts)
+    tool_calls = tuple(
+        ToolCall(id=c.id, name=c.name, arguments=_written("".join(c.arguments), arguments))
+        for _, c in sorted(calls.items())
+    )
+    counted = usage if usage is not None else Usage()
+    return ParsedChat(
+        text=text,
+        finish_reason=finish,
+        tool_calls=tool_calls,
+        usage=counted,
+        raw=_completion(text, tool_calls, finish, usage),
+        choices=(Choice(0, text, tool_calls, finish),),
+    )
+
+
+def _written(joined: str, arguments: Callable[[str], str] | None) -> str:
+    return joined if arguments is None else arguments(joined)
+
+
+def _completion(
+    text: str, tool_calls: tuple[ToolCall, ...], finish: str | None, usage: Usage | None
+) -> dict[str, Any]:
+    """A ``chat.completion`` object in OpenAI's shape holding the assembled answer."""
+    # OpenAI sends null content beside tool calls when the model said nothing.
+    content = (text or None) if tool_calls else text
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in tool_calls
+        ]
+    completion: dict[str, Any] = {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+    }
+    if usage is not None:
+        completion["usage"] = {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+        }
+    return completion
