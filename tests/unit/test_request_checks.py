@@ -525,3 +525,20 @@ class TestEmbeddingParameters:
             body = transport.requests[0].json
         assert body is not None
         assert {name: body[name] for name in params} == params
+
+
+async def test_stream_refuses_more_than_one_choice() -> None:
+    """A stream is read as one answer: n > 1 is refused before anything is sent."""
+    async with chat_client() as (chat, transport, backend):
+        with pytest.raises(RequestRejected, match="n must be 1"):
+            chat.stream(MESSAGES, n=2)
+        assert transport.requests == []
+        assert (await backend.snapshot("chat")).in_flight == 0
+
+
+async def test_stream_refuses_response_model_with_the_way_round() -> None:
+    """response_model belongs to complete(); the error says how to parse a stream's answer."""
+    async with chat_client() as (chat, transport, _):
+        with pytest.raises(RequestRejected, match=r"stream\.response\(\)"):
+            chat.stream(MESSAGES, response_model=dict)
+        assert transport.requests == []

@@ -213,6 +213,9 @@ _STREAM_REFUSED: Final[Mapping[str, str]] = {
     "model": _MODEL_CHOSEN,
     "stream": "stream() always streams: leave stream= out (complete() answers in one piece)",
     "system": _COMPLETE_REFUSED["system"],
+    "response_model": (
+        "complete() takes it; a stream's answer can be parsed from await stream.response()"
+    ),
 }
 _MESSAGES_API_ONLY: Final = (
     "a Messages API parameter, taken when every source of the scope is an Anthropic one; "
@@ -533,4 +536,12 @@ class ChatCheck:
         checked = _check_messages(messages, self._native_blocks, scope)
         if params:
             _check_params(params, self._table, self._stream_refused, _CHAT_OWNED, scope)
+            n = params.get("n")
+            if n is not None and n != 1:
+                # Chunks carry every choice interleaved; a stream is read as one answer.
+                raise _rejected(
+                    f"stream() reads one choice: n must be 1, not {_shown(n)} "
+                    "(complete() returns every choice on r.choices)",
+                    scope,
+                )
         return checked
