@@ -2,7 +2,7 @@
 
 A chat scope runs the loop with ``exempt_429=True``: a 429 does not burn
 ``max_attempts`` (the pacer and an exponential back-off absorb it) and the
-main-loop stall rule bounds a saturated scope (DESIGN.md section 5).
+main-loop stall rule bounds a saturated scope (research-wiki/designs/stall-budget.md).
 
 A stream is one attempt from request to close: its permit is held, and
 renewed every TTL/3 as chunks arrive, until iteration ends, the stream is
@@ -131,7 +131,7 @@ def _cost(messages: Messages, params: Mapping[str, Any]) -> int:
 
 
 class ChatClient(GovernedClient):
-    """Chat completions, plain and streamed, governed per DESIGN.md section 5."""
+    """Chat completions, plain and streamed, through the one governance loop."""
 
     KIND: ClassVar[str] = "chat"
     DEFAULT_SCOPE: ClassVar[str] = "chat"

@@ -4,7 +4,7 @@ An embedding scope runs the loop of ``middleware/retry.py`` with
 ``exempt_429=False`` (its default for ``kind = "embed"``): every failure,
 429 included, is charged to ``max_attempts``, there is no main-loop stall
 check, and the stall rule inside ``_on_no_runnable`` is metered by the
-call's ``StallClock`` (seed design section 5.4). This module only splits,
+call's ``StallClock`` (research-wiki/designs/stall-budget.md §3). This module only splits,
 validates and reassembles; it has no loop of its own.
 
 Inputs are split into batches no larger than ``max_batch_size`` texts and
@@ -286,7 +286,7 @@ def _check_params(params: Mapping[str, Any], scope: str) -> None:
 
 
 class EmbeddingClient(GovernedClient):
-    """Embeddings of many texts, batched and governed per DESIGN.md sections 5 and 8."""
+    """Embeddings of many texts, batched and through the one governance loop."""
 
     KIND: ClassVar[str] = "embed"
     DEFAULT_SCOPE: ClassVar[str] = "embed"

@@ -44,7 +44,7 @@ when given ``response_model=Model`` and ``ChatResponse[None]`` otherwise.
 """
 
 FailureClass = Literal["rate_limited", "transient", "source_misconfigured", "request_rejected"]
-"""What a failed attempt was, per the classification table of DESIGN.md section 4."""
+"""What a failed attempt was, per the classification table of research-wiki/ARCHITECTURE.md §2b."""
 
 
 @dataclass(frozen=True, slots=True)

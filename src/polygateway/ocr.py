@@ -4,7 +4,7 @@ An OCR scope runs the loop of ``middleware/retry.py`` with
 ``exempt_429=False`` (its default for ``kind = "ocr"``): every failure is
 charged to ``max_attempts``, there is no main-loop stall check, and the stall
 rule inside ``_on_no_runnable`` is metered by the call's ``StallClock``
-(seed design section 5.4). This module validates the upload and speaks the
+(research-wiki/designs/stall-budget.md §3). This module validates the upload and speaks the
 two wire formats; it has no loop of its own.
 
 Two protocols serve an OCR scope:
@@ -108,7 +108,7 @@ class _Read:
 
 
 class OcrClient(GovernedClient):
-    """Text recognition and layout parsing of images and PDFs, governed per DESIGN.md section 5."""
+    """Text recognition and layout parsing of images and PDFs, through the one governance loop."""
 
     KIND: ClassVar[str] = "ocr"
     DEFAULT_SCOPE: ClassVar[str] = "ocr"

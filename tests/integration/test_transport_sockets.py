@@ -231,7 +231,7 @@ def assert_no_key(err: BaseException) -> None:
         assert "SECRET" not in text
 
 
-# --- The classification table of DESIGN.md section 4, one row each ---
+# --- The classification table of research-wiki/ARCHITECTURE.md §2b, one row each ---
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Type-checked by `make lint` (mypy --strict): the public API reads as DESIGN.md section 3 says."""
+"""Type-checked by `make lint` (mypy --strict): the public API reads as README.md shows it."""
 
 from __future__ import annotations
 

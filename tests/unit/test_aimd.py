@@ -17,7 +17,7 @@ T0 = 1000.0
 
 
 def test_constants_are_the_documented_ones() -> None:
-    """Cool-off 2 s and factor 0.7, as the spec page and DESIGN.md state."""
+    """Cool-off 2 s and factor 0.7, as research-wiki/designs/governance-policies.md states."""
     assert AIMD_COOLOFF_S == 2.0
     assert AIMD_FACTOR == 0.7
 

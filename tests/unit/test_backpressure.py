@@ -1,4 +1,4 @@
-"""The stall budget: only non-productive waiting counts (seed design "stall budget", DESIGN §5).
+"""The stall budget: only non-productive waiting counts (research-wiki/designs/stall-budget.md).
 
 The stall rule ends a call with ``AllSourcesExhausted(reason="stalled")`` when
 BOTH this call's non-productive waiting exceeds ``stall_window_s`` AND the

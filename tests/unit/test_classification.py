@@ -1,4 +1,4 @@
-"""The failure table of DESIGN.md section 4, row by row: first as the pure mapping
+"""The failure table of research-wiki/ARCHITECTURE.md §2b, row by row: first as the pure mapping
 (middleware/classify.py), then end to end through the real HttpxTransport over
 httpx.MockTransport, checking what each class does to the loop and to shared state."""
 

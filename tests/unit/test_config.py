@@ -1,4 +1,4 @@
-"""Settings: the TOML shape of DESIGN §3, env and .env overrides, validation, and secret hygiene."""
+"""Settings: the TOML shape of polygateway.example.toml, env and .env overrides, validation, and secret hygiene."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def source(**overrides: object) -> dict[str, object]:
 def test_example_file_loads_every_key_with_its_documented_value(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """polygateway.example.toml (DESIGN §3) loads; every key holds the value documented there."""
+    """polygateway.example.toml loads; every key holds the value documented there."""
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
     settings = GatewaySettings.load(EXAMPLE_TOML)
 

@@ -1,5 +1,5 @@
 """``deadline_s`` as a hard bound: streams are cut at the call's deadline, and a cut the caller's
-deadline caused is not charged to the source (DESIGN.md section 5, "Deadlines")."""
+deadline caused is not charged to the source (research-wiki/ARCHITECTURE.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exception tree of DESIGN.md section 4 and what its errors carry."""
+"""The exception tree of research-wiki/ARCHITECTURE.md §2b and what its errors carry."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from polygateway.models import AttemptRecord
     ],
 )
 def test_tree_matches_the_design(cls: type[Exception], parent: type[Exception]) -> None:
-    """Each error sits where DESIGN.md section 4 draws it."""
+    """Each error sits where research-wiki/ARCHITECTURE.md §2b draws it."""
     assert issubclass(cls, parent)
 
 

@@ -1,4 +1,4 @@
-"""The public names of DESIGN.md section 3, and what `import polygateway` may load."""
+"""The public names (README.md, polygateway.__all__), and what `import polygateway` may load."""
 
 from __future__ import annotations
 

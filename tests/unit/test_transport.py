@@ -78,7 +78,7 @@ def _assert_clean(err: BaseException) -> None:
         assert "SECRET" not in text
 
 
-# --- The classification table of DESIGN.md section 4, one row per status ---
+# --- The classification table of research-wiki/ARCHITECTURE.md §2b, one row per status ---
 
 
 @pytest.mark.parametrize(

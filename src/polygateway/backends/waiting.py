@@ -1,4 +1,4 @@
-"""The per-scope, per-process FIFO of calls waiting for a permit (DESIGN.md section 5).
+"""The per-scope, per-process FIFO of calls waiting for a permit (research-wiki/ARCHITECTURE.md §5).
 
 Only the head of the queue asks the backend for a permit. A local release
 wakes the head only (O(1) per release, no thundering herd); the head's own

@@ -239,7 +239,7 @@ class GatewaySettings(BaseSettings):
         """Refuse ``stall_window_s < max(ttft_timeout_s)``: a conservative guard rail.
 
         Historically this guarded against a slow first token being taken for a
-        stall. Under the current accounting (seed design §5.2, DESIGN §5) the wait
+        stall. Under the current accounting (research-wiki/designs/stall-budget.md §5) the wait
         for the first token happens inside an attempt and is productive time: it
         is governed by the attempt's timeouts and ``max_attempts`` and is NOT
         charged to the stall budget. So the check is redundant, but harmless (no

@@ -11,7 +11,7 @@ no extra cost.
 
 ``SelectionOrder`` is the same order for a fixed list of sources, with
 their tiers and weights read once: the loop orders its scope's sources on
-every call, and reading them anew each time was a cost per call.
+every call, and reading them anew each time would cost on every call.
 """
 
 from __future__ import annotations

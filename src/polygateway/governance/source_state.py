@@ -65,7 +65,7 @@ OutcomeKind = Literal[
     "request_rejected",
     "cancelled",
 ]
-"""What an attempt came to, as far as shared state cares (DESIGN.md section 4)."""
+"""What an attempt came to, as far as shared state cares (research-wiki/ARCHITECTURE.md §2b)."""
 
 
 class SourceLimits(Protocol):

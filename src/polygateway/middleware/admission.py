@@ -77,7 +77,7 @@ class CallState:
     """One call's private loop state (never shared between calls).
 
     The call's ``StallClock`` is not kept here: it is a local of the loop,
-    handed to each step that reads it, as the seed design prescribes.
+    handed to each step that reads it, as research-wiki/designs/stall-budget.md prescribes.
     """
 
     __slots__ = (

@@ -1,4 +1,4 @@
-"""What each failure class does to the governance loop: the table of DESIGN.md section 4.
+"""What each failure class does to the governance loop: the table of research-wiki/ARCHITECTURE.md §2b.
 
 ``transport/http.py`` turns what the upstream did into a class; this module
 is the one place that says what each class does to shared state (the

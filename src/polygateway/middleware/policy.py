@@ -3,7 +3,7 @@
 Gateway-wide knobs (stall window, attempts, polling, back-off, breaker, lease
 grace) plus the scope's one policy flag, ``exempt_429``: chat does not charge
 429s to ``max_attempts`` and checks the stall rule at the top of every
-iteration; embedding and OCR charge every failure (seed design section 5.4).
+iteration; embedding and OCR charge every failure (research-wiki/designs/stall-budget.md §3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one governance loop every client runs its calls through (DESIGN.md section 5).
+"""The one governance loop every client runs its calls through (research-wiki/ARCHITECTURE.md §2).
 
 One call, whatever the client::
 
@@ -16,11 +16,11 @@ One call, whatever the client::
         exempt 429 -> not charged; else fails += 1 -> "retry_exhausted" at max_attempts
         back-off sleep, then back to the tail of the waiting room
 
-The stall budget (seed design "stall budget", DESIGN.md section 5) bills only
+The stall budget (research-wiki/designs/stall-budget.md) bills only
 non-productive time: a real attempt is governed by ``max_attempts``, so it is
 subtracted from the call's elapsed time. Embedding and OCR run the same loop
 with ``exempt_429=False``: every failure is charged and the main-loop stall
-check is off, exactly as the seed design section 5.4 says.
+check is off (the design page's §3).
 
 A stream is one attempt that outlives the loop: ``session()`` hands the open
 attempt to its body with the permit still held and ``attempting()`` still
@@ -95,12 +95,12 @@ _new_outcome = positional_builder(AttemptOutcome)
 
 
 class StallClock:
-    """Per-call stall timer: counts only non-productive waiting (seed design section 3.1).
+    """Per-call stall timer: counts only non-productive waiting (research-wiki/designs/stall-budget.md §1).
 
     The stall budget governs waiting nobody else governs (429 back-off, polling
     for a permit, breaker cool-down); real attempts are already governed by
     ``max_attempts``, so their time is subtracted. Billing both budgets for
-    the same seconds was the root cause the seed design fixes.
+    the same seconds let one slow attempt end a call as stalled.
 
     One instance per call. Never make it an attribute: concurrent calls
     sharing one would pollute each other's accounts.
@@ -165,7 +165,7 @@ def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Rand
 
     Equal jitter rather than full jitter: the delay never collapses towards 0,
     so a saturated scope still accumulates non-productive time and the stall
-    rule stays a real bound (seed design section 3.5). Pure: one ``rng.random()``.
+    rule stays a real bound (research-wiki/designs/stall-budget.md, "Saturation still stalls"). Pure: one ``rng.random()``.
     """
     exponent = min(max(attempt, 1) - 1, 62)  # beyond 2**62 the cap has long won
     ceiling = min(cap_s, base_s * float(2**exponent))
@@ -375,7 +375,7 @@ class RetryMW:
 
         The local measure comes first, so a call that has not waited long
         never asks the backend; the age is read at most once per iteration.
-        ``inf`` (never served) counts as exceeded (seed design section 3.4).
+        ``inf`` (never served) counts as exceeded (research-wiki/designs/stall-budget.md, "Never served counts as stale").
         """
         stall = self._policy.stall_window_s
         if clock.stalled_s() <= stall:

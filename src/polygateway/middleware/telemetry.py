@@ -1,6 +1,6 @@
 """Where attempt records go: an ``Emitter`` protocol and three built-in emitters.
 
-Every real attempt emits one frozen ``AttemptRecord`` (DESIGN.md section 9)
+Every real attempt emits one frozen ``AttemptRecord`` (research-wiki/ARCHITECTURE.md §6)
 from inside ``StallClock.attempting()``, so the time telemetry takes counts
 as productive and can never push a call over its stall window. Emitters run
 on the hot path: they must be quick and must not raise.

@@ -2,7 +2,7 @@
 
 A transport sends one ``HttpRequest`` and either returns the parsed JSON body
 of a 2xx answer, yields the parsed ``data:`` events of an SSE stream, or
-raises ``TransientError`` carrying the failure class of DESIGN.md section 4.
+raises ``TransientError`` carrying the failure class of research-wiki/ARCHITECTURE.md §2b.
 This module is the one place where what the upstream did becomes a class;
 ``middleware/retry.py`` decides what each class does to the loop. Foreign
 exceptions (httpx, aiohttp) are translated inside their transport module with

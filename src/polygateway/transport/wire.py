@@ -82,7 +82,7 @@ def json_target(source: SourceConfig, path: str) -> tuple[str, dict[str, str]]:
     """``endpoint(source, path)`` and a fresh copy of the source's JSON request headers.
 
     Computed once per source and path: a ``SourceConfig`` is frozen, and
-    building the URL and the headers was a cost per request. The table holds
+    building the URL and the headers would cost on every request. The table holds
     the source itself, so its ``id`` cannot be reused while its entry lives.
     """
     key = (id(source), path)

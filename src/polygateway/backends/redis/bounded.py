@@ -10,11 +10,11 @@ the operation's ``late`` action, and a failure is reported. ``Deadlines``
 wakes the caller's future with ``TIMED_OUT`` when the backend's socket
 timeout passes first.
 
-Why not ``asyncio.shield`` inside ``asyncio.timeout`` (the first version),
-nor a Task per operation (the second): per operation the first cost a
-second future chained to the Task, a ``Timeout`` object and a timer handle
-pushed onto, and cancelled in, the event loop's heap, plus two more
-event-loop turns; the second a Task and its steps. Here the only
+Why not ``asyncio.shield`` inside ``asyncio.timeout``, nor a Task per
+operation: per operation the first costs a second future chained to the
+Task, a ``Timeout`` object and a timer handle pushed onto, and cancelled in,
+the event loop's heap, plus two more event-loop turns; the second a Task and
+its steps. Here the only
 per-operation objects are the caller's future, the ``Reply`` and one deque
 entry: every operation of a backend has the same timeout, so deadlines
 arrive in the order operations start, and one timer, armed for the oldest

@@ -18,7 +18,7 @@ processes see it one round trip later, as they would anyway. Its reply is
 still read: a freed permit wakes this process's waiting room, and a failure
 is logged (operation, scope, no password) while the lease's expiry frees
 the permit, which is what the governance loop does with a release that
-fails (DESIGN §6: it never loses the answer). A release that cannot be
+fails (research-wiki/ARCHITECTURE.md §5: it never loses the answer). A release that cannot be
 written at once (no connection yet, or reconnecting) waits for its reply
 like any other operation, so a server that is down still fails it closed.
 
