@@ -452,7 +452,7 @@ def test_ttft_check_docstring_explains_ttft_is_productive() -> None:
     doc = GatewaySettings._check_stall_covers_ttft.__doc__ or ""
     assert "productive" in doc
     assert "NOT" in doc
-    assert "§5.2" in doc
+    assert "stall-budget.md §5" in doc
 
 
 def test_breaker_cooldown_max_below_cooldown_is_refused(write_toml: Callable[[str], Path]) -> None:

@@ -238,13 +238,12 @@ class GatewaySettings(BaseSettings):
     def _check_stall_covers_ttft(self, path: str | None) -> None:
         """Refuse ``stall_window_s < max(ttft_timeout_s)``: a conservative guard rail.
 
-        Historically this guarded against a slow first token being taken for a
-        stall. Under the current accounting (research-wiki/designs/stall-budget.md §5) the wait
-        for the first token happens inside an attempt and is productive time: it
-        is governed by the attempt's timeouts and ``max_attempts`` and is NOT
-        charged to the stall budget. So the check is redundant, but harmless (no
-        sensible configuration has a stall window shorter than one TTFT wait) and
-        it is kept as a guard rail, unchanged in meaning, so the contract does not move.
+        The wait for the first content happens inside an attempt and is
+        productive time (research-wiki/designs/stall-budget.md §5): it is
+        governed by the attempt's timeouts and ``max_attempts`` and is NOT
+        charged to the stall budget. So the check protects nothing, but it is
+        harmless (no sensible configuration has a stall window shorter than one
+        TTFT wait) and kept as a guard rail, so the settings contract does not move.
         """
         worst: tuple[float, str] | None = None
         for scope_name, scope in self.scopes.items():
