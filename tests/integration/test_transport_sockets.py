@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from polygateway.config import SourceConfig
+from polygateway.middleware.classify import verdict_for
 from polygateway.transport.factory import TransportKind, make_transport
 from polygateway.transport.http import HttpRequest, TransientError, Transport
 
@@ -262,7 +263,8 @@ async def test_status_row(
 
     upstream.behaviour = answer
     err = await failure(transport, chat(upstream))
-    assert (err.status_code, err.failure, err.aimd_decrease) == (status, failure_class, aimd)
+    decrease = verdict_for(err, exempt_429=True).outcome.aimd_decrease
+    assert (err.status_code, err.failure, decrease) == (status, failure_class, aimd)
     assert "upstream says no" in str(err)
 
 
@@ -278,7 +280,7 @@ async def test_429_with_retry_after_sets_retry_after_s(
     err = await failure(transport, chat(upstream))
     assert (err.failure, err.status_code) == ("rate_limited", 429)
     assert err.retry_after_s == pytest.approx(12.0)
-    assert err.aimd_decrease
+    assert verdict_for(err, exempt_429=True).outcome.aimd_decrease
 
 
 async def test_connect_error_on_closed_port(kind: TransportKind) -> None:
@@ -315,7 +317,8 @@ async def test_reset_before_answer(transport: Transport, upstream: Upstream) -> 
 
     upstream.behaviour = rst
     err = await failure(transport, chat(upstream))
-    assert (err.failure, err.status_code, err.aimd_decrease) == ("transient", None, False)
+    decrease = verdict_for(err, exempt_429=True).outcome.aimd_decrease
+    assert (err.failure, err.status_code, decrease) == ("transient", None, False)
 
 
 async def test_reset_in_the_middle_of_the_body(transport: Transport, upstream: Upstream) -> None:
@@ -341,7 +344,8 @@ async def test_read_timeout(transport: Transport, upstream: Upstream) -> None:
 
     upstream.behaviour = silent
     err = await failure(transport, chat(upstream, timeout_s=0.2))
-    assert (err.failure, err.status_code, err.timeout, err.aimd_decrease) == (
+    decrease = verdict_for(err, exempt_429=True).outcome.aimd_decrease
+    assert (err.failure, err.status_code, err.timeout, decrease) == (
         "transient",
         None,
         True,
@@ -513,7 +517,7 @@ async def test_stream_ttft_timeout(transport: Transport, upstream: Upstream) -> 
     with pytest.raises(TransientError) as info:
         await drain(transport, chat(upstream, timeout_s=0.2), [])
     assert info.value.timeout
-    assert info.value.aimd_decrease
+    assert verdict_for(info.value, exempt_429=True).outcome.aimd_decrease
 
 
 async def test_stream_ttft_timeout_when_headers_never_come(

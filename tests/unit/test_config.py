@@ -1,4 +1,4 @@
-"""Settings: the TOML shape of polygateway.example.toml, env and .env overrides, validation, and secret hygiene."""
+"""Settings: the TOML shape, env and .env overrides, validation, and secret hygiene."""
 
 from __future__ import annotations
 

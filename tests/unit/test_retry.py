@@ -19,7 +19,13 @@ from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig
 from polygateway.errors import AllSourcesExhausted, GovernanceBackendError, RequestRejected
 from polygateway.middleware.attempt import AttemptContext
-from polygateway.middleware.retry import LoopPolicy, RetryMW, StallClock, backoff_delay
+from polygateway.middleware.retry import (
+    LoopPolicy,
+    RetryMW,
+    StallClock,
+    backoff_delay,
+    verdict_for,
+)
 from polygateway.testing import (
     BoundedSleep,
     CountingBackend,
@@ -966,7 +972,7 @@ class TestFakeTransport:
         with pytest.raises(TransientError) as caught:
             await transport.send(request)
         assert caught.value.timeout
-        assert caught.value.aimd_decrease
+        assert verdict_for(caught.value, exempt_429=True).outcome.aimd_decrease
         assert clock() - started == 7.5
 
     async def test_delay_cut_at_timeout_times_out_at_the_requests_timeout(self) -> None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from polygateway.config import SourceConfig
+from polygateway.middleware.classify import verdict_for
 from polygateway.transport.exchange import EventStream
 from polygateway.transport.http import (
     STREAM_END,
@@ -104,7 +105,7 @@ async def test_status_is_classified_per_design_table(status: int, failure: str, 
     err = await _send_error(lambda r: httpx.Response(status, json={"error": {"message": "nope"}}))
     assert err.status_code == status
     assert err.failure == failure
-    assert err.aimd_decrease is aimd
+    assert verdict_for(err, exempt_429=True).outcome.aimd_decrease is aimd
     assert err.timeout is False
     assert f"HTTP {status}" in str(err)
 
@@ -150,7 +151,8 @@ async def test_reset_is_transient_without_status(exc_type: type[httpx.TransportE
         raise exc_type("Connection reset by peer", request=request)
 
     err = await _send_error(reset)
-    assert (err.failure, err.status_code, err.aimd_decrease) == ("transient", None, False)
+    decrease = verdict_for(err, exempt_429=True).outcome.aimd_decrease
+    assert (err.failure, err.status_code, decrease) == ("transient", None, False)
 
 
 @pytest.mark.parametrize("exc_type", [httpx.ReadTimeout, httpx.ConnectTimeout, httpx.PoolTimeout])
@@ -163,7 +165,8 @@ async def test_httpx_timeout_is_transient_with_timeout_flag(
         raise exc_type("timed out", request=request)
 
     err = await _send_error(slow)
-    assert (err.failure, err.status_code, err.timeout, err.aimd_decrease) == (
+    decrease = verdict_for(err, exempt_429=True).outcome.aimd_decrease
+    assert (err.failure, err.status_code, err.timeout, decrease) == (
         "transient",
         None,
         True,

@@ -206,14 +206,17 @@ class ScopeConfig(BaseModel):
 
     kind: ScopeKind
     # Resolved from `kind` before validation when not given (True for chat, False for
-    # embed and ocr, research-wiki/designs/stall-budget.md §3), so the stored value is always a bool.
+    # embed and ocr: research-wiki/designs/stall-budget.md §3), so it is always a bool.
     exempt_429: bool = True
     sources: tuple[SourceConfig, ...]
 
     @model_validator(mode="before")
     @classmethod
     def _resolve_exempt_429(cls, data: Any) -> Any:
-        """Chat does not charge 429s to the retry budget; embedding and OCR do (research-wiki/designs/stall-budget.md §3)."""
+        """Chat does not charge 429s to the retry budget; embedding and OCR do.
+
+        See research-wiki/designs/stall-budget.md §3.
+        """
         if isinstance(data, Mapping) and data.get("exempt_429") is None:
             kind = data.get("kind")
             if kind in _PROTOCOLS_BY_KIND:

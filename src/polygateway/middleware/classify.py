@@ -1,4 +1,4 @@
-"""What each failure class does to the governance loop: the table of research-wiki/ARCHITECTURE.md §2b.
+"""What each failure class does to the governance loop (research-wiki/ARCHITECTURE.md §2b).
 
 ``transport/http.py`` turns what the upstream did into a class; this module
 is the one place that says what each class does to shared state (the
@@ -34,6 +34,7 @@ from polygateway.transport.http import TransientError
 __all__ = [
     "DEADLINE_CUT",
     "FAILURE_TABLE",
+    "OVERLOAD_STATUSES",
     "Decrease",
     "FailureRule",
     "Verdict",
@@ -44,6 +45,9 @@ __all__ = [
 
 Decrease = Literal["always", "on_overload", "never"]
 """When a failure shrinks the source's AIMD limit: ``on_overload`` is a timeout, 503 or 529."""
+
+OVERLOAD_STATUSES: Final = frozenset({503, 529})
+"""Transient statuses that mean overload (with a timeout): the AIMD limit shrinks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,9 @@ def verdict_for(
     if rule.decrease == "always":
         decrease = True
     else:
-        decrease = rule.decrease == "on_overload" and error.aimd_decrease
+        decrease = rule.decrease == "on_overload" and (
+            error.timeout or error.status_code in OVERLOAD_STATUSES
+        )
     outcome = AttemptOutcome(
         kind=rule.outcome,
         aimd_decrease=decrease,

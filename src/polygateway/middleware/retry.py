@@ -95,7 +95,9 @@ _new_outcome = positional_builder(AttemptOutcome)
 
 
 class StallClock:
-    """Per-call stall timer: counts only non-productive waiting (research-wiki/designs/stall-budget.md §1).
+    """Per-call stall timer: counts only non-productive waiting.
+
+    See research-wiki/designs/stall-budget.md §1.
 
     The stall budget governs waiting nobody else governs (429 back-off, polling
     for a permit, breaker cool-down); real attempts are already governed by
@@ -165,7 +167,8 @@ def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Rand
 
     Equal jitter rather than full jitter: the delay never collapses towards 0,
     so a saturated scope still accumulates non-productive time and the stall
-    rule stays a real bound (research-wiki/designs/stall-budget.md, "Saturation still stalls"). Pure: one ``rng.random()``.
+    rule stays a real bound (research-wiki/designs/stall-budget.md, "Saturation
+    still stalls"). Pure: one ``rng.random()``.
     """
     exponent = min(max(attempt, 1) - 1, 62)  # beyond 2**62 the cap has long won
     ceiling = min(cap_s, base_s * float(2**exponent))
@@ -375,7 +378,8 @@ class RetryMW:
 
         The local measure comes first, so a call that has not waited long
         never asks the backend; the age is read at most once per iteration.
-        ``inf`` (never served) counts as exceeded (research-wiki/designs/stall-budget.md, "Never served counts as stale").
+        ``inf`` (never served) counts as exceeded (research-wiki/designs/stall-budget.md,
+        "Never served counts as stale").
         """
         stall = self._policy.stall_window_s
         if clock.stalled_s() <= stall:

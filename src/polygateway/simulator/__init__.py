@@ -1,4 +1,6 @@
-"""A fault-injecting simulated upstream: a real HTTP server on 127.0.0.1 (research-wiki/ARCHITECTURE.md §7).
+"""A fault-injecting simulated upstream: a real HTTP server on 127.0.0.1.
+
+See research-wiki/ARCHITECTURE.md §7.
 
 It speaks chat (JSON and SSE) and embeddings as one of five provider wires
 per source (``FaultProfile.wire``: ``openai``, ``azure``, ``anthropic``,

@@ -22,7 +22,6 @@ from polygateway.models import FailureClass
 from polygateway.transport.hints import ServerHint, retry_after_from_headers
 
 __all__ = [
-    "AIMD_DECREASE_STATUSES",
     "DONE",
     "EXCERPT_CHARS",
     "STREAM_END",
@@ -48,9 +47,6 @@ _RATE_LIMITED = frozenset({429})
 _TRANSIENT = frozenset({408, 500, 502, 503, 504, 529})
 _MISCONFIGURED = frozenset({401, 403, 404})
 _REJECTED = frozenset({400, 413, 422})
-
-AIMD_DECREASE_STATUSES = frozenset({429, 503, 529})
-"""Statuses that mean overload: the source's AIMD limit shrinks (timeouts do too)."""
 
 
 def classify_status(status_code: int | None) -> FailureClass:
@@ -82,7 +78,7 @@ class TransientError(Exception):
         failure: the class; derived from ``status_code`` when not given.
         retry_after_s: how long the upstream asked to be left alone (Retry-After,
             x-ratelimit-reset-*), already turned into relative seconds.
-        timeout: the attempt ran out of time (an overload signal for AIMD).
+        timeout: the attempt ran out of time.
         truncated: a stream closed before ``data: [DONE]``; the caller decides
             whether a ``finish_reason`` already seen makes that acceptable.
     """
@@ -105,11 +101,6 @@ class TransientError(Exception):
         if not message:
             message = f"HTTP {status_code}" if status_code is not None else self.failure
         super().__init__(message)
-
-    @property
-    def aimd_decrease(self) -> bool:
-        """Overload: 429, 503, 529 or a timeout."""
-        return self.timeout or self.status_code in AIMD_DECREASE_STATUSES
 
     def __repr__(self) -> str:
         return (

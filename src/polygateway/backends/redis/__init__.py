@@ -1,4 +1,6 @@
-"""The Redis backend: governance state shared by a fleet of processes (research-wiki/ARCHITECTURE.md §5).
+"""The Redis backend: governance state shared by a fleet of processes.
+
+See research-wiki/ARCHITECTURE.md §5.
 
 Importing this package imports ``redis``; ``import polygateway`` does not, and
 exposes ``RedisBackend`` lazily. Without the extra, the import error says
