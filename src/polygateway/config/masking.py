@@ -9,12 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-__all__ = ["SECRET_HEADER_PARTS", "looks_secret", "mask_headers", "mask_url"]
+__all__ = [
+    "SECRET_HEADER_PARTS",
+    "SECRET_QUERY_PARTS",
+    "is_secret_header",
+    "looks_secret",
+    "mask_headers",
+    "mask_url",
+]
 
-# Header names that carry credentials: refused in files, masked whenever printed.
+# Header names that carry credentials: refused in files, masked whenever printed,
+# scrubbed from every message (transport/http.py's secrets_in reads the same rule).
 SECRET_HEADER_PARTS = ("auth", "key", "token", "secret", "cookie", "password")
 # Query parameters of a URL that carry credentials, masked whenever printed.
-_SECRET_QUERY_PARTS = ("password", "passwd", "key", "token", "secret", "auth")
+SECRET_QUERY_PARTS = ("password", "passwd", "key", "token", "secret", "auth")
 _MASK = "***"
 
 
@@ -38,7 +46,7 @@ def mask_url(url: str) -> str:
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode(
-            [(k, _MASK if looks_secret(k, _SECRET_QUERY_PARTS) else v) for k, v in pairs],
+            [(k, _MASK if looks_secret(k, SECRET_QUERY_PARTS) else v) for k, v in pairs],
             safe="*",
         )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
@@ -50,6 +58,11 @@ def looks_secret(name: str, parts: tuple[str, ...]) -> bool:
     return any(part in lowered for part in parts)
 
 
+def is_secret_header(name: str) -> bool:
+    """Whether a header's value is a credential: the one rule of masking and scrubbing."""
+    return looks_secret(name, SECRET_HEADER_PARTS)
+
+
 def mask_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Headers as they may be printed: credential-looking values replaced by ``***``."""
-    return {k: (_MASK if looks_secret(k, SECRET_HEADER_PARTS) else v) for k, v in headers.items()}
+    return {k: (_MASK if is_secret_header(k) else v) for k, v in headers.items()}

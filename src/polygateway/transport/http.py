@@ -18,6 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
+from polygateway.config.masking import is_secret_header
 from polygateway.models import FailureClass
 from polygateway.transport.hints import ServerHint, retry_after_from_headers
 
@@ -201,8 +202,6 @@ STREAM_END: Final = _StreamEnd()
 """What ``parse_event_data`` returns for ``data: [DONE]`` (compare with ``is``)."""
 
 _REDACTED = "***"
-# Header names whose values are credentials; matched as substrings of the lowered name.
-_CREDENTIAL_WORDS = ("authorization", "key", "token", "secret", "cookie", "password")
 # Shorter values are not scrubbed: replacing every "a" in a message would hide everything.
 _MIN_SECRET_CHARS = 4
 _WHITESPACE = re.compile(r"\s+")
@@ -216,8 +215,7 @@ def secrets_in(headers: Mapping[str, str]) -> tuple[str, ...]:
     """
     found: set[str] = set()
     for name, value in headers.items():
-        lowered = name.lower()
-        if not any(word in lowered for word in _CREDENTIAL_WORDS):
+        if not is_secret_header(name):
             continue
         for candidate in (value, value.partition(" ")[2]):
             candidate = candidate.strip()

@@ -80,6 +80,7 @@ from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Script, Wire, bulk, command, pack
 from polygateway.backends.waiting import WaitingRoom
+from polygateway.config import PROGRESS_TTL_S
 from polygateway.errors import ConfigError, GovernanceBackendError
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
 from polygateway.governance.pacer import pause_for
@@ -88,13 +89,13 @@ __all__ = ["RedisBackend"]
 
 logger = logging.getLogger("polygateway.backends.redis")
 
-_PROGRESS_TTL_S = 3600
-"""Lifetime of the fleet-wide progress key, refreshed by every success.
+_PROGRESS_TTL_S = int(PROGRESS_TTL_S)
+"""The progress key's lifetime in whole seconds (Redis's ``EX``), refreshed by every success.
 
-It bounds ``stall_window_s`` (config refuses more than 3600 s): the stall
-rule only asks whether the scope served within the window, and a progress
-mark older than the longest window is as good as none, so an abandoned
-scope's key may as well disappear.
+It bounds ``stall_window_s`` (``config.PROGRESS_TTL_S``, the one figure): the
+stall rule only asks whether the scope served within the window, and a
+progress mark older than the longest window is as good as none, so an
+abandoned scope's key may as well disappear.
 """
 
 _STATE_TTL_S = 86400
