@@ -798,3 +798,15 @@ def test_code_given_credential_headers_are_masked_when_printed() -> None:
 def test_mask_url_hides_credentials(url: str, masked: str) -> None:
     """mask_url keeps the URL readable and hides passwords, user tokens and secret parameters."""
     assert mask_url(url) == masked
+
+
+def test_readme_settings_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The TOML that README.md shows loads as written (a stale example is a user's first error)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", API_KEY)
+    path = tmp_path / "polygateway.toml"
+    path.write_text(block, encoding="utf-8")
+    settings = GatewaySettings.load(path)
+    assert [s.protocol for s in settings.scope("chat").sources] == ["openai", "anthropic"]
