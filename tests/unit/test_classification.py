@@ -211,10 +211,12 @@ class TestThroughHttpx:
             (httpx.ConnectError("refused"), False),
             (httpx.RemoteProtocolError("peer closed connection"), False),
             (httpx.ReadTimeout("read timed out"), True),
+            # What httpx lets through when anyio's connect fails with a non-OSError.
+            (ExceptionGroup("in a TaskGroup", [OverflowError("port must be 0-65535")]), False),
         ],
     )
     async def test_network_failures_are_transient(self, exc: Exception, decrease: bool) -> None:
-        """Connect error, reset, read timeout -> transient; a timeout also shrinks AIMD."""
+        """Connect error (grouped too), reset, read timeout -> transient; a timeout shrinks AIMD."""
         clock = FakeClock()
         chat, backend, _ = make_chat(clock, raising(exc))
         async with chat:

@@ -143,6 +143,26 @@ async def test_connect_error_is_transient_without_status() -> None:
     assert isinstance(err.__cause__, httpx.ConnectError)
 
 
+async def test_a_connect_failure_grouped_by_anyio_is_a_connect_error() -> None:
+    """anyio's grouped connect failure (a port out of range) is a transient connect error."""
+
+    def overflow(request: httpx.Request) -> httpx.Response:
+        raise ExceptionGroup("unhandled errors in a TaskGroup", [OverflowError("port 0-65535")])
+
+    err = await _send_error(overflow)
+    assert (err.failure, err.status_code, err.timeout) == ("transient", None, False)
+    assert "connect error" in str(err)
+    assert "OverflowError" in str(err)
+    assert isinstance(err.__cause__, ExceptionGroup)
+    transport = _transport(overflow)
+    try:
+        with pytest.raises(TransientError, match="connect error"):
+            async with transport.stream(_request(timeout_s=5.0)):
+                pass
+    finally:
+        await transport.aclose()
+
+
 @pytest.mark.parametrize("exc_type", [httpx.RemoteProtocolError, httpx.ReadError])
 async def test_reset_is_transient_without_status(exc_type: type[httpx.TransportError]) -> None:
     """A connection reset mid-answer (protocol error or read error) is transient."""

@@ -10,6 +10,7 @@ This module is the one boundary where httpx exceptions become
     httpx.RemoteProtocolError                           -> transient, "connection reset"
     httpx.DecodingError, 2xx body that is not JSON      -> transient, "malformed body"
     httpx.UnsupportedProtocol, httpx.InvalidURL         -> source_misconfigured
+    ExceptionGroup (anyio's connect, unmapped by httpx)  -> transient, "connect error"
     any other httpx.TransportError                      -> transient
     non-2xx answer                                      -> classified by status, Retry-After kept
 
@@ -129,12 +130,22 @@ def _translate(exc: Exception, request: HttpRequest, secrets: Sequence[str]) -> 
         return malformed(source, "undecodable content encoding")
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
         return unusable_url(request, exc)
+    if isinstance(exc, ExceptionGroup):
+        # anyio's connect_tcp races the host's addresses in a task group and maps only
+        # OSError; anything else (OverflowError for a port out of range) leaves httpx
+        # as a group. Its first leaf says what failed.
+        first: BaseException = exc
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        return network_error("connect error", source, first, secrets)
     return network_error("transport error", source, exc, secrets)
 
 
 # Everything httpx raises for a failed exchange; its StreamError family (our
 # own misuse of a response) is deliberately absent: that is a bug, not an outage.
-_HTTPX_FAILURES = (httpx.TransportError, httpx.DecodingError, httpx.InvalidURL)
+# ExceptionGroup (Exception leaves only: a cancelled connect is a BaseExceptionGroup
+# and passes) is anyio's failed connect, which httpx does not translate.
+_HTTPX_FAILURES = (httpx.TransportError, httpx.DecodingError, httpx.InvalidURL, ExceptionGroup)
 
 
 class HttpxTransport:
