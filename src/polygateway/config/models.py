@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Self
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -56,6 +57,41 @@ def config_problem(message: str, *, at: str = "") -> PydanticCustomError:
     return PydanticCustomError("polygateway_config", message, {"at": at} if at else None)
 
 
+_ENDPOINT_PATHS = ("/chat/completions", "/embeddings", "/messages", "/ocr/text", "/parse")
+"""The paths the wires append to ``base_url`` (openai, anthropic, monkey_ocr)."""
+
+
+def check_base_url(value: str) -> str:
+    """``value`` if it is an http(s) URL with a host and a port in 1-65535, else a problem.
+
+    A ``base_url`` that already ends in an endpoint path is refused with the
+    URL it should be: the wire appends that path, and the doubled path would
+    answer 404 on every call. Messages show the URL masked (it may hold a password).
+    """
+    if any(char.isspace() for char in value):
+        raise config_problem("base_url must not contain spaces or other whitespace")
+    if not value.startswith(("http://", "https://")):
+        raise config_problem("base_url must start with http:// or https://")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise config_problem("base_url has a port outside 1-65535 or a malformed host") from None
+    if not parts.hostname:
+        raise config_problem("base_url has no host (http://HOST[:PORT]/...)")
+    if port == 0:
+        raise config_problem("base_url has a port outside 1-65535")
+    path = parts.path.rstrip("/")
+    for endpoint in _ENDPOINT_PATHS:
+        if path.endswith(endpoint):
+            fixed = urlunsplit(parts._replace(path=path.removesuffix(endpoint)))
+            raise config_problem(
+                f"base_url ends in the endpoint path {endpoint!r}, which each call appends: "
+                f"write {mask_url(fixed)!r}"
+            )
+    return value
+
+
 class SourceConfig(BaseModel):
     """One upstream endpoint: where it is, how to talk to it, and the limits it must be held to."""
 
@@ -101,10 +137,8 @@ class SourceConfig(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _check_base_url(cls, value: str) -> str:
-        """Only HTTP(S) upstreams exist; anything else is a typo caught now rather than per call."""
-        if not value.startswith(("http://", "https://")):
-            raise config_problem("base_url must start with http:// or https://")
-        return value
+        """A URL every call can use: caught now, once, rather than as a failure per call."""
+        return check_base_url(value)
 
     @field_validator("api_key_env")
     @classmethod
