@@ -1,0 +1,42 @@
+"""A connect that cannot even start is a typed failure counted against its source.
+
+Settings refuse a port out of range at load; a source built around that check
+(``model_copy``) shows the transport's own boundary: the real httpx
+stack's grouped ``OverflowError`` ends as ``AllSourcesExhausted``, not a raw
+``ExceptionGroup``, and the source's breaker counts each attempt.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from polygateway import AllSourcesExhausted, ChatClient, GatewaySettings, MemoryBackend
+from polygateway.config import ScopeConfig, SourceConfig
+
+
+def unchecked_settings(base_url: str) -> GatewaySettings:
+    """One chat source at ``base_url``, its URL check skipped as code could do."""
+    checked = SourceConfig(name="a", protocol="openai", base_url="http://h/v1")
+    source = checked.model_copy(update={"base_url": base_url})  # model_copy validates nothing
+    return GatewaySettings(
+        _env_file=None,
+        max_attempts=2,
+        backoff_base_s=0.01,
+        backoff_cap_s=0.02,
+        scopes={"chat": ScopeConfig(kind="chat", sources=(source,))},
+    )
+
+
+async def test_a_port_out_of_range_fails_typed_and_counts_against_the_source() -> None:
+    """Port 99999 through the real httpx transport: retry_exhausted, two breaker failures."""
+    settings = unchecked_settings("http://127.0.0.1:99999/v1")
+    backend = MemoryBackend()
+    async with ChatClient.from_settings(settings, scope="chat", backend=backend) as chat:
+        with pytest.raises(AllSourcesExhausted) as info:
+            await chat.complete([{"role": "user", "content": "hi"}])
+    assert info.value.reason == "retry_exhausted"
+    assert [a.outcome for a in info.value.attempts] == ["transient", "transient"]
+    assert "connect error" in str(info.value)
+    snap = (await backend.snapshot("chat")).source("a")
+    assert snap is not None
+    assert snap.consecutive_failures == 2
