@@ -125,16 +125,22 @@ def test_redis_url_password_is_masked_in_every_output(tmp_path: Path, run_cli: R
 def test_api_key_in_the_file_is_refused_pointing_to_api_key_env(
     tmp_path: Path, run_cli: RunCli
 ) -> None:
-    """``api_key = ...`` in a file: exit 2, one line naming the field and api_key_env."""
+    """``api_key = ...`` in a file: exit 2 naming the field and api_key_env, as a line or JSON."""
     write(tmp_path, ONE_SOURCE + 'api_key = "sk-written-in-the-file-123"\n')
-    for args in (("check-config",), ("check-config", "--json")):
-        ran = run_cli(*args)
-        line = assert_one_line_error(ran, 2)
-        assert "api_key_env" in line
-        assert "scopes.chat.sources[0].api_key" in line
-        assert "polygateway.toml" in line
-        assert "sk-written-in-the-file-123" not in ran.output
-    assert run_cli("check-config", "--json").json()["ok"] is False
+    ran = run_cli("check-config")
+    line = assert_one_line_error(ran, 2)
+    assert "api_key_env" in line
+    assert "scopes.chat.sources[0].api_key" in line
+    assert "polygateway.toml" in line
+    assert "sk-written-in-the-file-123" not in ran.output
+    as_json = run_cli("check-config", "--json")
+    assert (as_json.code, as_json.stderr) == (2, "")
+    doc = as_json.json()
+    assert doc["ok"] is False
+    assert doc["error"]["field"] == "scopes.chat.sources[0].api_key"
+    assert doc["error"]["path"] == "polygateway.toml"
+    assert "api_key_env" in doc["error"]["message"]
+    assert "sk-written-in-the-file-123" not in as_json.output
 
 
 INVALID = {

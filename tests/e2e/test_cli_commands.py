@@ -6,44 +6,16 @@ in its own process, on a free port read from its first line.
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_run import RunCli, assert_one_line_error, cli_command, cli_env
+from cli_run import RunCli, assert_one_line_error, cli_env
 
 from polygateway.cli.samples import tiny_pdf, tiny_png
 
 KEY = "sk-sim-e2e-secret-key-42"
-
-
-@pytest.fixture(scope="module")
-def simulator() -> Iterator[str]:
-    """``polygateway simulate`` with one healthy source ``a``; yields its root URL."""
-    proc = subprocess.Popen(
-        cli_command("simulate", "--sources", "a", "--port", "0"),
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
-        assert found, (first, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
-        yield found.group(1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 def config(url: str, *, max_attempts: int = 3) -> str:

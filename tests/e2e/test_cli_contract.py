@@ -6,9 +6,14 @@ exit code, stdout and stderr.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from typing import Any
 
-from cli_run import RunCli, assert_one_line_error
+import pytest
+from cli_run import Ran, RunCli, assert_one_line_error, cli_command, cli_env
+
+from polygateway.cli.samples import tiny_png
 
 BAD_PORT = """
 [gateway]
@@ -53,3 +58,161 @@ def test_a_base_url_with_the_endpoint_path_is_refused_with_the_fix(
     write_config(tmp_path, "http://127.0.0.1:8001/v1/chat/completions")
     line = assert_one_line_error(run_cli("check-config"), 2)
     assert "write 'http://127.0.0.1:8001/v1'" in line
+
+
+# --- --json: one document on stdout, success or failure ---------------------------------
+
+SIMULATED = """
+[gateway]
+max_attempts = 2
+backoff_base_s = 0.01
+backoff_cap_s = 0.02
+
+[scopes.chat]
+kind = "chat"
+[[scopes.chat.sources]]
+name = "a"
+protocol = "openai"
+base_url = "{url}/a/v1"
+model = "sim"
+
+[scopes.embed]
+kind = "embed"
+[[scopes.embed.sources]]
+name = "a"
+protocol = "openai"
+base_url = "{url}/a/v1"
+
+[scopes.ocr]
+kind = "ocr"
+[[scopes.ocr.sources]]
+name = "a"
+protocol = "monkey_ocr"
+base_url = "{url}/a"
+"""
+
+NOBODY = "http://127.0.0.1:9"
+"""The discard port: nothing listens, every connect is refused."""
+
+
+def error_of(ran: Ran, code: int) -> dict[str, Any]:
+    """The run failed with ``code``, printed one JSON failure on stdout and nothing on stderr."""
+    assert ran.code == code, (ran.code, ran.stdout, ran.stderr)
+    assert ran.stderr == ""
+    assert ran.stdout.count("\n") == 1
+    doc = ran.json()
+    assert doc["ok"] is False
+    assert set(doc) == {"ok", "error"}
+    error: dict[str, Any] = doc["error"]
+    assert {"type", "message", "reason"} <= set(error)
+    return error
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_json_is_global_before_or_after_the_command(
+    tmp_path: Path, run_cli: RunCli, simulator: str, where: str
+) -> None:
+    """``polygateway --json chat hi`` and ``polygateway chat hi --json``: the same one document."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=simulator))
+    args = ("--json", "chat", "hi") if where == "before" else ("chat", "hi", "--json")
+    ran = run_cli(*args)
+    assert ran.code == 0, ran.stderr
+    assert ran.stderr == ""
+    doc = ran.json()
+    assert doc["ok"] is True
+    assert doc["source"] == "a"
+    assert doc["text"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("chat", "hi"),
+        ("embed", "alpha", "beta"),
+        ("ocr", "page.png"),
+        ("ocr", "--layout", "page.png"),
+    ],
+)
+def test_a_call_that_fails_prints_one_json_failure_with_its_reason(
+    tmp_path: Path, run_cli: RunCli, args: tuple[str, ...]
+) -> None:
+    """Nothing listening upstream: exit 1, ``AllSourcesExhausted`` with reason and scope."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
+    (tmp_path / "page.png").write_bytes(tiny_png())
+    error = error_of(run_cli("--json", *args), 1)
+    assert error["type"] == "AllSourcesExhausted"
+    assert error["reason"] == "retry_exhausted"
+    assert error["scope"] == args[0]
+    assert error["sources"] == ["a"]
+    assert "connect error" in error["message"]
+
+
+def test_bad_settings_and_bad_usage_print_one_json_failure(tmp_path: Path, run_cli: RunCli) -> None:
+    """A refused settings file and an unknown option: exit 2, one JSON document each."""
+    write_config(tmp_path, "http://exa mple.com/v1")
+    for args in (("check-config", "--json"), ("--json", "chat", "hi")):
+        error = error_of(run_cli(*args), 2)
+        assert error["type"] == "ConfigError"
+        assert error["reason"] is None
+        assert error["field"] == "scopes.chat.sources[0].base_url"
+        assert error["path"] == "polygateway.toml"
+        assert "whitespace" in error["message"]
+    error = error_of(run_cli("--json", "chat", "--bogus"), 2)
+    assert error == {
+        "type": "UsageError",
+        "message": "polygateway: unrecognized arguments: --bogus",
+        "reason": None,
+    }
+
+
+def test_a_missing_input_file_prints_one_json_failure(tmp_path: Path, run_cli: RunCli) -> None:
+    """``ocr missing.png --json``: exit 1, a ``CliError`` naming the file."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
+    error = error_of(run_cli("ocr", "missing.png", "--json"), 1)
+    assert error["type"] == "CliError"
+    assert "cannot read missing.png" in error["message"]
+
+
+def test_status_json_of_a_memory_backend_is_one_json_failure(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """A memory backend has no shared state to read: exit 2, JSON saying so."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
+    error = error_of(run_cli("status", "--json"), 2)
+    assert error["type"] == "ConfigError"
+    assert error["field"] == "backend"
+    assert "memory backend lives inside one process" in error["message"]
+
+
+def test_status_json_of_a_redis_that_is_down_is_one_json_failure(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """Redis not listening: exit 1, ``GovernanceBackendError``, the password masked."""
+    (tmp_path / "polygateway.toml").write_text(
+        '[gateway]\nbackend = "redis"\nredis_url = "redis://:pw-SECRET@127.0.0.1:9/0"\n'
+        + SIMULATED.format(url=NOBODY).removeprefix("\n[gateway]\n")
+    )
+    ran = run_cli("--json", "status")
+    error = error_of(ran, 1)
+    assert error["type"] == "GovernanceBackendError"
+    assert error["scope"] == "chat"
+    assert "SECRET" not in ran.output
+
+
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``check-config | head`` whose reader is gone: exit 141, nothing on stderr."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
+    for args in (("check-config",), ("check-config", "--json")):
+        with subprocess.Popen(
+            cli_command(*args),
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ) as proc:
+            assert proc.stdout is not None
+            assert proc.stderr is not None
+            proc.stdout.close()  # before the interpreter has even started: every write fails
+            stderr = proc.stderr.read().decode()
+            assert proc.wait(timeout=60) == 141, stderr
+        assert stderr == ""

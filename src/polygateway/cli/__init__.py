@@ -8,8 +8,16 @@ Sub-commands::
     status         a shared backend's live state per scope
     chat, embed, ocr   one call through a scope of a real configuration
 
-Errors are one line on stderr (``error: ...``) and a non-zero exit: 2 for
-bad settings or usage, 1 for anything else; ``--debug`` shows the traceback.
+``--json`` and ``--debug`` are global: accepted before or after the
+sub-command. With ``--json`` every run prints exactly one JSON document on
+stdout, success (``{"ok": true, ...}``) or failure (``{"ok": false, "error":
+{"type", "message", "reason", ...}}``), and nothing else; ``status --watch``
+prints one per refresh. Without it, errors are one line on stderr
+(``error: ...``); ``--debug`` adds the traceback and the library's debug log.
+
+Exit status: 0 success; 1 the call failed (or a file could not be read, or the
+demo did not serve every call); 2 bad usage or bad settings; 130 interrupted;
+141 stdout closed by its reader (``| head``), which ends the run quietly.
 Nothing here imports rich, the simulator or the clients at import time: each
 command loads what it needs, and says which extra to install when it is missing.
 """
@@ -18,21 +26,39 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from typing import NoReturn
 
-from polygateway.cli.render import CliError, print_error
+from polygateway.cli.render import CliError, dump_json, error_json, print_error
 from polygateway.errors import ConfigError, GatewayError
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILURE", "build_parser", "main", "positive_float", "positive_int"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_PIPE_CLOSED",
+    "build_parser",
+    "main",
+    "positive_float",
+    "positive_int",
+]
+
+EXIT_OK = 0
+"""The command did what was asked."""
 
 EXIT_FAILURE = 1
 """A call failed, a file could not be read, or the demo did not serve every call."""
 EXIT_CONFIG = 2
 """Bad settings or bad usage (argparse uses 2 for usage errors too)."""
 EXIT_INTERRUPTED = 130
+"""Ctrl+C (128 + SIGINT, as shells report it)."""
+EXIT_PIPE_CLOSED = 141
+"""stdout's reader went away (128 + SIGPIPE, as a shell reports a tool ended by it)."""
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -45,18 +71,36 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _common() -> argparse.ArgumentParser:
-    """Options every sub-command takes."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--debug", action="store_true", help="show tracebacks and the library's debug log"
-    )
+class UsageError(Exception):
+    """A command line argparse refused; ``main`` reports it (as JSON under ``--json``)."""
+
+    def __init__(self, message: str, usage: str, prog: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are raised, so ``--json`` can report them too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self.format_usage(), self.prog)
+
+
+_DEBUG_HELP = "show tracebacks and the library's debug log (logger 'polygateway') on stderr"
+_JSON_HELP = "print exactly one JSON document on stdout, success or failure (for scripts)"
+
+
+def _common() -> _Parser:
+    """Options every sub-command takes; SUPPRESS keeps the global option's value when absent."""
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return common
 
 
-def _config_options() -> argparse.ArgumentParser:
+def _config_options() -> _Parser:
     """Options of the sub-commands that read a settings file."""
-    config = argparse.ArgumentParser(add_help=False)
+    config = _Parser(add_help=False)
     config.add_argument(
         "--config",
         default="polygateway.toml",
@@ -75,10 +119,10 @@ def _config_options() -> argparse.ArgumentParser:
     return config
 
 
-def _json_option() -> argparse.ArgumentParser:
+def _json_option() -> _Parser:
     """``--json``: one machine-readable document on stdout instead of tables."""
-    flag = argparse.ArgumentParser(add_help=False)
-    flag.add_argument("--json", action="store_true", help="print JSON for scripts")
+    flag = _Parser(add_help=False)
+    flag.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=_JSON_HELP)
     return flag
 
 
@@ -86,12 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``polygateway`` with every sub-command."""
     from polygateway.cli.demo import add_demo_parser
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="polygateway",
         description="Governance for asyncio calls to LLM, embedding and OCR services.",
-        epilog="`polygateway demo` shows what it is for, with nothing configured.",
+        epilog="`polygateway demo` shows what it is for, with nothing configured. "
+        "Exit status: 0 ok, 1 the call failed, 2 bad usage or settings.",
     )
     parser.add_argument("--version", action="version", version=f"polygateway {_version()}")
+    parser.add_argument("--json", action="store_true", help=_JSON_HELP)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common, config, as_json = _common(), _config_options(), _json_option()
 
@@ -210,39 +257,83 @@ def _simulate(argv: Sequence[str]) -> int:
     return simulate_main(list(argv))
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """``--json`` among the options (before any ``--``), known even when parsing fails."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return "--json" in options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["simulate"]:
         return _simulate(args_list[1:])
-    parser = build_parser()
-    args = parser.parse_args(args_list)
-    debug: bool = getattr(args, "debug", False)
+    as_json = _wants_json(args_list)
+    try:
+        args = build_parser().parse_args(args_list)
+    except UsageError as exc:
+        return _usage_failed(exc, as_json)
+    debug: bool = args.debug
     if debug:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         logging.getLogger("polygateway").setLevel(logging.DEBUG)
     handler: Handler = args.handler
     try:
         return handler(args)
-    except KeyboardInterrupt:
-        print_error("interrupted")
-        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _stdout_closed()
+    except KeyboardInterrupt as exc:
+        return _fail(exc, EXIT_INTERRUPTED, debug=False, as_json=as_json, message="interrupted")
     except ConfigError as exc:
-        return _fail(exc, EXIT_CONFIG, debug)
+        return _fail(exc, EXIT_CONFIG, debug=debug, as_json=as_json)
     except (GatewayError, CliError, OSError) as exc:
-        return _fail(exc, EXIT_FAILURE, debug)
+        return _fail(exc, EXIT_FAILURE, debug=debug, as_json=as_json)
     except Exception as exc:
         # The command line's outermost edge: a bug anywhere below must still end as one
         # line (with the traceback under --debug), never a raw traceback by default.
-        return _fail(exc, EXIT_FAILURE, debug, unexpected=True)
+        message = f"{type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        return _fail(exc, EXIT_FAILURE, debug=debug, as_json=as_json, message=message)
 
 
-def _fail(exc: BaseException, code: int, debug: bool, *, unexpected: bool = False) -> int:
-    """Report ``exc`` as one line (plus its traceback with ``--debug``) and return ``code``."""
+def _usage_failed(exc: UsageError, as_json: bool) -> int:
+    """A refused command line: argparse's usage and message, or its JSON document; exit 2."""
+    if as_json:
+        return _print_failure(exc, EXIT_CONFIG, as_json=True, message=f"{exc.prog}: {exc}")
+    sys.stderr.write(exc.usage)
+    sys.stderr.write(f"{exc.prog}: error: {exc}\n")
+    return EXIT_CONFIG
+
+
+def _fail(
+    exc: BaseException, code: int, *, debug: bool, as_json: bool, message: str | None = None
+) -> int:
+    """Report ``exc`` (plus its traceback with ``--debug``) and return ``code``."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    message = str(exc) or type(exc).__name__
-    if unexpected:
-        message = f"{type(exc).__name__}: {message} (run with --debug for the traceback)"
-    print_error(message)
+    return _print_failure(exc, code, as_json=as_json, message=message)
+
+
+def _print_failure(exc: BaseException, code: int, *, as_json: bool, message: str | None) -> int:
+    """The failure as one ``error:`` line on stderr, or as the run's one JSON document."""
+    try:
+        if as_json:
+            error = error_json(exc)
+            if message is not None:
+                error["message"] = message
+            dump_json({"ok": False, "error": error})
+        else:
+            print_error(message or str(exc) or type(exc).__name__)
+    except BrokenPipeError:
+        _stdout_closed()
     return code
+
+
+def _stdout_closed() -> int:
+    """stdout's reader is gone: say nothing more and keep Python's exit flush from failing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass  # stdout is not a file descriptor (a test's StringIO): nothing will flush it
+    return EXIT_PIPE_CLOSED

@@ -62,12 +62,7 @@ def max_concurrency_of(settings: GatewaySettings, scope: str) -> dict[str, int]:
 
 def check_config(args: argparse.Namespace) -> int:
     """Validate a settings file and show what it configures, secrets masked."""
-    try:
-        settings = load_settings(args)
-    except ConfigError as exc:
-        if args.json:
-            render.dump_json({"ok": False, "error": str(exc), "field": exc.field, "path": exc.path})
-        raise
+    settings = load_settings(args)
     summary = render.settings_summary(settings)
     n_sources = sum(len(scope["sources"]) for scope in summary["scopes"].values())
     verdict = f"ok: {args.config} is valid ({len(summary['scopes'])} scopes, {n_sources} sources)"
@@ -151,6 +146,7 @@ def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_
     if as_json:
         render.dump_json(
             {
+                "ok": True,
                 "backend": settings.backend,
                 "redis_url": settings.redis_url_masked,
                 "scopes": [
@@ -240,7 +236,9 @@ async def _chat(
                         print(chunk.text, end="", flush=True)
             if args.json:
                 text = "".join(pieces)
-                render.dump_json({"text": text, "source": source, "finish_reason": finish})
+                render.dump_json(
+                    {"ok": True, "text": text, "source": source, "finish_reason": finish}
+                )
             else:
                 print()
             return 0
@@ -249,6 +247,7 @@ async def _chat(
         if args.json:
             render.dump_json(
                 {
+                    "ok": True,
                     "text": r.text,
                     "source": r.source,
                     "finish_reason": r.finish_reason,
@@ -284,6 +283,7 @@ async def _embed(settings: GatewaySettings, args: argparse.Namespace, texts: lis
     if args.json:
         render.dump_json(
             {
+                "ok": True,
                 "vectors": e.vectors,
                 "usage": asdict(e.usage),
                 "sources": list(e.sources),
@@ -329,6 +329,7 @@ async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes)
             if args.json:
                 render.dump_json(
                     {
+                        "ok": True,
                         "markdown": d.markdown,
                         "source": d.source,
                         "blocks": [asdict(b) for b in d.blocks],
@@ -343,7 +344,7 @@ async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes)
             t = await client.recognize_text(data)
     if args.json:
         render.dump_json(
-            {"text": t.text, "source": t.source, "attempts": _attempts_json(t.attempts)}
+            {"ok": True, "text": t.text, "source": t.source, "attempts": _attempts_json(t.attempts)}
         )
     else:
         print(t.text)

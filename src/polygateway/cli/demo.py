@@ -535,6 +535,7 @@ def _report(
     if out is None:
         render.dump_json(
             {
+                "ok": served_all,
                 "served_all": served_all,
                 "verdict": verdict,
                 "elapsed_s": round(run.elapsed(), 2),

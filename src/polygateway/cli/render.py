@@ -8,6 +8,7 @@ API keys reduced to "set" / "not set"): no secret reaches a terminal.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -16,6 +17,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TextIO
 
 from polygateway.backends.base import ScopeSnapshot
+from polygateway.errors import AllSourcesExhausted
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -27,6 +29,7 @@ __all__ = [
     "CliError",
     "console",
     "dump_json",
+    "error_json",
     "fmt_age",
     "fmt_num",
     "fmt_seconds",
@@ -60,12 +63,27 @@ _PIPE_WIDTH = 140
 """Width of tables written to a pipe or file: rich's 80 columns would truncate them."""
 
 
-def console(*, stderr: bool = False) -> Console:
-    """A rich console on stdout (or stderr); rich itself turns colour off when not a terminal."""
+@functools.cache
+def _console_class() -> type[Console]:
+    """rich's Console, except that a closed stdout raises ``BrokenPipeError`` for ``main``.
+
+    rich's own handling exits with status 1 from inside ``print``, bypassing
+    the command line's one place that decides how a run ends.
+    """
     need_rich()
     from rich.console import Console
 
-    out = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr); rich itself turns colour off when not a terminal."""
+    out = _console_class()(stderr=stderr, highlight=False, soft_wrap=False)
     if not out.is_terminal:
         out.width = max(out.width, _PIPE_WIDTH)
     return out
@@ -98,6 +116,26 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     return value
+
+
+def error_json(exc: BaseException) -> dict[str, Any]:
+    """The ``error`` object of a failed command's ``--json`` document.
+
+    ``type``, ``message`` and ``reason`` are always present (``reason`` is
+    ``AllSourcesExhausted.reason``, else ``null``); the context a script may
+    branch on (scope, sources, retry_after_s, field, path, batch) follows when
+    the error carries it. Messages are the errors' own: they never hold a secret.
+    """
+    doc: dict[str, Any] = {
+        "type": type(exc).__name__,
+        "message": str(exc) or type(exc).__name__,
+        "reason": exc.reason if isinstance(exc, AllSourcesExhausted) else None,
+    }
+    for key in ("scope", "sources", "retry_after_s", "field", "path", "batch", "status_code"):
+        value = getattr(exc, key, None)
+        if value is not None and value != ():
+            doc[key] = list(value) if isinstance(value, tuple) else value
+    return doc
 
 
 def dump_json(data: Any, *, stream: TextIO | None = None) -> None:
