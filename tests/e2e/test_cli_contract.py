@@ -7,6 +7,7 @@ exit code, stdout and stderr.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,86 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
             stderr = proc.stderr.read().decode()
             assert proc.wait(timeout=60) == 141, stderr
         assert stderr == ""
+
+
+# --- a base install: plain text without rich, missing extras named -----------------------
+
+
+@pytest.fixture
+def without(tmp_path: Path) -> Callable[..., dict[str, str]]:
+    """The environment of a run where the named packages cannot be imported (a base install)."""
+
+    def env(*packages: str) -> dict[str, str]:
+        stubs = tmp_path / "not-installed"
+        for package in packages:
+            (stubs / package).mkdir(parents=True, exist_ok=True)
+            (stubs / package / "__init__.py").write_text("raise ImportError('not installed')\n")
+        return {"PYTHONPATH": str(stubs)}
+
+    return env
+
+
+def test_chat_and_embed_print_plain_text_without_rich(
+    tmp_path: Path, run_cli: RunCli, simulator: str, without: Callable[..., dict[str, str]]
+) -> None:
+    """No rich: ``chat hi`` prints the answer, ``embed`` a plain table, no install hint."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=simulator))
+    env = without("rich")
+    chat = run_cli("chat", "hi", env=env)
+    assert chat.code == 0, chat.stderr
+    assert chat.stdout.strip()
+    assert "source a, 1 attempt(s)" in chat.stderr
+    embed = run_cli("embed", "alpha", "beta", env=env)
+    assert embed.code == 0, embed.stderr
+    header, rule, first, second = [line for line in embed.stdout.splitlines() if line]
+    assert header.split() == ["#", "text", "dim", "first", "values"]
+    assert set(rule.replace(" ", "")) == {"-"}
+    assert first.split()[:2] == ["0", "alpha"]
+    assert second.split()[:2] == ["1", "beta"]
+    assert "pip install" not in chat.output + embed.output
+
+
+def test_check_config_prints_plain_tables_without_rich(
+    tmp_path: Path, run_cli: RunCli, without: Callable[..., dict[str, str]]
+) -> None:
+    """No rich: check-config still shows the gateway keys and each scope, then ``ok``."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
+    ran = run_cli("check-config", env=without("rich"))
+    assert ran.code == 0, ran.stderr
+    assert ran.stderr == ""
+    assert "stall_window_s" in ran.stdout
+    assert "scope embed (kind embed, 429 charged)" in ran.stdout
+    assert ran.stdout.splitlines()[-1] == "ok: polygateway.toml is valid (3 scopes, 3 sources)"
+
+
+@pytest.mark.parametrize(
+    ("gateway", "package", "says"),
+    [
+        (
+            'backend = "redis"',
+            "redis",
+            "backend = 'redis' needs the redis extra: pip install 'polygateway[redis]'",
+        ),
+        (
+            'transport = "aiohttp"',
+            "aiohttp",
+            "transport = 'aiohttp' needs the aiohttp extra: pip install 'polygateway[aiohttp]'",
+        ),
+    ],
+)
+def test_check_config_reports_an_extra_the_settings_need(
+    tmp_path: Path,
+    run_cli: RunCli,
+    without: Callable[..., dict[str, str]],
+    gateway: str,
+    package: str,
+    says: str,
+) -> None:
+    """backend = "redis" without redis, transport = "aiohttp" without aiohttp: exit 2, not ok."""
+    body = SIMULATED.format(url=NOBODY).replace("[gateway]\n", f"[gateway]\n{gateway}\n")
+    (tmp_path / "polygateway.toml").write_text(body)
+    line = assert_one_line_error(run_cli("check-config", env=without(package)), 2)
+    assert says in line
+    error = error_of(run_cli("check-config", "--json", env=without(package)), 2)
+    assert error["field"] == gateway.split()[0]
+    assert says in error["message"]

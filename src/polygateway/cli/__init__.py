@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a settings file and show its scopes and sources, secrets masked",
         description="Validate a settings file (TOML, then POLYGATEWAY_* env and .env) and show "
         "the gateway knobs, scopes and sources with every secret masked. Exits 2 with the "
-        "ConfigError message when anything is wrong.",
+        "ConfigError message when anything is wrong, an extra the settings need (redis, "
+        "aiohttp) included.",
     )
     check.set_defaults(handler=_lazy("check_config"))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -32,6 +33,7 @@ __all__ = [
     "check_config",
     "load_settings",
     "max_concurrency_of",
+    "missing_extras",
     "run_chat",
     "run_embed",
     "run_ocr",
@@ -59,17 +61,47 @@ def max_concurrency_of(settings: GatewaySettings, scope: str) -> dict[str, int]:
 
 # -- check-config ------------------------------------------------------------------------
 
+_EXTRAS = (
+    ("backend", "redis", "redis", "redis"),
+    ("transport", "aiohttp", "aiohttp", "aiohttp"),
+)
+"""(setting, value, module it needs, extra that installs it)."""
+
+
+def missing_extras(settings: GatewaySettings) -> list[tuple[str, str]]:
+    """(field, problem) for each extra the settings need that cannot be imported."""
+    missing = []
+    for field, value, module, extra in _EXTRAS:
+        if getattr(settings, field) != value:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(
+                (
+                    field,
+                    f"{field} = {value!r} needs the {extra} extra: "
+                    f"pip install 'polygateway[{extra}]'",
+                )
+            )
+    return missing
+
 
 def check_config(args: argparse.Namespace) -> int:
     """Validate a settings file and show what it configures, secrets masked."""
     settings = load_settings(args)
+    missing = missing_extras(settings)
+    if missing:
+        field, _ = missing[0]
+        problems = "; ".join(problem for _, problem in missing)
+        raise ConfigError(problems, field=field, path=str(args.config))
     summary = render.settings_summary(settings)
     n_sources = sum(len(scope["sources"]) for scope in summary["scopes"].values())
     verdict = f"ok: {args.config} is valid ({len(summary['scopes'])} scopes, {n_sources} sources)"
     if args.json:
         render.dump_json({"ok": True, "path": str(args.config), **summary})
         return 0
-    out = render.console()
+    out = render.output()
     out.print(render.gateway_rows(summary))
     for name, shown in summary["scopes"].items():
         out.print(render.sources_table(name, shown))
@@ -92,8 +124,6 @@ def status(args: argparse.Namespace) -> int:
         raise ConfigError("no scope to show: the file configures none", path=str(args.config))
     for name in scopes:
         settings.scope(name)  # an unknown scope is a ConfigError listing the known ones
-    if not args.json:
-        render.need_rich()
     try:
         return asyncio.run(_status(settings, scopes, args.json, args.watch))
     except KeyboardInterrupt:
@@ -108,7 +138,7 @@ async def _status(
     """Read the snapshots (repeatedly when watching) and print them."""
     backend = shared_backend(settings)
     try:
-        if as_json or watch is None or not render.console().is_terminal:
+        if as_json or watch is None or not render.has_rich() or not render.output().is_terminal:
             while True:
                 snaps = [await backend.snapshot(name) for name in scopes]
                 _print_status(settings, snaps, as_json)
@@ -124,18 +154,20 @@ async def _status(
 async def _watch_in_place(
     settings: GatewaySettings, backend: Backend, scopes: Sequence[str], every: float
 ) -> None:
-    """Redraw the status tables in place on a terminal until interrupted."""
+    """Redraw the status tables in place on a terminal until interrupted (rich installed)."""
     from rich.console import Group
     from rich.live import Live
+    from rich.table import Table
 
     out = render.console()
     with Live(console=out, auto_refresh=False) as live:
         while True:
             snaps = [await backend.snapshot(name) for name in scopes]
-            tables = [
-                render.scope_status_table(snap, max_concurrency_of(settings, snap.scope))
-                for snap in snaps
-            ]
+            tables: list[Table] = []
+            for snap in snaps:
+                table = render.scope_status_table(snap, max_concurrency_of(settings, snap.scope))
+                assert isinstance(table, Table)  # rich is installed: the caller checked
+                tables.append(table)
             header = f"backend {settings.backend} at {settings.redis_url_masked}, every {every:g} s"
             live.update(Group(header, *tables), refresh=True)
             await asyncio.sleep(every)
@@ -155,7 +187,7 @@ def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_
             }
         )
         return
-    out = render.console()
+    out = render.output()
     out.print(f"backend {settings.backend} at {settings.redis_url_masked}")
     for snap in snaps:
         out.print(render.scope_status_table(snap, max_concurrency_of(settings, snap.scope)))
@@ -167,7 +199,7 @@ def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_
 @contextmanager
 def _spinner(text: str, enabled: bool) -> Iterator[None]:
     """A spinner on stderr while a call runs, when a person is watching."""
-    if not enabled or not sys.stderr.isatty():
+    if not enabled or not sys.stderr.isatty() or not render.has_rich():
         yield
         return
     with render.console(stderr=True).status(text):
@@ -207,8 +239,6 @@ def run_chat(args: argparse.Namespace) -> int:
     prompt = " ".join(args.prompt) if args.prompt else sys.stdin.read()
     if not prompt.strip():
         raise CliError("nothing to send: give a prompt or pipe one on stdin")
-    if not args.json:
-        render.need_rich()
     messages: list[dict[str, Any]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -268,8 +298,6 @@ def run_embed(args: argparse.Namespace) -> int:
     texts = _read_text_arg(args.texts, args.file)
     if not texts:
         raise CliError("nothing to embed: give texts, --file or lines on stdin")
-    if not args.json:
-        render.need_rich()
     return asyncio.run(_embed(settings, args, texts))
 
 
@@ -293,11 +321,11 @@ async def _embed(settings: GatewaySettings, args: argparse.Namespace, texts: lis
         )
         return 0
     dim = len(e.vectors[0]) if e.vectors else 0
-    table = render.make_table(None, ("#", "text", "dim", "first values"), right_from=2)
+    table = render.text_table(None, ("#", "text", "dim", "first values"), right_from=2)
     for index, (text, vector) in enumerate(zip(texts, e.vectors, strict=True)):
         head = ", ".join(f"{x:.4f}" for x in vector[:3])
         table.add_row(str(index), _clip(text, 40), str(len(vector)), f"[{head}, ...]")
-    render.console().print(table)
+    render.output().print(table)
     _note(
         f"{len(e.vectors)} vectors of dimension {dim} in {len(e.batches)} batch(es), "
         f"sources {sorted(set(e.sources))}, {len(e.attempts)} attempt(s)"
@@ -312,8 +340,6 @@ def run_ocr(args: argparse.Namespace) -> int:
         data = Path(args.file).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
-    if not args.json:
-        render.need_rich()
     return asyncio.run(_ocr(settings, args, data))
 
 

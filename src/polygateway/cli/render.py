@@ -1,7 +1,8 @@
 """Output of the command line: rich tables for people, JSON for scripts, one-line errors.
 
-rich is the ``cli`` extra: it is imported only when a table is drawn, so
-``import polygateway.cli`` and every ``--json`` run work without it. Every
+rich is the ``cli`` extra: it is imported only when a table is drawn, and
+without it tables are aligned plain text, so ``import polygateway.cli`` and
+every command but ``demo`` work on a base install. Every
 value printed here comes from masked dumps (URLs with ``***`` for passwords,
 API keys reduced to "set" / "not set"): no secret reaches a terminal.
 """
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CliError",
+    "PlainConsole",
+    "PlainTable",
     "console",
     "dump_json",
     "error_json",
@@ -34,14 +37,17 @@ __all__ = [
     "fmt_num",
     "fmt_seconds",
     "gateway_rows",
+    "has_rich",
     "jsonable",
     "make_table",
     "need_rich",
+    "output",
     "print_error",
     "scope_status_table",
     "settings_summary",
     "snapshot_json",
     "sources_table",
+    "text_table",
 ]
 
 RICH_MISSING = "tables need rich: pip install 'polygateway[cli]' (or pass --json)"
@@ -87,6 +93,77 @@ def console(*, stderr: bool = False) -> Console:
     if not out.is_terminal:
         out.width = max(out.width, _PIPE_WIDTH)
     return out
+
+
+def has_rich() -> bool:
+    """Whether the ``cli`` extra (rich) can be imported."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PlainTable:
+    """A table as aligned text: what ``text_table`` draws when rich is not installed."""
+
+    def __init__(self, title: str | None, columns: Sequence[str], right_from: int) -> None:
+        self.title = title
+        self.columns = tuple(columns)
+        self.right_from = right_from
+        self.rows: list[tuple[str, ...]] = []
+
+    def add_row(self, *cells: str) -> None:
+        """One row, a cell per column."""
+        self.rows.append(tuple(cells))
+
+    def __str__(self) -> str:
+        widths = [
+            max(len(cell) for cell in column)
+            for column in zip(self.columns, *self.rows, strict=True)
+        ]
+
+        def line(cells: Sequence[str]) -> str:
+            parts = [
+                cell.ljust(width) if index < self.right_from else cell.rjust(width)
+                for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
+            ]
+            return "  ".join(parts).rstrip()
+
+        lines = [self.title] if self.title else []
+        lines += [line(self.columns), "  ".join("-" * width for width in widths)]
+        lines += [line(row) for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+class PlainConsole:
+    """``print`` to stdout or stderr: what ``output`` gives when rich is not installed."""
+
+    def __init__(self, *, stderr: bool = False) -> None:
+        self._stream = sys.stderr if stderr else sys.stdout
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether a person is reading (a terminal, not a pipe or file)."""
+        return self._stream.isatty()
+
+    def print(self, *objects: object) -> None:
+        """Each object's text, space-separated, on one line."""
+        print(*objects, file=self._stream, flush=True)
+
+
+def output(*, stderr: bool = False) -> Console | PlainConsole:
+    """Where a command prints for people: rich's console when installed, plain text otherwise."""
+    return console(stderr=stderr) if has_rich() else PlainConsole(stderr=stderr)
+
+
+def text_table(
+    title: str | None, columns: Sequence[str], *, right_from: int = 1
+) -> Table | PlainTable:
+    """``make_table`` when rich is installed, else a ``PlainTable`` with the same layout."""
+    if has_rich():
+        return make_table(title, columns, right_from=right_from)
+    return PlainTable(title, columns, right_from)
 
 
 def make_table(title: str | None, columns: Sequence[str], *, right_from: int = 1) -> Table:
@@ -206,18 +283,18 @@ def settings_summary(settings: GatewaySettings) -> dict[str, Any]:
     return {"gateway": gateway, "scopes": scopes}
 
 
-def gateway_rows(summary: Mapping[str, Any]) -> Table:
+def gateway_rows(summary: Mapping[str, Any]) -> Table | PlainTable:
     """The ``[gateway]`` keys as a two-column table."""
-    table = make_table("gateway", ("key", "value"), right_from=2)
+    table = text_table("gateway", ("key", "value"), right_from=2)
     for key, value in summary["gateway"].items():
         table.add_row(key, str(value))
     return table
 
 
-def sources_table(scope: str, shown: Mapping[str, Any]) -> Table:
+def sources_table(scope: str, shown: Mapping[str, Any]) -> Table | PlainTable:
     """One scope's sources, as check-config shows them."""
     exempt = "429 not charged" if shown["exempt_429"] else "429 charged"
-    table = make_table(
+    table = text_table(
         f"scope {scope} (kind {shown['kind']}, {exempt})",
         (
             "source",
@@ -275,9 +352,11 @@ def snapshot_json(snap: ScopeSnapshot, max_concurrency: Mapping[str, int]) -> di
     }
 
 
-def scope_status_table(snap: ScopeSnapshot, max_concurrency: Mapping[str, int]) -> Table:
+def scope_status_table(
+    snap: ScopeSnapshot, max_concurrency: Mapping[str, int]
+) -> Table | PlainTable:
     """One scope's live governance state: permits, AIMD limit, breaker, pacing, buckets."""
-    table = make_table(
+    table = text_table(
         f"scope {snap.scope}: {snap.in_flight} in flight, {fmt_age(snap.progress_age_s)}",
         (
             "source",
