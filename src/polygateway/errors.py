@@ -83,7 +83,12 @@ class GatewayError(Exception):
 
 
 class ConfigError(GatewayError, ValueError):
-    """Bad settings: names the field and, when there is one, the file."""
+    """Bad settings: names the field and where its value came from (a file, a variable).
+
+    ``env`` is the environment variable the bad value came from, if one did;
+    ``path`` is then the ``.env`` file that set it, or ``None`` for the process
+    environment.
+    """
 
     def __init__(
         self,
@@ -93,13 +98,17 @@ class ConfigError(GatewayError, ValueError):
         path: str | None = None,
         scope: str | None = None,
         sources: Sequence[str] = (),
+        env: str | None = None,
     ) -> None:
         self.field = field
         self.path = path
+        self.env = env
         where = []
         if field:
             where.append(f"field {field!r}")
-        if path:
+        if env:
+            where.append(f"from {env} in {path}" if path else f"from environment variable {env}")
+        elif path:
             where.append(f"in {path}")
         full = f"{message} [{' '.join(where)}]" if where else message
         super().__init__(full, scope=scope, sources=sources)

@@ -300,3 +300,43 @@ def test_check_config_reports_an_extra_the_settings_need(
     error = error_of(run_cli("check-config", "--json", env=without(package)), 2)
     assert error["field"] == gateway.split()[0]
     assert says in error["message"]
+
+
+# --- errors name the variable a bad value came from -------------------------------------
+
+
+def test_a_bad_override_names_its_variable_not_the_file(tmp_path: Path, run_cli: RunCli) -> None:
+    """POLYGATEWAY_STALL_WINDOW_S=-1: exit 2 naming the variable, as a line and as JSON."""
+    (tmp_path / "base.toml").write_text(SIMULATED.format(url=NOBODY))
+    env = {"POLYGATEWAY_STALL_WINDOW_S": "-1"}
+    ran = run_cli("check-config", "--config", "base.toml", env=env)
+    line = assert_one_line_error(ran, 2)
+    assert line == (
+        "error: invalid setting: Input should be greater than 0 "
+        "[field 'stall_window_s' from environment variable POLYGATEWAY_STALL_WINDOW_S]"
+    )
+    error = error_of(run_cli("--json", "check-config", "--config", "base.toml", env=env), 2)
+    assert error["env"] == "POLYGATEWAY_STALL_WINDOW_S"
+    assert error["field"] == "stall_window_s"
+    assert "path" not in error
+
+
+def test_an_unknown_variable_is_reported_with_a_suggestion(tmp_path: Path, run_cli: RunCli) -> None:
+    """POLYGATEWAY_STALL_WINDOW=10 is not silently ignored: exit 2, did you mean ..._S?"""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
+    ran = run_cli("check-config", env={"POLYGATEWAY_STALL_WINDOW": "10"})
+    line = assert_one_line_error(ran, 2)
+    assert "unknown setting variable POLYGATEWAY_STALL_WINDOW" in line
+    assert "did you mean POLYGATEWAY_STALL_WINDOW_S?" in line
+
+
+def test_an_empty_key_variable_is_reported_as_empty(tmp_path: Path, run_cli: RunCli) -> None:
+    """OPENAI_API_KEY= (set, empty): exit 2 saying empty, not "not set"."""
+    body = SIMULATED.format(url=NOBODY).replace(
+        'model = "sim"\n', 'model = "sim"\napi_key_env = "OPENAI_API_KEY"\n'
+    )
+    (tmp_path / "polygateway.toml").write_text(body)
+    line = assert_one_line_error(run_cli("check-config", env={"OPENAI_API_KEY": ""}), 2)
+    assert (
+        "'OPENAI_API_KEY' (api_key_env of source 'a') is set but empty in the environment" in line
+    )

@@ -200,15 +200,25 @@ def error_json(exc: BaseException) -> dict[str, Any]:
 
     ``type``, ``message`` and ``reason`` are always present (``reason`` is
     ``AllSourcesExhausted.reason``, else ``null``); the context a script may
-    branch on (scope, sources, retry_after_s, field, path, batch) follows when
-    the error carries it. Messages are the errors' own: they never hold a secret.
+    branch on (scope, sources, retry_after_s, field, path, env, batch) follows
+    when the error carries it; ``env`` is the variable a bad setting came from.
+    Messages are the errors' own: they never hold a secret.
     """
     doc: dict[str, Any] = {
         "type": type(exc).__name__,
         "message": str(exc) or type(exc).__name__,
         "reason": exc.reason if isinstance(exc, AllSourcesExhausted) else None,
     }
-    for key in ("scope", "sources", "retry_after_s", "field", "path", "batch", "status_code"):
+    for key in (
+        "scope",
+        "sources",
+        "retry_after_s",
+        "field",
+        "path",
+        "env",
+        "batch",
+        "status_code",
+    ):
         value = getattr(exc, key, None)
         if value is not None and value != ():
             doc[key] = list(value) if isinstance(value, tuple) else value

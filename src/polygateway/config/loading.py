@@ -4,14 +4,19 @@
   ``[scopes.*]`` tables flattened into settings values, secrets refused.
 - ``resolve_api_keys``: each source's key from the variable ``api_key_env``
   names, in the process environment first, then the ``.env`` file.
-- ``config_error``: the one translation of pydantic's validation errors.
+- ``config_error``: the one translation of pydantic's validation errors,
+  naming where the bad value came from (``value_origin``: a variable of the
+  environment or ``.env``, else the file).
+- ``check_env_names``: a ``POLYGATEWAY_*`` variable that names no setting is
+  refused with the closest setting's variable, as an unknown key in the file is.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,21 @@ from polygateway.config.masking import SECRET_HEADER_PARTS, looks_secret
 from polygateway.config.models import ScopeConfig, SourceConfig
 from polygateway.errors import ConfigError
 
-__all__ = ["config_error", "file_layer", "read_toml", "resolve_api_keys"]
+__all__ = [
+    "ENV_PREFIX",
+    "Origin",
+    "check_env_names",
+    "config_error",
+    "file_layer",
+    "read_toml",
+    "resolve_api_keys",
+    "value_origin",
+]
+
+ENV_PREFIX = "POLYGATEWAY_"
+
+Origin = tuple[str | None, str | None]
+"""Where a value came from, as ``ConfigError`` names it: ``(path, env)``."""
 
 
 def read_toml(path: Path, shown: str) -> dict[str, Any]:
@@ -104,8 +123,83 @@ def _dotted(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def config_error(exc: ValidationError, path: str | None) -> ConfigError:
-    """The one translation of pydantic's errors: first location as the field, every error listed."""
+def _env_file_shown(env_file: Any) -> str | None:
+    """The ``.env`` file as messages name it (``None`` when several or none)."""
+    return os.fspath(env_file) if isinstance(env_file, str | os.PathLike) else None
+
+
+def _setting_variable(names: Collection[str], field: str) -> str | None:
+    """The variable among ``names`` that sets ``field`` (case-insensitive, nested ``__`` too)."""
+    wanted = f"{ENV_PREFIX}{field.upper()}"
+    for name in names:
+        upper = name.upper()
+        if upper == wanted or upper.startswith(f"{wanted}__"):
+            return name
+    return None
+
+
+def value_origin(
+    field: str,
+    path: str | None,
+    env_file: Any,
+    *,
+    settings_cls: type[BaseSettings],
+    given: Collection[str] = (),
+) -> Origin:
+    """Where top-level ``field``'s value came from, by precedence: code, environment, .env, file.
+
+    Returns ``(path, env)`` for ``ConfigError``: ``(None, NAME)`` for the
+    process environment, ``(".env path", NAME)`` for the dotenv file, else
+    ``(path, None)`` (the settings file, or ``None`` for code and defaults).
+    """
+    if field in given:
+        return None, None
+    name = _setting_variable(os.environ, field)
+    if name is not None:
+        return None, name
+    name = _setting_variable(_read_dotenv(env_file, settings_cls), field)
+    if name is not None:
+        return _env_file_shown(env_file), name
+    return path, None
+
+
+def check_env_names(
+    fields: Collection[str],
+    key_names: Collection[str],
+    env_file: Any,
+    *,
+    settings_cls: type[BaseSettings],
+) -> None:
+    """Refuse a ``POLYGATEWAY_*`` variable (environment or ``.env``) that sets no setting.
+
+    A misspelt override would otherwise be ignored without a word, and the
+    default used instead. Variables an ``api_key_env`` names are keys, not settings.
+    """
+    known = sorted(f"{ENV_PREFIX}{field.upper()}" for field in fields)
+    layers: tuple[tuple[str | None, Collection[str]], ...] = (
+        (None, tuple(os.environ)),
+        (_env_file_shown(env_file), tuple(_read_dotenv(env_file, settings_cls))),
+    )
+    for shown, names in layers:
+        for name in names:
+            upper = name.upper()
+            if not upper.startswith(ENV_PREFIX) or name in key_names:
+                continue
+            if upper.split("__", 1)[0] in known:
+                continue
+            close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"the settings are {', '.join(known)}"
+            raise ConfigError(f"unknown setting variable {name}: {hint}", path=shown, env=name)
+
+
+def config_error(
+    exc: ValidationError, path: str | None, origin: Callable[[str], Origin] | None = None
+) -> ConfigError:
+    """The one translation of pydantic's errors: first location as the field, every error listed.
+
+    ``origin`` tells where a top-level field's value came from; without it the
+    file (``path``) is named.
+    """
     problems: list[tuple[str, str]] = []
     first_scope: str | None = None
     for index, error in enumerate(exc.errors(include_url=False, include_input=False)):
@@ -130,7 +224,11 @@ def config_error(exc: ValidationError, path: str | None) -> ConfigError:
         message = f"{len(problems)} invalid settings: {listed}"
     else:
         message = f"invalid setting: {message}"
-    return ConfigError(message, field=field, path=path, scope=first_scope)
+    first_loc = exc.errors(include_url=False, include_input=False)[0]["loc"]
+    shown, env = path, None
+    if origin is not None and first_loc:
+        shown, env = origin(str(first_loc[0]))
+    return ConfigError(message, field=field, path=shown, scope=first_scope, env=env)
 
 
 def resolve_api_keys(
@@ -161,11 +259,18 @@ def resolve_api_keys(
                     dotenv = _read_dotenv(env_file, settings_cls)
                 value = dotenv.get(name)
             if not value:
-                shown_env = isinstance(env_file, str | os.PathLike)
-                where = f" nor in {os.fspath(env_file)}" if shown_env else ""
+                shown_env = _env_file_shown(env_file)
+                assert dotenv is not None  # read just above: the environment had no value
+                if name in os.environ or name in dotenv:
+                    # Set to nothing: "not set" would send the reader looking for a missing line.
+                    where = "the environment" if name in os.environ else f"{shown_env or '.env'}"
+                    problem = f"is set but empty in {where}"
+                else:
+                    nor = f" nor in {shown_env}" if shown_env else ""
+                    problem = f"is not set in the environment{nor}"
                 raise ConfigError(
                     f"environment variable {name!r} (api_key_env of source {source.name!r}) "
-                    f"is not set in the environment{where}",
+                    f"{problem}",
                     field=f"scopes.{scope_name}.sources[{index}].api_key_env",
                     path=path,
                     scope=scope_name,

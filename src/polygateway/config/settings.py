@@ -31,7 +31,15 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from polygateway.config.loading import config_error, file_layer, read_toml, resolve_api_keys
+from polygateway.config.loading import (
+    Origin,
+    check_env_names,
+    config_error,
+    file_layer,
+    read_toml,
+    resolve_api_keys,
+    value_origin,
+)
 from polygateway.config.masking import mask_url
 from polygateway.config.models import NAME_RE, ScopeConfig, config_problem
 from polygateway.errors import ConfigError
@@ -121,14 +129,25 @@ class GatewaySettings(BaseSettings):
         loading = _LOADING.get()
         path = loading.path if loading is not None else None
         env_file = values.get("_env_file", type(self).model_config.get("env_file"))
+
+        def origin(field: str) -> Origin:
+            return value_origin(field, path, env_file, settings_cls=GatewaySettings, given=values)
+
         try:
             super().__init__(**values)
         except ValidationError as exc:
             # `from None`: pydantic's own message repeats input values, which may be secrets.
-            raise config_error(exc, path) from None
+            raise config_error(exc, path, origin) from None
         except SettingsError as exc:
             raise ConfigError(f"cannot read a POLYGATEWAY_* override: {exc}", path=path) from None
-        self._check_stall_covers_ttft(path)
+        key_names = {
+            source.api_key_env
+            for scope in self.scopes.values()
+            for source in scope.sources
+            if source.api_key_env is not None
+        }
+        check_env_names(type(self).model_fields, key_names, env_file, settings_cls=GatewaySettings)
+        self._check_stall_covers_ttft(origin("stall_window_s"))
         # .env is read with GatewaySettings' own configuration, as for the class itself.
         resolved = resolve_api_keys(self.scopes, env_file, path, settings_cls=GatewaySettings)
         if resolved is not self.scopes:
@@ -235,7 +254,7 @@ class GatewaySettings(BaseSettings):
                 )
         return scopes
 
-    def _check_stall_covers_ttft(self, path: str | None) -> None:
+    def _check_stall_covers_ttft(self, origin: Origin) -> None:
         """Refuse ``stall_window_s < max(ttft_timeout_s)``: a conservative guard rail.
 
         The wait for the first content happens inside an attempt and is
@@ -251,12 +270,14 @@ class GatewaySettings(BaseSettings):
                 if worst is None or source.ttft_timeout_s > worst[0]:
                     worst = (source.ttft_timeout_s, f"scopes.{scope_name}.sources[{index}]")
         if worst is not None and self.stall_window_s < worst[0]:
+            path, env = origin
             raise ConfigError(
                 f"stall_window_s ({self.stall_window_s:g}) must be >= the largest ttft_timeout_s "
                 f"({worst[0]:g}, {worst[1]}.ttft_timeout_s); a conservative check: time to first "
                 "token is productive and not charged to the stall budget",
                 field="stall_window_s",
                 path=path,
+                env=env,
             )
 
     def scope(self, name: str) -> ScopeConfig:
