@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: install install-demo redis-server test unit lint demo bench soak clean
+.PHONY: install install-demo redis-server test unit lint demo bench soak clean mutation
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,8 @@ redis-server:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 lint: install
-	$(VENV)/bin/ruff format --check src tests bench
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench tools
+	$(VENV)/bin/ruff check src tests bench tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict tests/typing
 	$(VENV)/bin/lint-imports
@@ -76,6 +76,38 @@ bench: redis-server $(BENCH_STAMP)
 .PHONY: bench-smoke
 bench-smoke: install redis-server
 	$(PY) -m pytest -q tests/integration/test_bench_smoke.py
+
+# Mutation testing of the governance core, never part of `make test` (about 40 minutes on two
+# cores): mutmut on the Python policy code against the fast tests ([tool.mutmut] in
+# pyproject.toml), then our own runner on the Lua twin against the Redis contract and
+# differential tests; the page goes to research-wiki/MUTATION.md. Its own venv, like bench.
+MUT_VENV := .venv-mutation
+MUT_PY := $(MUT_VENV)/bin/python
+MUT_STAMP := $(MUT_VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+
+$(MUT_STAMP): pyproject.toml
+	test -x $(MUT_PY) || $(PYTHON) -m venv $(MUT_VENV)
+	echo '*' > $(MUT_VENV)/.gitignore
+	$(MUT_PY) -m pip install --quiet --upgrade pip
+	$(MUT_PY) -m pip install --quiet -e '.[dev,mutation]'
+	rm -f $(MUT_VENV)/.installed-*
+	touch $(MUT_STAMP)
+
+.PHONY: mutation-python mutation-lua
+mutation: mutation-python mutation-lua
+	$(MUT_PY) tools/mutation/report.py
+
+# A fresh run every time: mutmut's cache would carry results over from older code.
+mutation-python: $(MUT_STAMP)
+	rm -rf mutants && mkdir mutants
+	start=$$(date +%s); \
+	$(MUT_VENV)/bin/mutmut run --max-children 2 > mutants/mutmut-run.log 2>&1 \
+	  || { tail -c 4000 mutants/mutmut-run.log; exit 1; }; \
+	echo $$(( $$(date +%s) - start )) > mutants/python-seconds.txt
+	tail -c 300 mutants/mutmut-run.log | tr '\r' '\n' | tail -3
+
+mutation-lua: redis-server $(MUT_STAMP)
+	$(MUT_PY) tools/mutation/lua.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist

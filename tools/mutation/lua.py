@@ -1,0 +1,304 @@
+"""Mutation testing of the Redis backend's Lua scripts (``make mutation-lua``).
+
+The scripts of ``polygateway/backends/redis/scripts.py`` state the governance
+policies a second time (research-wiki/designs/governance-policies.md), so they
+are held to the bar of the Python core (research-wiki/MUTATION.md). Each
+mutant is one small change to one script's text, applied alone and in memory
+(``lua_plugin.py`` swaps the constant; the file is never edited), and the
+Redis half of the backend contract suite plus the differential test run
+against it on a real Redis (the suite's own fixture starts one). The mutant
+is killed when they fail.
+
+Operators, applied to code only (never inside a comment or a string literal):
+
+- ``comparison``: ``<`` and ``<=``, ``>`` and ``>=``, ``==`` and ``~=`` flipped;
+  the inclusive / exclusive bound of a ``ZRANGEBYSCORE`` / ``ZCOUNT`` range too.
+- ``constant``: every integer literal one up and one down (indexes included).
+- ``key``: each ``KEYS[...]`` index swapped for every other index its script uses.
+- ``expire``: an ``EXPIRE`` / ``PEXPIRE`` call, or a ``SET``'s ``EX``, dropped.
+- ``sweep``: the dropping of expired leases removed.
+
+The tests: the Redis half of the contract suite and the differential test
+(both drive the scripts' ``now`` argument from a fake clock), then the Redis
+backend's server-clock tests and ``test_redis_key_expiry.py``, which see what
+only a real server shows (``TIME``, key TTLs).
+
+Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``.
+Run from the repository root: ``python tools/mutation/lua.py [--list] [ID ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "mutants" / "lua-results.json"
+# The contract suite's Redis half and the differential test (both on the tests' fake clock),
+# then what only a real Redis shows: the server-clock path and the expiry of every key.
+TESTS = [
+    "tests/integration/test_backend_contract.py",
+    "tests/integration/test_redis_differential.py",
+    "tests/integration/test_redis_key_expiry.py",
+    "tests/integration/test_redis_backend.py",
+    "-k",
+    "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
+]
+WORKERS = 2
+MUTANT_TIMEOUT_S = 600.0
+
+sys.path.insert(0, str(ROOT / "src"))
+from polygateway.backends.redis import scripts  # noqa: E402
+
+_FLIP = {"<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "~=", "~=": "=="}
+# Range bounds written as Redis arguments: inclusive <-> exclusive ('(' prefix).
+_BOUNDS = {
+    "'-inf', now_s)": "'-inf', '(' .. now_s)",
+    "'-inf', fmt(now))": "'-inf', '(' .. fmt(now))",
+    "'(' .. now_s, '+inf')": "now_s, '+inf')",
+}
+_SWEEP_LOOP = re.compile(r"\n( *)for first = 1, n, 1000 do\n.*?\n\1end\n", re.DOTALL)
+_SWEEP_CALL = re.compile(r"\n *drop_expired\(lk, mk\)\n")
+_EXPIRE_CALL = re.compile(r"redis\.call\('P?EXPIRE', ")
+_SET_EX = re.compile(r", 'EX', ARGV\[\d+\]")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One change to one script: where, what, and the whole mutated text."""
+
+    id: str
+    constant: str
+    operator: str
+    line: int
+    description: str
+    text: str
+
+
+def _mask(text: str) -> str:
+    """``text`` with comments and string literals blanked out, offsets unchanged."""
+    out = list(text)
+    i = 0
+    while i < len(text):
+        if text.startswith("--", i):
+            end = text.find("\n", i)
+            end = len(text) if end < 0 else end
+            out[i:end] = " " * (end - i)
+            i = end
+        elif text[i] in "'\"":
+            quote, j = text[i], i + 1
+            while text[j] != quote:
+                j += 2 if text[j] == "\\" else 1
+            out[i : j + 1] = " " * (j + 1 - i)
+            i = j + 1
+        else:
+            i += 1
+    return "".join(out)
+
+
+def _closing_paren(masked: str, opening: int) -> int:
+    """The offset just past the parenthesis that closes the one at ``opening``."""
+    depth = 0
+    for i in range(opening, len(masked)):
+        depth += {"(": 1, ")": -1}.get(masked[i], 0)
+        if depth == 0:
+            return i + 1
+    raise ValueError("unbalanced parentheses")
+
+
+def _line_of(text: str, offset: int) -> tuple[int, int, str]:
+    """1-based line and column of ``offset``, and that line stripped."""
+    line = text.count("\n", 0, offset) + 1
+    start = text.rfind("\n", 0, offset) + 1
+    end = text.find("\n", offset)
+    return line, offset - start + 1, text[start : None if end < 0 else end].strip()
+
+
+def _mutant(
+    constant: str, text: str, start: int, end: int, new: str, operator: str, note: str = ""
+) -> Mutant:
+    line, col, source = _line_of(text, start)
+    old = text[start:end]
+    shown = note or f"`{old.strip()}` -> `{new.strip()}`"
+    return Mutant(
+        id=f"{constant}:{line}:{col}:{operator}:{new.strip()}",
+        constant=constant,
+        operator=operator,
+        line=line,
+        description=f"{shown} in `{source}`",
+        text=text[:start] + new + text[end:],
+    )
+
+
+def mutants_of(constant: str, text: str) -> Iterator[Mutant]:
+    """Every mutant of one script, in the order of the operators, then of the text."""
+    masked = _mask(text)
+    keys = [(m.start(1), m.end(1)) for m in re.finditer(r"KEYS\[([^\]]+)\]", masked)]
+
+    def in_key(offset: int) -> bool:
+        return any(start <= offset < end for start, end in keys)
+
+    for m in re.finditer(r"<=|>=|==|~=|<|>", masked):
+        yield _mutant(constant, text, m.start(), m.end(), _FLIP[m.group()], "comparison")
+    for old, new in _BOUNDS.items():
+        for m in re.finditer(re.escape(old), text):
+            if masked[m.start() + old.index(",")] == ",":
+                note = "inclusive bound made exclusive"
+                if old.startswith("'('"):
+                    note = "exclusive bound made inclusive"
+                yield _mutant(constant, text, m.start(), m.end(), new, "comparison", note)
+    for m in re.finditer(r"(?<![\w.])\d+(?![\w.])", masked):
+        if in_key(m.start()):
+            continue
+        value = int(m.group())
+        for changed in (value + 1, value - 1):
+            yield _mutant(constant, text, m.start(), m.end(), str(changed), "constant")
+    exprs = sorted({" ".join(text[s:e].split()) for s, e in keys})
+    for start, end in keys:
+        current = " ".join(text[start:end].split())
+        for other in exprs:
+            if other != current:
+                yield _mutant(constant, text, start, end, other, "key")
+    for m in _EXPIRE_CALL.finditer(text):
+        if masked[m.start()] != " ":
+            end = _closing_paren(masked, m.start() + len("redis.call"))
+            yield _mutant(constant, text, m.start(), end, "", "expire", "call dropped")
+    for m in _SET_EX.finditer(text):
+        yield _mutant(constant, text, m.start(), m.end(), "", "expire", "`EX` dropped")
+    for pattern in (_SWEEP_LOOP, _SWEEP_CALL):
+        for m in pattern.finditer(text):
+            yield _mutant(
+                constant, text, m.start() + 1, m.end() - 1, "", "sweep", "lease sweep dropped"
+            )
+
+
+def all_mutants() -> list[Mutant]:
+    """The mutants of every script constant."""
+    found = [m for name in scripts.__all__ for m in mutants_of(name, getattr(scripts, name))]
+    for old in _BOUNDS:  # a pattern that matches nothing means the scripts changed shape
+        if not any(old in getattr(scripts, name) for name in scripts.__all__):
+            raise SystemExit(f"lua.py: bound pattern {old!r} no longer in the scripts")
+    return found
+
+
+@dataclass
+class Result:
+    """What the suite did with one mutant."""
+
+    id: str
+    constant: str
+    operator: str
+    line: int
+    description: str
+    status: str  # killed | survived | timeout | error
+    seconds: float
+    killed_by: str
+
+
+def _run(mutant: Mutant | None) -> tuple[str, float, str, str]:
+    """Run the tests with ``mutant`` applied (none: the baseline); status, time, test, output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools" / "mutation"), str(ROOT / "src")])
+    with tempfile.TemporaryDirectory(prefix="pgw-lua-") as tmp:
+        if mutant is not None:
+            path = Path(tmp) / "mutant.json"
+            path.write_text(json.dumps({"constant": mutant.constant, "text": mutant.text}))
+            env["PGW_LUA_MUTANT"] = str(path)
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-rf",
+            "--no-header",
+            "-p",
+            "lua_plugin",
+            "--hypothesis-seed=0",
+            *TESTS,
+        ]
+        started = time.monotonic()
+        try:
+            done = subprocess.run(  # noqa: S603 - our own interpreter and arguments
+                command,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=MUTANT_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - started, "", ""
+    seconds = time.monotonic() - started
+    failed = next(
+        (
+            line[len("FAILED ") :].split(" - ")[0]
+            for line in done.stdout.splitlines()
+            if line.startswith("FAILED ")
+        ),
+        "",
+    )
+    if done.returncode == 0:
+        return "survived", seconds, "", done.stdout
+    if done.returncode == 1:
+        return "killed", seconds, failed, done.stdout
+    return "error", seconds, failed, done.stdout + done.stderr
+
+
+def main() -> int:
+    """Generate the mutants, check the baseline passes, run them all, write the results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument("ids", nargs="*", help="run only these mutant ids")
+    args = parser.parse_args()
+    mutants = all_mutants()
+    if args.list:
+        for m in mutants:
+            print(f"{m.id}\t{m.description}")
+        print(f"{len(mutants)} mutants", file=sys.stderr)
+        return 0
+    if args.ids:
+        mutants = [m for m in mutants if m.id in set(args.ids)]
+
+    started = time.monotonic()
+    status, seconds, _, output = _run(None)
+    if status != "survived":
+        print(output)
+        print(f"lua.py: the unmutated scripts fail the tests ({status}); nothing to measure")
+        return 1
+    print(f"baseline passes in {seconds:.1f} s; {len(mutants)} Lua mutants on {WORKERS} workers")
+
+    results: list[Result] = []
+
+    def one(m: Mutant) -> Result:
+        status, seconds, test, output = _run(m)
+        if status == "error":
+            print(output[-3000:])
+        print(f"{status:8} {seconds:6.1f} s  {m.id}", flush=True)
+        return Result(m.id, m.constant, m.operator, m.line, m.description, status, seconds, test)
+
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        results = list(pool.map(one, mutants))
+    elapsed = time.monotonic() - started
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(
+        json.dumps({"seconds": elapsed, "results": [asdict(r) for r in results]}, indent=1)
+    )
+    counts = {s: sum(r.status == s for r in results) for s in ("killed", "survived", "timeout")}
+    print(f"Lua: {len(results)} mutants, {counts} in {elapsed / 60:.1f} min -> {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

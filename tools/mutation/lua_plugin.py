@@ -1,0 +1,38 @@
+"""A pytest plugin for ``tools/mutation/lua.py``: runs the suite with one Lua script mutated.
+
+The mutant comes in a JSON file named by ``PGW_LUA_MUTANT`` (``{"constant":
+..., "text": ...}``) and replaces that constant of
+``polygateway.backends.redis.scripts`` in memory before any backend is built
+(``RedisBackend`` reads the constants when it registers its scripts); the file
+on disk is never touched. Hypothesis runs without its example database, so a
+failure found under one mutant is not replayed under the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from polygateway.backends.redis import scripts
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Swap in the mutated script and turn off hypothesis's example database."""
+    del config
+    # tests/conftest.py has registered the suite's profile by now (initial conftests load first).
+    settings.register_profile(
+        "lua-mutation", parent=settings.get_profile("polygateway"), database=None
+    )
+    settings.load_profile("lua-mutation")
+    path = os.environ.get("PGW_LUA_MUTANT")
+    if not path:
+        return
+    mutant = json.loads(Path(path).read_text(encoding="utf-8"))
+    constant = mutant["constant"]
+    if constant not in scripts.__all__:
+        raise pytest.UsageError(f"no script constant {constant!r}")
+    setattr(scripts, constant, mutant["text"])

@@ -1,0 +1,241 @@
+"""Write research-wiki/MUTATION.md from one ``make mutation`` run (the last step of the target).
+
+Reads what the two runners left in ``mutants/``: mutmut's per-file results
+(``*.py.meta``, one exit code per mutant) and ``lua-results.json`` from
+``tools/mutation/lua.py``; and ``tools/mutation/equivalent.toml``, the
+reviewed reasons why a surviving mutant cannot be told apart from the
+original. A survivor without a reason there counts against the score: the
+page lists it as unexplained, and the fix is a test that kills it.
+
+Runs in the mutation venv (mutmut pinned in pyproject's ``mutation`` extra),
+from the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from collections import Counter, defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+from mutmut.stats import status_by_exit_code
+
+ROOT = Path(__file__).resolve().parents[2]
+MUTANTS = ROOT / "mutants"
+PAGE = ROOT / "research-wiki" / "MUTATION.md"
+EQUIVALENT = ROOT / "tools" / "mutation" / "equivalent.toml"
+TARGET = 0.95
+
+KILLED = {"killed", "timeout"}
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(  # noqa: S603 - fixed git arguments
+        ["git", *args],  # noqa: S607 - git from PATH, as the Makefile uses it
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def _module_of(mutant: str) -> str:
+    """``polygateway.governance.aimd.x_on_success__mutmut_3`` -> ``governance/aimd.py``."""
+    module = mutant.split(".x", 1)[0] if ".x" in mutant else mutant.rsplit(".", 1)[0]
+    return module.removeprefix("polygateway.").replace(".", "/") + ".py"
+
+
+def _changed_lines(mutant: str) -> str:
+    """The mutant's diff reduced to its removed and added lines, for one table cell."""
+    diff = get_diff_for_mutant(mutant).splitlines()[2:]
+    minus = [line[1:].strip() for line in diff if line.startswith("-")]
+    plus = [line[1:].strip() for line in diff if line.startswith("+")]
+    return f"`{' / '.join(minus)}` -> `{' / '.join(plus) or '(removed)'}`"
+
+
+def _python_results() -> dict[str, str]:
+    """Every Python mutant's status, by mutmut's name for it."""
+    statuses: dict[str, str] = {}
+    for meta in sorted((MUTANTS / "src").rglob("*.py.meta")):
+        data = json.loads(meta.read_text(encoding="utf-8"))
+        for name, code in data["exit_code_by_key"].items():
+            statuses[name] = status_by_exit_code[code]
+    return statuses
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _score(killed: int, total: int, equivalent: int) -> str:
+    relevant = total - equivalent
+    return f"{100.0 * killed / relevant:.1f}%" if relevant else "-"
+
+
+def main() -> int:
+    """Build the page; exit 1 when a part of the run is missing."""
+    reasons: dict[str, Any] = tomllib.loads(EQUIVALENT.read_text(encoding="utf-8"))
+    py_reasons: dict[str, str] = reasons.get("python", {})
+    lua_reasons: dict[str, str] = reasons.get("lua", {})
+    statuses = _python_results()
+    lua_path = MUTANTS / "lua-results.json"
+    if not statuses or not lua_path.exists():
+        print("report.py: run `make mutation` first (mutants/ holds no complete run)")
+        return 1
+    lua = json.loads(lua_path.read_text(encoding="utf-8"))
+    py_seconds = int((MUTANTS / "python-seconds.txt").read_text().strip())
+    lua_seconds = int(lua["seconds"])
+
+    by_module: dict[str, Counter[str]] = defaultdict(Counter)
+    survivors: list[tuple[str, str, str]] = []
+    for name, status in sorted(statuses.items()):
+        module = _module_of(name)
+        counts = by_module[module]
+        counts["total"] += 1
+        if status in KILLED:
+            counts[status] += 1
+            continue
+        if status == "survived" and name in py_reasons:
+            counts["equivalent"] += 1
+        else:
+            counts["not killed"] += 1
+        survivors.append((name, status, py_reasons.get(name, "")))
+
+    lua_counts: dict[str, Counter[str]] = defaultdict(Counter)
+    lua_survivors: list[dict[str, Any]] = []
+    for r in lua["results"]:
+        counts = lua_counts[r["constant"]]
+        counts["total"] += 1
+        if r["status"] in KILLED:
+            counts[r["status"]] += 1
+            continue
+        if r["status"] == "survived" and r["id"] in lua_reasons:
+            counts["equivalent"] += 1
+        else:
+            counts["not killed"] += 1
+        lua_survivors.append(r)
+
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    lines = [
+        "# Mutation testing",
+        "",
+        "How well the tests guard the governance core: every small change to the policy",
+        "code (a flipped comparison, a constant off by one, a dropped call) should make a",
+        "test fail. A mutant no test notices is either *equivalent* (it cannot change any",
+        "behaviour: the reason is given below) or a hole in the suite, closed by a test.",
+        "Target: at least 95% of the non-equivalent mutants killed, in every part;",
+        "for the Lua scripts, every mutant of a comparison, a constant or a key.",
+        "",
+        "- Command: `make mutation` (from a clean checkout: `git clone` then `make mutation`).",
+        f"- Run: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit `{commit}`"
+        + (" (working tree modified)" if dirty else " (clean checkout)")
+        + ", on a 2-core machine.",
+        f"- Time: Python {py_seconds / 60:.1f} min, Lua {lua_seconds / 60:.1f} min, "
+        f"total {(py_seconds + lua_seconds) / 60:.1f} min (budget: 60).",
+        "- Python: mutmut 3.8.1 (`[tool.mutmut]` in pyproject.toml) mutates",
+        "  `src/polygateway/governance/`, `middleware/`, `backends/memory.py` and",
+        "  `backends/waiting.py`; each mutant runs the tests that reach the mutated",
+        "  function, out of `tests/unit` and the memory half of",
+        "  `tests/integration/test_backend_contract.py` (no network), each test bounded",
+        "  at 10 s. *Timed out* counts as killed (the mutant hangs a test).",
+        "- Lua: `tools/mutation/lua.py` mutates the scripts of",
+        "  `src/polygateway/backends/redis/scripts.py` one change at a time, in memory,",
+        "  and runs the Redis half of the contract suite, the differential test and the",
+        "  server-clock and key-expiry tests of the Redis backend on a real Redis.",
+        "- Equivalent mutants: `tools/mutation/equivalent.toml`, one reviewed reason each.",
+        "",
+        "## Python: per module",
+        "",
+        "| module | mutants | killed | timed out | equivalent | not killed | score |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    total: Counter[str] = Counter()
+    for module in sorted(by_module):
+        c = by_module[module]
+        total.update(c)
+        lines.append(
+            f"| `{module}` | {c['total']} | {c['killed']} | {c['timeout']} | "
+            f"{c['equivalent']} | {c['not killed']} | "
+            f"{_score(c['killed'] + c['timeout'], c['total'], c['equivalent'])} |"
+        )
+    lines.append(
+        f"| **all** | {total['total']} | {total['killed']} | {total['timeout']} | "
+        f"{total['equivalent']} | {total['not killed']} | "
+        f"**{_score(total['killed'] + total['timeout'], total['total'], total['equivalent'])}** |"
+    )
+    lines += [
+        "",
+        "## Lua: per script",
+        "",
+        "| script | mutants | killed | timed out | equivalent | not killed | score |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lua_total: Counter[str] = Counter()
+    for constant in sorted(lua_counts):
+        c = lua_counts[constant]
+        lua_total.update(c)
+        lines.append(
+            f"| `{constant}` | {c['total']} | {c['killed']} | {c['timeout']} | "
+            f"{c['equivalent']} | {c['not killed']} | "
+            f"{_score(c['killed'] + c['timeout'], c['total'], c['equivalent'])} |"
+        )
+    lua_killed = lua_total["killed"] + lua_total["timeout"]
+    lines.append(
+        f"| **all** | {lua_total['total']} | {lua_total['killed']} | {lua_total['timeout']} | "
+        f"{lua_total['equivalent']} | {lua_total['not killed']} | "
+        f"**{_score(lua_killed, lua_total['total'], lua_total['equivalent'])}** |"
+    )
+    operators = Counter(r["operator"] for r in lua["results"])
+    lines += [
+        "",
+        "Lua mutants by operator: "
+        + ", ".join(f"{op} {n}" for op, n in sorted(operators.items()))
+        + ".",
+        "",
+        "## Python survivors",
+        "",
+        "Each mutant that no test killed, with the change it makes and why it is",
+        "equivalent (or *not explained*: a hole to close).",
+        "",
+        "| mutant | change | why it survives |",
+        "|---|---|---|",
+    ]
+    for name, status, reason in survivors:
+        why = reason or f"**not explained** ({status})"
+        short = name.removeprefix("polygateway.")
+        lines.append(f"| `{short}` | {_cell(_changed_lines(name))} | {_cell(why)} |")
+    lines += [
+        "",
+        "## Lua survivors",
+        "",
+        "| mutant | change | why it survives |",
+        "|---|---|---|",
+    ]
+    for r in lua_survivors:
+        why = lua_reasons.get(r["id"], "") or f"**not explained** ({r['status']})"
+        lines.append(f"| `{r['id']}` | {_cell(r['description'])} | {_cell(why)} |")
+    lines.append("")
+    PAGE.write_text("\n".join(lines), encoding="utf-8")
+
+    stale = sorted(set(py_reasons) - {n for n, _, _ in survivors})
+    stale += sorted(set(lua_reasons) - {r["id"] for r in lua_survivors})
+    for name in stale:
+        print(f"report.py: equivalent.toml names {name}, which did not survive: drop it")
+    py_relevant = total["total"] - total["equivalent"]
+    py_score = (total["killed"] + total["timeout"]) / py_relevant if py_relevant else 1.0
+    print(
+        f"Python {py_score:.1%} of {py_relevant} non-equivalent mutants killed; "
+        f"Lua {lua_total['not killed']} not killed; page: {PAGE.relative_to(ROOT)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
