@@ -386,6 +386,30 @@ async def test_mixed_scope_sends_each_call_only_to_sources_that_can_take_it() ->
     ]
 
 
+async def test_a_call_on_a_subset_of_sources_still_reaches_the_emitter() -> None:
+    """A PDF in a mixed scope runs on MonkeyOCR alone, and its attempt is still emitted."""
+    settings = make_settings(vision(priority=0), monkey(priority=1))
+    clock = FakeClock()
+    recorder = Recorder()
+    transport = HttpxTransport(
+        settings.scope(SCOPE).sources,
+        max_connections=4,
+        mock_transport=httpx.MockTransport(Upstream()),
+    )
+    async with OcrClient(
+        settings,
+        SCOPE,
+        backend=MemoryBackend(now=clock),
+        transport=transport,
+        now=clock,
+        sleep=clock.sleep,
+        rng=random.Random(3),
+        emitter=recorder,
+    ) as ocr:
+        await ocr.recognize_text(PDF)
+    assert [(r.source, r.outcome) for r in recorder.records] == [("monkey", "success")]
+
+
 # --- Uploads refused before any request ---------------------------------------------------
 
 
