@@ -6,6 +6,7 @@ exit code, stdout and stderr.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from cli_run import Ran, RunCli, assert_one_line_error, cli_command, cli_env
 
+from polygateway.cli import build_parser
 from polygateway.cli.samples import tiny_png
 
 BAD_PORT = """
@@ -340,3 +342,55 @@ def test_an_empty_key_variable_is_reported_as_empty(tmp_path: Path, run_cli: Run
     assert (
         "'OPENAI_API_KEY' (api_key_env of source 'a') is set but empty in the environment" in line
     )
+
+
+# --- help and --debug ---------------------------------------------------------------------
+
+
+def test_every_command_and_option_has_a_help_line() -> None:
+    """Each sub-command has a help line and a description; each option a help text."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(choice.help for choice in commands._choices_actions)
+    for name, command in commands.choices.items():
+        if name != "simulate":  # its help is the simulator's own parser
+            assert command.description, name
+        undocumented = [a.dest for a in command._actions if not a.help]
+        assert undocumented == [], name
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("chat", "Send one chat completion through a scope"),
+        ("embed", "Embed texts through a scope"),
+        ("ocr", "Recognise the text of a PNG, JPEG or PDF file"),
+    ],
+)
+def test_call_commands_describe_themselves(run_cli: RunCli, command: str, says: str) -> None:
+    """``chat|embed|ocr --help``: exit 0, the description, the global options explained."""
+    ran = run_cli(command, "--help")
+    assert (ran.code, ran.stderr) == (0, "")
+    text = " ".join(ran.stdout.split())
+    assert says in text
+    assert "--json print exactly one JSON document on stdout" in text
+    assert "--debug show tracebacks and the library's debug log" in text
+    if command == "chat":
+        assert "--max-tokens N most tokens the answer may have (default 256)" in text
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_turns_on_the_librarys_debug_log(
+    tmp_path: Path, run_cli: RunCli, simulator: str, where: str
+) -> None:
+    """``--debug``, before or after the command, logs each attempt on stderr; stdout: the answer."""
+    (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=simulator))
+    args = ("--debug", "chat", "hi") if where == "before" else ("chat", "hi", "--debug")
+    ran = run_cli(*args)
+    assert ran.code == 0, ran.stderr
+    assert "DEBUG:polygateway.attempts:attempt scope=chat source=a n=1 outcome=success" in (
+        ran.stderr
+    )
+    assert "DEBUG" not in ran.stdout
+    quiet = run_cli("chat", "hi")
+    assert "DEBUG" not in quiet.output

@@ -185,25 +185,51 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=_lazy("status"))
 
     chat = sub.add_parser(
-        "chat", parents=[common, config, as_json], help="one chat completion through a scope"
+        "chat",
+        parents=[common, config, as_json],
+        help="one chat completion through a scope",
+        description="Send one chat completion through a scope of the settings file, governed "
+        "like any call (source choice, permits, rate limits, retries on another source), and "
+        "print the answer on stdout; the serving source, attempts and tokens go to stderr. "
+        "Exit 1 when the gateway cannot serve it (the error names the reason).",
     )
     chat.add_argument("prompt", nargs="*", help="the user message (default: read stdin)")
     chat.add_argument("--scope", default="chat", help="scope to use (default chat)")
-    chat.add_argument("--system", default=None, help="a system message")
-    chat.add_argument("--max-tokens", type=positive_int, default=256, metavar="N")
+    chat.add_argument("--system", default=None, help="a system message sent before the prompt")
+    chat.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="most tokens the answer may have (default 256)",
+    )
     chat.add_argument("--stream", action="store_true", help="stream the answer as it comes")
     chat.set_defaults(handler=_lazy("run_chat"))
 
     embed = sub.add_parser(
-        "embed", parents=[common, config, as_json], help="embed texts through a scope"
+        "embed",
+        parents=[common, config, as_json],
+        help="embed texts through a scope",
+        description="Embed texts through a scope of the settings file: split into batches "
+        "(max_batch_size, max_batch_tokens), each governed like any call, the vectors "
+        "reassembled in input order. Prints a table of the vectors' first values, or every "
+        "vector with --json. Exit 1 when a batch cannot be served.",
     )
     embed.add_argument("texts", nargs="*", help="texts (default: one per line of --file or stdin)")
-    embed.add_argument("--file", default=None, help="read texts from FILE, one per line")
+    embed.add_argument(
+        "--file", default=None, metavar="FILE", help="read texts from FILE, one per line"
+    )
     embed.add_argument("--scope", default="embed", help="scope to use (default embed)")
     embed.set_defaults(handler=_lazy("run_embed"))
 
     ocr = sub.add_parser(
-        "ocr", parents=[common, config, as_json], help="OCR an image or PDF through a scope"
+        "ocr",
+        parents=[common, config, as_json],
+        help="OCR an image or PDF through a scope",
+        description="Recognise the text of a PNG, JPEG or PDF file through a scope of the "
+        "settings file (MonkeyOCR or a vision model), or with --layout parse its layout into "
+        "blocks and markdown (MonkeyOCR). Prints the text on stdout. Exit 1 when the gateway "
+        "cannot serve it.",
     )
     ocr.add_argument("file", help="a PNG, JPEG or PDF file")
     ocr.add_argument("--scope", default="ocr", help="scope to use (default ocr)")

@@ -26,7 +26,7 @@ from polygateway.config import GatewaySettings
 from polygateway.errors import ConfigError
 
 if TYPE_CHECKING:
-    from polygateway.middleware.lifecycle import GovernedClient
+    from polygateway.middleware.lifecycle import ClientParts, GovernedClient
 
 __all__ = [
     "MEMORY_STATUS_NOTE",
@@ -206,6 +206,15 @@ def _spinner(text: str, enabled: bool) -> Iterator[None]:
         yield
 
 
+def _parts(args: argparse.Namespace) -> ClientParts:
+    """The client's parts: under ``--debug``, every attempt logged (``polygateway.attempts``)."""
+    if not args.debug:
+        return {}
+    from polygateway.middleware.telemetry import LoggingEmitter
+
+    return {"emitter": LoggingEmitter()}
+
+
 @asynccontextmanager
 async def _closing_backend(client: GovernedClient) -> AsyncIterator[None]:
     """Close the shared backend after the client: a CLI run owns it (Redis: its pool)."""
@@ -251,7 +260,7 @@ async def _chat(
 ) -> int:
     from polygateway.chat import ChatClient
 
-    client = ChatClient.from_settings(settings, scope=args.scope)
+    client = ChatClient.from_settings(settings, scope=args.scope, **_parts(args))
     async with _closing_backend(client):
         if args.stream:
             pieces: list[str] = []
@@ -304,7 +313,7 @@ def run_embed(args: argparse.Namespace) -> int:
 async def _embed(settings: GatewaySettings, args: argparse.Namespace, texts: list[str]) -> int:
     from polygateway.embedding import EmbeddingClient
 
-    client = EmbeddingClient.from_settings(settings, scope=args.scope)
+    client = EmbeddingClient.from_settings(settings, scope=args.scope, **_parts(args))
     async with _closing_backend(client):
         with _spinner(f"embedding {len(texts)} texts via scope {client.scope}", not args.json):
             e = await client.embed(texts)
@@ -346,7 +355,7 @@ def run_ocr(args: argparse.Namespace) -> int:
 async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes) -> int:
     from polygateway.ocr import OcrClient
 
-    client = OcrClient.from_settings(settings, scope=args.scope)
+    client = OcrClient.from_settings(settings, scope=args.scope, **_parts(args))
     spinning = _spinner(f"OCR of {args.file} via scope {client.scope}", not args.json)
     async with _closing_backend(client):
         if args.layout:
