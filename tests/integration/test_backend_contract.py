@@ -886,3 +886,38 @@ async def test_random_walk_keeps_permits_consistent(backend_env: BackendEnv) -> 
         suppress_health_check=[HealthCheck.too_slow],
     )
     await asyncio.to_thread(run_state_machine_as_test, machine, settings=walk_settings)
+
+
+# --- sweeps larger than one chunk --------------------------------------------------------------
+
+# The Redis scripts drop expired leases 1000 at a time (Lua's unpack has a stack limit);
+# one more than that puts a lease in a second chunk, where an off-by-one would miss it.
+_MANY = 1001
+
+
+async def _expired_crowd(env: BackendEnv, name: str) -> list[Lease]:
+    """``_MANY`` leases of one source, each expiring a little after the one before, all expired."""
+    crowd = SourceSpec(name=name, max_concurrency=_MANY)
+    leases = []
+    for _ in range(_MANY):
+        leases.append(await _grant(env, crowd, ttl=5.0))
+        env.clock.advance(0.001)
+    env.clock.advance(10.0)
+    return leases
+
+
+async def test_an_acquire_drops_more_than_a_chunk_of_expired_leases(
+    backend_env: BackendEnv,
+) -> None:
+    """After 1001 leases expired, none still counts against a limit of one permit."""
+    await _expired_crowd(backend_env, "crowd")
+    assert (await _acquire(backend_env, SourceSpec(name="crowd", max_concurrency=1))).lease
+
+
+@pytest.mark.parametrize("index", [999, 1000])
+async def test_a_renewal_drops_more_than_a_chunk_of_expired_leases(
+    backend_env: BackendEnv, index: int
+) -> None:
+    """Any of 1001 expired leases, renewed first, is dead: the sweep reached every chunk."""
+    leases = await _expired_crowd(backend_env, "crowd")
+    assert await backend_env.backend.renew(leases[index]) is False
