@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common, config, as_json],
         help="validate a settings file and show its scopes and sources, secrets masked",
         description="Validate a settings file (TOML, then POLYGATEWAY_* env and .env) and show "
-        "the gateway knobs, scopes and sources with every secret masked. Exits 2 with the "
+        "every effective value, one block per source, with where it came from (the file, an "
+        "environment variable, .env, or the default) and every secret masked. Exits 2 with the "
         "ConfigError message when anything is wrong, an extra the settings need (redis, "
         "aiohttp) included.",
     )

@@ -22,7 +22,9 @@ from polygateway.backends.base import Backend, ScopeSnapshot
 from polygateway.backends.factory import shared_backend
 from polygateway.cli import render
 from polygateway.cli.render import CliError
+from polygateway.cli.settings_report import origins_json, report_lines, setting_rows
 from polygateway.config import GatewaySettings
+from polygateway.config.loading import file_layer, read_toml
 from polygateway.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -98,16 +100,17 @@ def check_config(args: argparse.Namespace) -> int:
     summary = render.settings_summary(settings)
     n_sources = sum(len(scope["sources"]) for scope in summary["scopes"].values())
     verdict = f"ok: {args.config} is valid ({len(summary['scopes'])} scopes, {n_sources} sources)"
+    shown = str(args.config)
+    env_file = None if args.no_env_file else args.env_file
+    rows = setting_rows(settings, file_layer(read_toml(Path(shown), shown), shown), shown, env_file)
     if args.json:
-        render.dump_json({"ok": True, "path": str(args.config), **summary})
+        render.dump_json({"ok": True, "path": shown, **summary, "origins": origins_json(rows)})
         return 0
-    out = render.output()
-    out.print(render.gateway_rows(summary))
-    for name, shown in summary["scopes"].items():
-        out.print(render.sources_table(name, shown))
+    for line in report_lines(rows):
+        print(line)
     if not summary["scopes"]:
-        out.print("no scopes configured")
-    out.print(verdict)
+        print("no scopes configured")
+    print(verdict)
     return 0
 
 

@@ -36,7 +36,6 @@ __all__ = [
     "fmt_age",
     "fmt_num",
     "fmt_seconds",
-    "gateway_rows",
     "has_rich",
     "jsonable",
     "make_table",
@@ -46,7 +45,6 @@ __all__ = [
     "scope_status_table",
     "settings_summary",
     "snapshot_json",
-    "sources_table",
     "text_table",
 ]
 
@@ -291,57 +289,6 @@ def settings_summary(settings: GatewaySettings) -> dict[str, Any]:
             "sources": sources,
         }
     return {"gateway": gateway, "scopes": scopes}
-
-
-def gateway_rows(summary: Mapping[str, Any]) -> Table | PlainTable:
-    """The ``[gateway]`` keys as a two-column table."""
-    table = text_table("gateway", ("key", "value"), right_from=2)
-    for key, value in summary["gateway"].items():
-        table.add_row(key, str(value))
-    return table
-
-
-def sources_table(scope: str, shown: Mapping[str, Any]) -> Table | PlainTable:
-    """One scope's sources, as check-config shows them."""
-    exempt = "429 not charged" if shown["exempt_429"] else "429 charged"
-    table = text_table(
-        f"scope {scope} (kind {shown['kind']}, {exempt})",
-        (
-            "source",
-            "protocol",
-            "base_url",
-            "model",
-            "api key",
-            "conc",
-            "rpm",
-            "tpm",
-            "timeout",
-            "ttft",
-            "prio",
-            "weight",
-        ),
-        right_from=5,
-    )
-    for source in shown["sources"]:
-        if source["api_key_env"]:
-            key = f"${source['api_key_env']} ({'set' if source['api_key_set'] else 'not set'})"
-        else:
-            key = "set in code" if source["api_key_set"] else "none"
-        table.add_row(
-            source["name"],
-            source["protocol"],
-            source["base_url"],
-            source["model"] or "-",
-            key,
-            str(source["max_concurrency"]),
-            fmt_num(source["rpm"]),
-            fmt_num(source["tpm"]),
-            fmt_num(source["timeout_s"]),
-            fmt_num(source["ttft_timeout_s"]),
-            str(source["priority"]),
-            fmt_num(source["weight"]),
-        )
-    return table
 
 
 # -- backend state -----------------------------------------------------------------------
