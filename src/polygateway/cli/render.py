@@ -48,7 +48,7 @@ __all__ = [
     "text_table",
 ]
 
-RICH_MISSING = "tables need rich: pip install 'polygateway[cli]' (or pass --json)"
+RICH_MISSING = "this display needs rich: pip install 'polygateway[cli]' (or pass --json)"
 
 
 class CliError(Exception):
