@@ -131,6 +131,7 @@ def test_json_is_global_before_or_after_the_command(
     "args",
     [
         ("chat", "hi"),
+        ("chat", "--stream", "hi"),
         ("embed", "alpha", "beta"),
         ("ocr", "page.png"),
         ("ocr", "--layout", "page.png"),
