@@ -450,3 +450,18 @@ def test_check_config_shows_every_value_and_its_origin_in_80_columns(
     assert doc["origins"]["gateway"]["stall_window_s"] == "env POLYGATEWAY_STALL_WINDOW_S"
     assert doc["origins"]["gateway"]["max_attempts"] == "polygateway.toml"
     assert doc["origins"]["scopes"]["chat"]["sources"]["backup"]["rpm"] == "default"
+
+
+def test_a_key_with_a_curly_quote_is_a_settings_error_not_a_crash(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """A key holding U+2019: exit 2 naming the variable, no UnicodeEncodeError, no value."""
+    body = SIMULATED.format(url=NOBODY).replace(
+        'model = "sim"\n', 'model = "sim"\napi_key_env = "OPENAI_API_KEY"\n'
+    )
+    (tmp_path / "polygateway.toml").write_text(body)
+    ran = run_cli("chat", "hi", env={"OPENAI_API_KEY": "sk-abc\u2019def-SECRET"})
+    line = assert_one_line_error(ran, 2)
+    assert "'OPENAI_API_KEY' (api_key_env of source 'a') holds characters" in line
+    assert "UnicodeEncodeError" not in ran.output
+    assert "SECRET" not in ran.output

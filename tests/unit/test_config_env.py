@@ -146,3 +146,26 @@ def test_a_missing_key_variable_is_still_not_set(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         GatewaySettings.load(base_toml(tmp_path, 'api_key_env = "OPENAI_API_KEY"\n'))
     assert "is not set in the environment nor in .env" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["sk-abc\u2019def-SECRET", "sk-abc\x07def-SECRET", "sk-é-SECRET"])
+def test_a_key_no_header_can_carry_is_refused_at_load_without_its_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """A pasted curly quote or control character: ConfigError naming the variable, not the value."""
+    monkeypatch.setenv("OPENAI_API_KEY", value)
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings.load(base_toml(tmp_path, 'api_key_env = "OPENAI_API_KEY"\n'))
+    assert "'OPENAI_API_KEY'" in str(info.value)
+    assert "cannot carry" in str(info.value)
+    assert "SECRET" not in str(info.value)
+    assert info.value.field == "scopes.chat.sources[0].api_key_env"
+
+
+def test_a_key_with_surrounding_whitespace_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trailing newline (``$(cat key.txt)``) is sendable: the HTTP client trims it."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test\n")
+    settings = GatewaySettings.load(base_toml(tmp_path, 'api_key_env = "OPENAI_API_KEY"\n'))
+    assert settings.scope("chat").sources[0].api_key is not None

@@ -1,10 +1,11 @@
-"""Source URLs are checked at load: scheme, host, port range, no whitespace, no endpoint path."""
+"""What every call sends is checked at load: the URL, the headers and the key."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from polygateway.config import GatewaySettings
 from polygateway.errors import ConfigError
@@ -95,3 +96,34 @@ def test_a_file_with_a_bad_port_names_the_field_and_the_file(tmp_path: Path) -> 
     assert info.value.field == FIELD
     assert info.value.path == str(path)
     assert "port outside 1-65535" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("headers", "says"),
+    [
+        ({"X-Org": "acme\u2019s"}, "cannot carry"),
+        ({"X-Org": "a\nb"}, "cannot carry"),
+        ({"X Org": "acme"}, "not an HTTP header name"),
+    ],
+)
+def test_a_header_no_request_can_carry_is_refused(headers: dict[str, str], says: str) -> None:
+    """Headers are checked at load, naming the header, instead of failing on every call."""
+    source = {"name": "a", "protocol": "openai", "base_url": "http://h/v1", "headers": headers}
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings(scopes={"chat": {"kind": "chat", "sources": [source]}})
+    assert info.value.field == f"scopes.chat.sources[0].headers.{next(iter(headers))}"
+    assert says in str(info.value)
+
+
+def test_a_key_given_in_code_must_be_sendable_too() -> None:
+    """``api_key=SecretStr(...)`` in code gets the same check, its value never shown."""
+    source = {
+        "name": "a",
+        "protocol": "openai",
+        "base_url": "http://h/v1",
+        "api_key": SecretStr("sk-\u2019-SECRET"),
+    }
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings(scopes={"chat": {"kind": "chat", "sources": [source]}})
+    assert info.value.field == "scopes.chat.sources[0].api_key"
+    assert "SECRET" not in str(info.value)

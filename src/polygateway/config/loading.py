@@ -24,7 +24,12 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, DotEnvSettingsSource
 
 from polygateway.config.masking import SECRET_HEADER_PARTS, looks_secret
-from polygateway.config.models import ScopeConfig, SourceConfig
+from polygateway.config.models import (
+    UNSENDABLE_KEY,
+    ScopeConfig,
+    SourceConfig,
+    key_is_sendable,
+)
 from polygateway.errors import ConfigError
 
 __all__ = [
@@ -271,6 +276,15 @@ def resolve_api_keys(
                 raise ConfigError(
                     f"environment variable {name!r} (api_key_env of source {source.name!r}) "
                     f"{problem}",
+                    field=f"scopes.{scope_name}.sources[{index}].api_key_env",
+                    path=path,
+                    scope=scope_name,
+                    sources=(source.name,),
+                )
+            if not key_is_sendable(value):
+                raise ConfigError(
+                    f"environment variable {name!r} (api_key_env of source {source.name!r}) "
+                    f"{UNSENDABLE_KEY}",
                     field=f"scopes.{scope_name}.sources[{index}].api_key_env",
                     path=path,
                     scope=scope_name,

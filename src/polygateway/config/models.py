@@ -29,11 +29,13 @@ from polygateway.config.masking import mask_headers, mask_url
 
 __all__ = [
     "NAME_RE",
+    "UNSENDABLE_KEY",
     "ScopeConfig",
     "ScopeKind",
     "SourceConfig",
     "SourceProtocol",
     "config_problem",
+    "key_is_sendable",
 ]
 
 SourceProtocol = Literal["openai", "anthropic", "monkey_ocr", "vision_ocr"]
@@ -90,6 +92,22 @@ def check_base_url(value: str) -> str:
                 f"write {mask_url(fixed)!r}"
             )
     return value
+
+
+UNSENDABLE_KEY = (
+    "holds characters an HTTP header cannot carry (non-ASCII, such as a typographic quote, "
+    "or control characters); the value is not shown"
+)
+
+
+def key_is_sendable(value: str) -> bool:
+    """Whether an API key can travel in a header: printable ASCII, surrounding spaces aside.
+
+    Anything else fails inside the HTTP client on every call (``UnicodeEncodeError``
+    for a pasted curly quote), so it is refused once, at load.
+    """
+    inner = value.strip()
+    return inner.isascii() and all(0x20 <= ord(char) < 0x7F for char in inner)
 
 
 class SourceConfig(BaseModel):
@@ -151,6 +169,14 @@ class SourceConfig(BaseModel):
             )
         return value
 
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        """A key given in code must be sendable too (see ``key_is_sendable``)."""
+        if value is not None and not key_is_sendable(value.get_secret_value()):
+            raise config_problem(f"api_key {UNSENDABLE_KEY}")
+        return value
+
     @field_validator("api_key_header")
     @classmethod
     def _check_api_key_header(cls, value: str | None) -> str | None:
@@ -175,12 +201,24 @@ class SourceConfig(BaseModel):
     @field_validator("headers")
     @classmethod
     def _check_headers(cls, value: dict[str, str]) -> dict[str, str]:
-        """The transport sends ``Authorization`` from ``api_key``; a second one would clash."""
-        for header in value:
+        """Headers every call can send; ``Authorization`` comes from ``api_key`` alone.
+
+        A name or value an HTTP header cannot carry would fail inside the HTTP
+        client on every call, as an untyped error: refused here, once.
+        """
+        for header, text in value.items():
             if header.strip().lower() in ("authorization", "proxy-authorization"):
                 raise config_problem(
                     "an Authorization header is not accepted: name the variable holding the key "
                     "with api_key_env",
+                    at=f".{header}",
+                )
+            if not _HEADER_NAME_RE.match(header):
+                raise config_problem("not an HTTP header name", at=f".{header}")
+            if not key_is_sendable(text):
+                raise config_problem(
+                    "the value holds characters an HTTP header cannot carry (non-ASCII or "
+                    "control characters)",
                     at=f".{header}",
                 )
         return value
