@@ -6,6 +6,7 @@ from polygateway import (
     AllSourcesExhausted,
     ChatClient,
     ChatResponse,
+    ConfigError,
     EmbeddingClient,
     EmbeddingProgress,
     EmbeddingResponse,
@@ -74,3 +75,15 @@ async def resumable_job(emb: EmbeddingClient, texts: list[str]) -> list[list[flo
 
     await emb.embed(texts, on_progress=async_show)  # type: ignore[arg-type]
     return merged
+
+
+def settings_problem(path: str) -> str | None:
+    """A ConfigError names the field and where the bad value came from: a file or a variable."""
+    try:
+        GatewaySettings.load(path)
+    except ConfigError as exc:
+        field: str | None = exc.field
+        file: str | None = exc.path
+        variable: str | None = exc.env
+        return variable or file or field
+    return None
