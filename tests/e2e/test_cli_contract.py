@@ -204,9 +204,13 @@ def test_status_json_of_a_redis_that_is_down_is_one_json_failure(
 
 
 def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
-    """``check-config | head`` whose reader is gone: exit 141, nothing on stderr."""
+    """``check-config | head`` (and ``simulate``) whose reader is gone: exit 141, no stderr."""
     (tmp_path / "polygateway.toml").write_text(SIMULATED.format(url=NOBODY))
-    for args in (("check-config",), ("check-config", "--json")):
+    for args in (
+        ("check-config",),
+        ("check-config", "--json"),
+        ("--debug", "simulate", "--list-profiles"),
+    ):
         with subprocess.Popen(
             cli_command(*args),
             cwd=tmp_path,
@@ -465,3 +469,10 @@ def test_a_key_with_a_curly_quote_is_a_settings_error_not_a_crash(
     assert "'OPENAI_API_KEY' (api_key_env of source 'a') holds characters" in line
     assert "UnicodeEncodeError" not in ran.output
     assert "SECRET" not in ran.output
+
+
+def test_global_options_before_simulate_reach_the_simulator(run_cli: RunCli) -> None:
+    """``polygateway --debug simulate --list-profiles``: the simulator's own command line."""
+    ran = run_cli("--debug", "simulate", "--list-profiles")
+    assert (ran.code, ran.stderr) == (0, "")
+    assert "healthy:" in ran.stdout

@@ -294,8 +294,15 @@ def _wants_json(argv: Sequence[str]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["simulate"]:
-        return _simulate(args_list[1:])
+    leading = 0
+    while leading < len(args_list) and args_list[leading] in ("--json", "--debug"):
+        leading += 1
+    if args_list[leading : leading + 1] == ["simulate"]:
+        # The simulator has its own options (and no JSON mode): it gets the rest whole.
+        try:
+            return _simulate(args_list[leading + 1 :])
+        except BrokenPipeError:
+            return _stdout_closed()
     as_json = _wants_json(args_list)
     try:
         args = build_parser().parse_args(args_list)
