@@ -476,3 +476,21 @@ def test_global_options_before_simulate_reach_the_simulator(run_cli: RunCli) -> 
     ran = run_cli("--debug", "simulate", "--list-profiles")
     assert (ran.code, ran.stderr) == (0, "")
     assert "healthy:" in ran.stdout
+
+
+def test_status_prints_a_plain_table_without_rich(
+    tmp_path: Path, run_cli: RunCli, redis_url: str, without: Callable[..., dict[str, str]]
+) -> None:
+    """No rich: ``status`` of a live Redis still prints each scope's table, as text."""
+    (tmp_path / "polygateway.toml").write_text(
+        f'[gateway]\nbackend = "redis"\nredis_url = "{redis_url}"\n'
+        + SIMULATED.format(url=NOBODY).removeprefix("\n[gateway]\n")
+    )
+    ran = run_cli("status", "--scope", "chat", env=without("rich"))
+    assert ran.code == 0, ran.stderr
+    assert ran.stderr == ""
+    lines = [line for line in ran.stdout.splitlines() if line]
+    assert lines[0].startswith("backend redis at redis://")
+    assert lines[1] == "scope chat: 0 in flight, never served"
+    assert lines[2].split()[:3] == ["source", "in", "flight"]
+    assert "(no source seen yet)" in lines[4]
