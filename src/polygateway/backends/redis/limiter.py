@@ -78,7 +78,7 @@ from polygateway.backends.base import (
 from polygateway.backends.redis import codec, scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
-from polygateway.backends.redis.wire import Script, Wire, bulk, command, pack
+from polygateway.backends.redis.wire import Arg, Script, Wire, bulk, bulks, command
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.errors import ConfigError, GovernanceBackendError
@@ -135,7 +135,7 @@ _EMPTY = bulk("")
 _AIMD_DECREASE = bulk("1")
 _NO_AIMD_DECREASE = bulk("0")
 _STATE_TTL_ARG = bulk(str(_STATE_TTL_S))
-_RELEASE_TAIL = pack(
+_RELEASE_TAIL = bulks(
     (repr(AIMD_COOLOFF_S), repr(AIMD_FACTOR), str(_PROGRESS_TTL_S), str(_STATE_TTL_S))
 )
 
@@ -183,6 +183,7 @@ class RedisBackend:
         "_max_inflight_ops",
         "_now",
         "_rooms",
+        "_scope_keys",
         "_scripts",
         "_secrets",
         "_serial",
@@ -250,8 +251,9 @@ class RedisBackend:
             scripts=tuple(self._scripts.values()),
         )
         self._rooms: dict[str, WaitingRoom] = {}
-        self._spec_args: dict[SourceSpec, bytes] = {}
-        self._spec_keys: dict[tuple[str, str], bytes] = {}
+        self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
+        self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
+        self._scope_keys: dict[str, tuple[Arg, Arg]] = {}
         self._serial = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -301,16 +303,14 @@ class RedisBackend:
         self,
         operation: Operation,
         scope: str,
-        numkeys: int,
-        count: int,
-        packed: list[bytes],
+        keys: Sequence[Arg],
+        argv: Sequence[Arg],
         parse: Callable[[Any], T],
         late: Late | None = None,
     ) -> Coroutine[Any, Any, T]:
-        """Run one script; ``packed``: ``count`` packed arguments, ``numkeys`` KEYS then ARGV."""
+        """Run one script on ``keys`` and ``argv`` (its header's KEYS and ARGV, in order)."""
         script = self._scripts[operation]
-        data = script.command(numkeys, count, packed)
-        return self._call(operation, scope, data, parse, script, late)
+        return self._call(operation, scope, script.command(keys, argv), parse, script, late)
 
     def _call(
         self,
@@ -360,16 +360,16 @@ class RedisBackend:
                 raise
             raise translated from exc
 
-    def _now_arg(self) -> bytes:
+    def _now_arg(self) -> Arg:
         return _EMPTY if self._now is None else bulk(repr(float(self._now())))
 
-    def _args_of(self, spec: SourceSpec) -> bytes:
+    def _args_of(self, spec: SourceSpec) -> tuple[Arg, ...]:
         """A candidate's ARGV slice (ACQUIRE's contract), packed once per spec."""
         cached = self._spec_args.get(spec)
         if cached is None:
             rpm = spec.rpm is not None
             tpm = spec.tpm is not None
-            cached = pack(
+            cached = bulks(
                 (
                     spec.name,
                     str(int(spec.max_concurrency)),
@@ -387,11 +387,11 @@ class RedisBackend:
             self._spec_args[spec] = cached
         return cached
 
-    def _keys_of(self, scope: str, source: str) -> bytes:
+    def _keys_of(self, scope: str, source: str) -> tuple[Arg, ...]:
         """A source's three keys (state, leases, lease metadata), packed once per scope."""
         cached = self._spec_keys.get((scope, source))
         if cached is None:
-            cached = pack(
+            cached = bulks(
                 (
                     codec.key(scope, "src", source),
                     codec.key(scope, "leases", source),
@@ -401,6 +401,16 @@ class RedisBackend:
             if len(self._spec_keys) >= _MAX_SPEC_CACHE:
                 self._spec_keys.clear()
             self._spec_keys[(scope, source)] = cached
+        return cached
+
+    def _keys_of_scope(self, scope: str) -> tuple[Arg, Arg]:
+        """A scope's own keys (its sources, its progress mark), packed once per scope."""
+        cached = self._scope_keys.get(scope)
+        if cached is None:
+            cached = (bulk(codec.key(scope, "sources")), bulk(codec.key(scope, "progress")))
+            if len(self._scope_keys) >= _MAX_SPEC_CACHE:
+                self._scope_keys.clear()
+            self._scope_keys[scope] = cached
         return cached
 
     # -- the Backend protocol ----------------------------------------------------------
@@ -425,17 +435,17 @@ class RedisBackend:
         # memory backend's ids do: ordering leases by id is then stable from run to run, and
         # a lease zset reads chronologically.
         lease_id = f"{next(self._serial):012x}{os.urandom(16).hex()}"
-        packed = [bulk(codec.key(scope, "sources"))]
-        packed += [self._keys_of(scope, spec.name) for spec in specs]
-        packed += (
+        keys = [self._keys_of_scope(scope)[0]]
+        argv = [
             self._now_arg(),
             bulk(lease_id),
             bulk(codec.num(ttl_s)),
             bulk(str(int(cost_tokens))),
             _STATE_TTL_ARG,
-        )
-        packed += map(self._args_of, specs)
-        numkeys = 1 + 3 * len(specs)
+        ]
+        for spec in specs:
+            keys += self._keys_of(scope, spec.name)
+            argv += self._args_of(spec)
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
@@ -465,8 +475,7 @@ class RedisBackend:
             if lease is not None:
                 self._release(lease, _CANCELLED, waited=False)
 
-        count = numkeys + 5 + 9 * len(specs)
-        return await self._eval("acquire", scope, numkeys, count, packed, parse, give_back)
+        return await self._eval("acquire", scope, keys, argv, parse, give_back)
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit and record the outcome in one RELEASE run, written behind.
@@ -487,17 +496,16 @@ class RedisBackend:
         """
         scope = lease.scope
         pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
-        packed = [
-            self._keys_of(scope, lease.source),
-            bulk(codec.key(scope, "progress")),
+        keys = (*self._keys_of(scope, lease.source), self._keys_of_scope(scope)[1])
+        argv = (
             self._now_arg(),
             bulk(lease.lease_id),
             bulk(outcome.kind),
             _AIMD_DECREASE if outcome.aimd_decrease else _NO_AIMD_DECREASE,
             _EMPTY if pause is None else bulk(repr(pause)),
             _EMPTY if outcome.tokens_used is None else bulk(str(int(outcome.tokens_used))),
-            _RELEASE_TAIL,
-        ]
+            *_RELEASE_TAIL,
+        )
 
         def freed(reply: Any) -> None:
             # Whether or not anyone waits: a permit freed wakes this process's waiting room.
@@ -511,19 +519,21 @@ class RedisBackend:
         waiter = asyncio.get_running_loop().create_future() if queued else None
         reply = Reply(waiter, freed, "release", scope, self._late_failure)
         script = self._scripts["release"]
-        self._wire.send(script.command(4, 14, packed), reply, script)
+        self._wire.send(script.command(keys, argv), reply, script)
         return None if waiter is None else reply
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a live lease by its TTL from now in one RENEW run."""
         scope = lease.scope
-        packed = [self._keys_of(scope, lease.source), self._now_arg(), bulk(lease.lease_id)]
-        return await self._eval("renew", scope, 3, 5, packed, codec.is_one)
+        argv = (self._now_arg(), bulk(lease.lease_id))
+        return await self._eval(
+            "renew", scope, self._keys_of(scope, lease.source), argv, codec.is_one
+        )
 
     async def progress_age_s(self, scope: str) -> float:
         """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
-        packed = [bulk(codec.key(scope, "progress")), self._now_arg()]
-        return await self._eval("progress_age_s", scope, 1, 2, packed, codec.age)
+        keys = (self._keys_of_scope(scope)[1],)
+        return await self._eval("progress_age_s", scope, keys, (self._now_arg(),), codec.age)
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         """Every source seen in the scope, in order of first sight (two round trips)."""
@@ -561,8 +571,7 @@ class RedisBackend:
                 scope=scope, progress_age_s=codec.age(reply[0]), sources=tuple(sources)
             )
 
-        packed = [pack(keys), now_arg]
-        return await self._eval("snapshot", scope, len(keys), len(keys) + 1, packed, parse)
+        return await self._eval("snapshot", scope, bulks(keys), (now_arg,), parse)
 
     def waiting_room(self, scope: str) -> WaitingRoom:
         """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""

@@ -13,15 +13,18 @@ SELECT on connect. Once it is connected, its transport is handed to
 ``Link``, an ``asyncio.Protocol`` of this module, and redis-py's connection
 object is dropped. What this module does:
 
-- Commands are RESP bytes built here. A candidate's ARGV and KEYS are packed
-  once and cached by the limiter (``bulk``), so an ACQUIRE is one
-  ``bytes.join`` of cached pieces; the Lua contract (``scripts.py``) is
-  unchanged, so the differential suite guards it as before. Sending fewer
-  arguments instead (one packed string per candidate, or specs stored once in
-  Redis under a digest) would have changed that contract, and the second adds
-  a failure mode (a spec missing after FLUSHALL or a restart, answered by a
-  retry); once packing is a cached join, the argument count costs the client
-  next to nothing.
+- Commands are RESP bytes built here from lists of ``Arg``, each one packed
+  argument, and every count in the frame (the command's arguments, EVALSHA's
+  ``numkeys``) is the length of the lists sent, never a figure a caller
+  passes: a wrong count would corrupt the one connection every operation
+  shares. A candidate's ARGV and KEYS are packed once and cached by the
+  limiter (``bulks``), so an ACQUIRE is one ``bytes.join`` of cached pieces;
+  the Lua contract (``scripts.py``) is unchanged, so the differential suite
+  guards it as before. Sending fewer arguments instead (one packed string per
+  candidate, or specs stored once in Redis under a digest) would have changed
+  that contract, and the second adds a failure mode (a spec missing after
+  FLUSHALL or a restart, answered by a retry); once packing is a cached join,
+  the argument count costs the client next to nothing.
 - One connection per backend, pipelined: every command is written at once and
   its reply, parsed by ``hiredis`` as bytes arrive (``Link.data_received``),
   goes to its callback in order. No Task, stream reader or coroutine per
@@ -61,14 +64,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, cast
+from typing import Any, Final, NewType, cast
 
 import hiredis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-__all__ = ["Link", "OnReply", "Script", "Wire", "bulk", "command", "pack"]
+__all__ = ["Arg", "Link", "OnReply", "Script", "Wire", "bulk", "bulks", "command"]
 
 logger = logging.getLogger("polygateway.backends.redis")
 
@@ -79,21 +82,24 @@ _INCOMPLETE: Final = object()
 OnReply = Callable[[Any], None]
 """Called once with a command's reply: a value, or an exception (error reply, lost link)."""
 
+Arg = NewType("Arg", bytes)
+"""One command argument, packed (a RESP bulk string): a command counts its ``Arg``s."""
 
-def bulk(value: str) -> bytes:
-    """One RESP bulk string: the packed form of one command argument."""
+
+def bulk(value: str) -> Arg:
+    """One argument, packed."""
     data = value.encode()
-    return b"$%d\r\n%b\r\n" % (len(data), data)
+    return Arg(b"$%d\r\n%b\r\n" % (len(data), data))
 
 
-def pack(values: Sequence[str]) -> bytes:
-    """Several arguments, packed one after another."""
-    return b"".join(map(bulk, values))
+def bulks(values: Sequence[str]) -> tuple[Arg, ...]:
+    """Several arguments, each packed."""
+    return tuple(map(bulk, values))
 
 
 def command(*args: str) -> bytes:
     """A whole command of plain arguments (rare paths: ``ZRANGE``, ``SCRIPT LOAD``)."""
-    return b"*%d\r\n%b" % (len(args), pack(args))
+    return b"".join((b"*%d\r\n" % len(args), *map(bulk, args)))
 
 
 class Script:
@@ -105,9 +111,16 @@ class Script:
         self.load = command("SCRIPT", "LOAD", text)
         self._head = _EVALSHA + sha.encode() + b"\r\n"
 
-    def command(self, numkeys: int, count: int, packed: Sequence[bytes]) -> bytes:
-        """``EVALSHA sha numkeys ...``: ``packed`` holds ``count`` packed KEYS then ARGV."""
-        return b"".join((b"*%d\r\n" % (count + 3), self._head, bulk(str(numkeys)), *packed))
+    def command(self, keys: Sequence[Arg], argv: Sequence[Arg]) -> bytes:
+        """``EVALSHA sha numkeys KEYS... ARGV...``, every count taken from the lists."""
+        numkeys = b"%d" % len(keys)
+        head = b"*%d\r\n%b$%d\r\n%b\r\n" % (
+            len(keys) + len(argv) + 3,
+            self._head,
+            len(numkeys),
+            numkeys,
+        )
+        return b"".join((head, *keys, *argv))
 
 
 def _ignore(reply: Any) -> None:
