@@ -10,6 +10,10 @@ the connection in step, a silent server's connection closed after
 written, runs before anything this process sends after it, and is logged
 (without the password) when it fails unseen. And of its timeouts: each
 operation fails at its own deadline, although one timer serves them all.
+And of its connection, made by the wire itself: a password, a user of the
+server's ACL, a database other than 0, a unix socket and TLS are honoured,
+from the URL or from an injected client's settings, and a refusal fails
+closed with redis-py's words and without the password.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -392,3 +400,166 @@ def test_deadlines_keep_working_in_a_new_event_loop() -> None:
 
     assert asyncio.run(one_timeout()) is TIMED_OUT
     assert asyncio.run(asyncio.wait_for(one_timeout(), 1.0)) is TIMED_OUT
+
+
+# --- connecting: the wire's own socket, TLS and login -------------------------------------
+
+PASSWORD = "conn-pw-FAKE-77e1"
+
+
+def _keys_in(server: Any, db: int) -> list[bytes]:
+    """The backend's keys in database ``db`` of ``server``."""
+    with redis.Redis(port=server.port, password=server.password, db=db) as admin:
+        return sorted(admin.keys("pgw:*"))
+
+
+async def _serves(url: str, **kwargs: Any) -> None:
+    """A backend on ``url`` serves a call and a snapshot, then closes."""
+    backend = RedisBackend(url, **kwargs)
+    try:
+        await backend.release(await _grant(backend), SUCCESS)
+        assert (await backend.snapshot(SCOPE)).in_flight == 0
+    finally:
+        await backend.aclose()
+
+
+async def test_a_password_and_a_database_other_than_0_are_honoured(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """``redis://:password@host:port/3``: the state lands in database 3, none in 0."""
+    server = make_redis_server(password=PASSWORD)
+    await _serves(f"redis://:{PASSWORD}@127.0.0.1:{server.port}/3")
+    assert b"pgw:{chat}:sources" in _keys_in(server, 3)
+    assert _keys_in(server, 0) == []
+
+
+async def test_an_acl_user_from_the_url_or_its_query_is_logged_in(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """``user:password@`` and ``?username=&password=&db=`` log in a user of the server's ACL."""
+    server = make_redis_server(password=PASSWORD)
+    with server.client() as admin:
+        admin.acl_setuser(
+            "gw", enabled=True, passwords=["+gw-pw"], keys=["pgw:*"], commands=["+@all"]
+        )
+    await _serves(f"redis://gw:gw-pw@127.0.0.1:{server.port}/1")
+    await _serves(f"redis://127.0.0.1:{server.port}/0?username=gw&password=gw-pw&db=2")
+    assert _keys_in(server, 1) == _keys_in(server, 2) != []
+
+
+async def test_a_unix_socket_with_a_password_and_a_database_is_honoured(
+    make_redis_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``unix://:password@/path?db=2``: served over the socket, the state in database 2."""
+    path = tmp_path / "redis.sock"
+    server = make_redis_server(
+        "--unixsocket", str(path), "--unixsocketperm", "700", password=PASSWORD
+    )
+    await _serves(f"unix://:{PASSWORD}@{path}?db=2")
+    assert _keys_in(server, 2) != []
+    assert _keys_in(server, 0) == []
+
+
+async def test_an_injected_clients_password_and_database_are_honoured(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """The wire connects with the client's settings; the URL only names it in messages."""
+    server = make_redis_server(password=PASSWORD)
+    client = aioredis.Redis(port=server.port, password=PASSWORD, db=6)
+    try:
+        await _serves("redis://named-only-in-messages/0", client=client)
+    finally:
+        await client.aclose()
+    assert _keys_in(server, 6) != []
+
+
+async def test_the_connection_is_named_and_its_login_is_not_repeated(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """``?client_name=`` names the connection; HELLO and SELECT are sent once, when it is made."""
+    server = make_redis_server(password=PASSWORD)
+    backend = RedisBackend(f"redis://:{PASSWORD}@127.0.0.1:{server.port}/3?client_name=pgw-test")
+    try:
+        with server.client() as admin:
+            admin.config_resetstat()  # after the inspecting client's own HELLO
+            for _ in range(3):
+                await backend.release(await _grant(backend), SUCCESS)
+            assert "pgw-test" in [c["name"] for c in admin.client_list()]
+            stats = admin.info("commandstats")
+        assert (stats["cmdstat_hello"]["calls"], stats["cmdstat_select"]["calls"]) == (1, 1)
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize(
+    ("url", "error"),
+    [
+        ("redis://:wrong-FAKE-pw@127.0.0.1:{port}/0", "AuthenticationError: invalid username"),
+        ("redis://127.0.0.1:{port}/0", "AuthenticationError: HELLO must be called"),
+        ("redis://:{password}@127.0.0.1:{port}/99", "ResponseError: DB index is out of range"),
+    ],
+)
+async def test_a_refused_login_fails_closed_in_redis_pys_words(
+    make_redis_server: Callable[..., Any], url: str, error: str
+) -> None:
+    """A wrong or missing password, a database out of range: the operation fails closed."""
+    server = make_redis_server(password=PASSWORD)
+    backend = RedisBackend(url.format(port=server.port, password=PASSWORD))
+    try:
+        with pytest.raises(GovernanceBackendError, match=error) as caught:
+            await backend.progress_age_s(SCOPE)
+        assert PASSWORD not in str(caught.value)
+        assert "wrong-FAKE-pw" not in str(caught.value)
+        assert not backend._wire.writable
+    finally:
+        await backend.aclose()
+
+
+def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate it signed for 127.0.0.1 with its key (``openssl``)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.fail("openssl is not installed (needed to make the TLS test's certificates)")
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, csr = directory / "server.pem", directory / "server.key", directory / "server.csr"
+    ext = directory / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    steps = (
+        f"req -x509 -newkey rsa:2048 -nodes -keyout {ca_key} -out {ca} -days 1"
+        " -subj /CN=polygateway-test-ca",
+        f"req -newkey rsa:2048 -nodes -keyout {key} -out {csr} -subj /CN=127.0.0.1",
+        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -out {cert} -days 1"
+        f" -extfile {ext}",
+    )
+    for step in steps:  # pytest's tmp_path: no space in these paths
+        subprocess.run([openssl, *step.split()], check=True, capture_output=True)
+    return ca, cert, key
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_tls_verifies_the_servers_certificate(
+    make_redis_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``rediss://`` with the CA served (password, db 1); without the CA, fails closed."""
+    ca, cert, key = _tls_files(tmp_path)
+    tls_port = _free_port()
+    server = make_redis_server(
+        *("--tls-port", str(tls_port), "--tls-cert-file", str(cert)),
+        *("--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"),
+        password=PASSWORD,
+    )
+    await _serves(f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/1?ssl_ca_certs={ca}")
+    assert _keys_in(server, 1) != []
+    backend = RedisBackend(f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/1")
+    try:
+        with pytest.raises(GovernanceBackendError, match="CERTIFICATE_VERIFY_FAILED") as caught:
+            await backend.progress_age_s(SCOPE)
+        assert PASSWORD not in str(caught.value)
+    finally:
+        await backend.aclose()

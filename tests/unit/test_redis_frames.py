@@ -13,7 +13,7 @@ encoder) makes of the arguments each script's header names
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -158,6 +158,25 @@ def test_script_load_writes_what_redis_py_encodes(name: str) -> None:
     """SCRIPT LOAD of each script (several KB, multi-line) as redis-py sends it."""
     text = getattr(scripts, name)
     assert wire.Script(text, sha(text)).load == encoded("SCRIPT", "LOAD", text)
+
+
+@pytest.mark.parametrize(
+    ("credentials", "db", "client_name", "expected"),
+    [
+        (None, 0, None, [("HELLO", 2)]),
+        (("default", "pw"), 0, None, [("HELLO", 2, "AUTH", "default", "pw")]),
+        (("u", "p@ss w"), 3, None, [("HELLO", 2, "AUTH", "u", "p@ss w"), ("SELECT", 3)]),
+        (None, 15, "worker-1", [("HELLO", 2, "SETNAME", "worker-1"), ("SELECT", 15)]),
+    ],
+)
+def test_the_handshake_writes_what_redis_py_encodes(
+    credentials: tuple[str, str] | None,
+    db: int,
+    client_name: str | None,
+    expected: Sequence[tuple[object, ...]],
+) -> None:
+    """HELLO 2 (with AUTH, SETNAME) and SELECT: a new connection's first commands."""
+    assert wire.handshake(credentials, db, client_name) == [encoded(*c) for c in expected]
 
 
 def test_a_frame_counts_what_it_carries_whatever_the_pieces() -> None:

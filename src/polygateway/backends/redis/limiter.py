@@ -5,10 +5,11 @@ server and costs one round trip: a call that does not wait costs exactly two
 (acquire, release); a stream adds one per renewal. Scripts run by EVALSHA and
 are reloaded on NOSCRIPT, so a ``SCRIPT FLUSH`` or a restarted server is
 survived without a restart of the process. They are sent by ``wire.py``
-(pre-packed commands pipelined on one connection that redis-py sets up and a
-protocol of ours reads), not through ``redis.asyncio.Redis``: that cut the
-client CPU of a governed call on Redis by more than half, then by half again
-(its docstring says where the time went).
+(pre-packed commands pipelined on one connection of ours, made from an
+``Endpoint`` read from the URL or an injected client), not through
+``redis.asyncio.Redis``: that cut the client CPU of a governed call on Redis
+by more than half, then by half again (its docstring says where the time
+went).
 
 Releases are written behind: ``release`` writes its script and returns
 without waiting for the reply. Redis runs one connection's commands in the
@@ -57,8 +58,6 @@ from typing import Any, Literal, TypeVar, cast
 
 try:
     import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
     from redis.exceptions import RedisError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -77,6 +76,7 @@ from polygateway.backends.base import (
 )
 from polygateway.backends.redis import codec, scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
+from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Arg, Script, Wire, bulk, bulks, command
 from polygateway.backends.waiting import WaitingRoom
@@ -167,15 +167,18 @@ class RedisBackend:
     (see "Late replies").
 
     Args:
-        url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``, ``unix://``).
+        url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``,
+            ``unix:///path?db=N``); the query options it may carry are
+            ``Endpoint.from_url``'s, and any other is a ``ConfigError``.
         socket_timeout_s: longest wait of a caller for Redis (connect and reply);
             past it the operation fails closed, while its reply is still read in
             the background (see the module docstring).
         now: tests only: a clock passed to every script instead of the server's TIME.
-        client: an existing ``redis.asyncio.Redis`` whose pool makes the
-            backend's connection (its URL, connect timeout, TLS, auth) and whose
-            pool size is ``max_inflight_ops``; its owner closes it, and ``url``
-            then only names it in messages.
+        client: an existing ``redis.asyncio.Redis`` whose pool's settings the
+            backend's own connection is made with (address, connect timeout, TLS,
+            credentials, database; ``Endpoint.of_client``) and whose pool size is
+            ``max_inflight_ops``; the backend never uses the client itself, its
+            owner closes it, and ``url`` then only names it in messages.
     """
 
     __slots__ = (
@@ -211,29 +214,22 @@ class RedisBackend:
                 f"socket_timeout_s must be positive, not {socket_timeout_s!r}",
                 field="redis_socket_timeout_s",
             )
-        if client is None:
-            try:
-                # Only a factory of connections (the URL parsed by redis-py) for ``Wire``.
-                factory = aioredis.ConnectionPool.from_url(
-                    url,
-                    # Used while connecting only: afterwards the wire reads the socket, callers
-                    # wait socket_timeout_s (``_wait``), and a late reply is still read and
-                    # acted on until the connection has been silent for _LATE_REPLY_S.
-                    socket_timeout=None,
-                    socket_connect_timeout=socket_timeout_s,
-                    # No client-side retry: one failed attempt fails closed at once,
-                    # within the timeout; the governance loop decides what comes next.
-                    retry=Retry(NoBackoff(), 0),
-                )
-            except ValueError as exc:
-                raise ConfigError(
-                    f"invalid redis url {self._url}: {self._scrub(str(exc))}", field="redis_url"
-                ) from exc
-            self._max_inflight_ops: int | None = _MAX_INFLIGHT_OPS
-        else:
-            # The injected client's settings (timeouts, TLS, auth), its pool size as ours.
-            factory = client.connection_pool
-            self._max_inflight_ops = _pool_size(client)
+        # socket_timeout_s (or an injected client's own connect timeout) bounds connecting:
+        # the socket, TLS and the login. Afterwards callers wait socket_timeout_s (``_wait``),
+        # and a late reply is still read and acted on until the connection has been silent
+        # for _LATE_REPLY_S. No retry: one failed attempt fails closed at once, within the
+        # timeout; the governance loop decides what comes next.
+        try:
+            if client is None:
+                endpoint = Endpoint.from_url(url, connect_timeout_s=socket_timeout_s)
+            else:
+                endpoint = Endpoint.of_client(client, connect_timeout_s=socket_timeout_s)
+        except ValueError as exc:
+            what = "invalid redis url" if client is None else "unusable redis client for"
+            raise ConfigError(
+                f"{what} {self._url}: {self._scrub(str(exc))}", field="redis_url"
+            ) from exc
+        self._max_inflight_ops = _MAX_INFLIGHT_OPS if client is None else _pool_size(client)
 
         self._timeout_s = socket_timeout_s
         self._deadlines = Deadlines(socket_timeout_s)
@@ -246,9 +242,7 @@ class RedisBackend:
             "snapshot": _script(scripts.SNAPSHOT),
         }
         self._wire = Wire(
-            factory.make_connection,
-            late_reply_s=_LATE_REPLY_S,
-            scripts=tuple(self._scripts.values()),
+            endpoint, late_reply_s=_LATE_REPLY_S, scripts=tuple(self._scripts.values())
         )
         self._rooms: dict[str, WaitingRoom] = {}
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}

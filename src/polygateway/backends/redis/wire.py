@@ -7,12 +7,22 @@ ACQUIRE carries about 25, nine per candidate, the same on every call), the
 client's observability hooks and retry wrapper, ``BlockingConnectionPool``'s
 condition, timeout and health probe per borrowed connection, an
 ``asyncio.wait_for`` (a Task in Python 3.11) around every socket write, and
-its stream reader. What stays from redis-py is everything that is hard to
-get right about a connection: URL parsing, TLS, unix sockets, AUTH / HELLO /
-SELECT on connect. Once it is connected, its transport is handed to
-``Link``, an ``asyncio.Protocol`` of this module, and redis-py's connection
-object is dropped. What this module does:
+its stream reader. So the connection is ours from the socket up, made
+through public interfaces only: ``loop.create_connection`` (with the
+``Endpoint``'s TLS context for ``rediss://``) or ``create_unix_connection``,
+with ``Link``, an ``asyncio.Protocol`` of this module, as its protocol.
+redis-py provides the TLS context (``endpoint.py``) and the exception
+classes, nothing else. What this module does:
 
+- A new connection first sends ``HELLO 2`` (with ``AUTH user password`` when
+  the endpoint has credentials, ``SETNAME`` when it names the client) and
+  ``SELECT db`` unless the database is 0, pipelined, within the endpoint's
+  connect timeout, and waits for their replies: a refusal fails the commands
+  queued for the connection with the exception redis-py raises for it
+  (``AuthenticationError`` for a wrong or missing password, ``ResponseError``
+  for a database out of range), a connect error with redis-py's
+  ``ConnectionError`` wording. The connection speaks RESP2; keep-alive
+  probes find an idle connection to a server gone without a reset dead.
 - Commands are RESP bytes built here from lists of ``Arg``, each one packed
   argument, and every count in the frame (the command's arguments, EVALSHA's
   ``numkeys``) is the length of the lists sent, never a figure a caller
@@ -61,23 +71,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NewType, cast
 
 import hiredis
-from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["Arg", "Link", "OnReply", "Script", "Wire", "bulk", "bulks", "command"]
+from polygateway.backends.redis.endpoint import Endpoint
+
+__all__ = ["Arg", "Link", "OnReply", "Script", "Wire", "bulk", "bulks", "command", "handshake"]
 
 logger = logging.getLogger("polygateway.backends.redis")
 
 _EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n"
 _INCOMPLETE: Final = object()
 """What ``hiredis.Reader.gets`` returns while a reply is still incomplete (never a reply)."""
+
+_KEEPALIVE: Final = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+"""Probes after 30 s idle, every 5 s, 3 unanswered: redis-py 8's defaults, about 45 s to notice."""
 
 OnReply = Callable[[Any], None]
 """Called once with a command's reply: a value, or an exception (error reply, lost link)."""
@@ -98,8 +114,26 @@ def bulks(values: Sequence[str]) -> tuple[Arg, ...]:
 
 
 def command(*args: str) -> bytes:
-    """A whole command of plain arguments (rare paths: ``ZRANGE``, ``SCRIPT LOAD``)."""
+    """A whole command of plain arguments (rare paths: ``ZRANGE``, ``SCRIPT LOAD``, connecting)."""
     return b"".join((b"*%d\r\n" % len(args), *map(bulk, args)))
+
+
+def handshake(credentials: tuple[str, str] | None, db: int, client_name: str | None) -> list[bytes]:
+    """What a new connection sends first: ``HELLO 2 [AUTH user password] [SETNAME name]``, SELECT.
+
+    ``HELLO`` rather than ``AUTH``: it logs in a ``default`` user that has no
+    password whatever password is given (``AUTH`` would refuse one), and on a
+    server that wants a password it fails at once, before any script runs.
+    """
+    hello = ["HELLO", "2"]
+    if credentials is not None:
+        hello += ("AUTH", *credentials)
+    if client_name:
+        hello += ("SETNAME", client_name)
+    commands = [command(*hello)]
+    if db:
+        commands.append(command("SELECT", str(db)))
+    return commands
 
 
 class Script:
@@ -138,21 +172,18 @@ class Link(asyncio.Protocol):
         "_drained",
         "_heard",
         "_late_reply_s",
+        "_parser",
         "_pending",
-        "_reader",
         "_transport",
         "_watchdog",
-        "_writer",
         "open",
     )
 
     def __init__(self, late_reply_s: float) -> None:
         self._late_reply_s = late_reply_s
-        self._reader = hiredis.Reader(replyError=ResponseError, notEnoughData=_INCOMPLETE)
+        self._parser = hiredis.Reader(replyError=ResponseError, notEnoughData=_INCOMPLETE)
         self._pending: deque[_Pending] = deque()
         self._transport: asyncio.Transport | None = None
-        # The stream writer redis-py connected with, kept alive: collected, it closes the transport.
-        self._writer: asyncio.StreamWriter | None = None
         self._heard = 0.0  # when the server last answered, or last had nothing to answer
         self._clock: Callable[[], float] = time.monotonic  # edge: the event loop's once connected
         self._watchdog: asyncio.TimerHandle | None = None
@@ -165,7 +196,7 @@ class Link(asyncio.Protocol):
         return len(self._pending)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Take the connection (handed over by ``Wire`` once redis-py has set it up)."""
+        """Take the connection the event loop made (TLS, if any, already set up)."""
         self._transport = cast(asyncio.Transport, transport)
         self.open = True
         loop = asyncio.get_running_loop()
@@ -175,11 +206,11 @@ class Link(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Parse what arrived; every whole reply goes to the oldest callback waiting."""
-        reader, pending = self._reader, self._pending
-        reader.feed(data)
+        parser, pending = self._parser, self._pending
+        parser.feed(data)
         while True:
             try:
-                reply = reader.gets()
+                reply = parser.gets()
             except hiredis.ProtocolError:
                 self._fail("a reply Redis could not have sent")
                 return
@@ -254,33 +285,77 @@ class Link(asyncio.Protocol):
         self._watchdog = loop.call_later(self._late_reply_s / 2, self._watch)
 
 
-async def _taken_over(connection: AbstractConnection, link: Link) -> None:
-    """Connect with redis-py (TLS, AUTH, SELECT...), then give the transport to ``link``."""
-    await connection.connect()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-    writer = connection._writer
-    if writer is None:  # pragma: no cover - connect() returns connected or raises
-        raise RedisConnectionError("connection not established")
-    # redis-py must neither read nor close what is the link's now.
-    connection._reader = connection._writer = None
-    link._writer = writer
-    transport = writer.transport
-    transport.set_protocol(link)
-    link.connection_made(transport)
+async def _connect(endpoint: Endpoint, link: Link) -> None:
+    """Open the socket (and TLS) with ``link`` as its protocol; errors worded as redis-py's."""
+    loop = asyncio.get_running_loop()
+    try:
+        if endpoint.path is not None:
+            await loop.create_unix_connection(lambda: link, endpoint.path)
+            return
+        transport, _ = await loop.create_connection(
+            lambda: link, endpoint.host, endpoint.port, ssl=endpoint.tls
+        )
+    except OSError as exc:  # refused, unreachable, TLS refused (ssl.SSLError is an OSError)
+        raise RedisConnectionError(_connect_error(endpoint.address, exc)) from exc
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE:
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def _connect_error(address: str, exc: OSError) -> str:
+    """A socket error as redis-py words it: ``Error 111 connecting to host:port. Why.``"""
+    args = exc.args
+    if not args:
+        return f"Error connecting to {address}."
+    if len(args) == 1:
+        return f"Error {args[0]} connecting to {address}."
+    return f"Error {args[0]} connecting to {address}. {args[1]}."
+
+
+def _refused(reply: ResponseError) -> RedisError:
+    """A first command's error reply as redis-py raises it: auth errors apart, ``ERR`` dropped."""
+    code, _, detail = str(reply).partition(" ")
+    if code in ("WRONGPASS", "NOAUTH") or (code, detail) == ("ERR", "invalid password"):
+        return AuthenticationError(detail)
+    if code == "ERR":
+        return ResponseError(detail)
+    return reply
+
+
+async def _greet(endpoint: Endpoint, link: Link) -> None:
+    """Send the handshake's commands pipelined; raise the first refusal once all have replied."""
+    commands = handshake(await endpoint.credentials(), endpoint.db, endpoint.client_name)
+    replies: list[Any] = []
+    answered = asyncio.get_running_loop().create_future()
+
+    def on_reply(reply: Any) -> None:
+        replies.append(reply)
+        if len(replies) == len(commands) and not answered.done():
+            answered.set_result(None)
+
+    for data in commands:
+        link.send(data, on_reply)
+    await answered
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise _refused(reply)
+        if isinstance(reply, Exception):
+            raise reply
 
 
 class Wire:
-    """One pipelined connection made by ``make_connection``, remade when lost."""
+    """One pipelined connection to ``endpoint``, remade when lost."""
 
-    __slots__ = ("_connecting", "_late_reply_s", "_link", "_make", "_queue", "_scripts")
+    __slots__ = ("_connecting", "_endpoint", "_late_reply_s", "_link", "_queue", "_scripts")
 
     def __init__(
-        self,
-        make_connection: Callable[[], AbstractConnection],
-        *,
-        late_reply_s: float,
-        scripts: Sequence[Script] = (),
+        self, endpoint: Endpoint, *, late_reply_s: float, scripts: Sequence[Script] = ()
     ) -> None:
-        self._make = make_connection
+        self._endpoint = endpoint
         self._late_reply_s = late_reply_s
         self._scripts = tuple(scripts)
         self._link: Link | None = None
@@ -311,10 +386,20 @@ class Wire:
         if self._connecting is None:
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
+    async def _open(self, link: Link) -> None:
+        """Connect and greet within the endpoint's connect timeout."""
+        endpoint = self._endpoint
+        try:
+            async with asyncio.timeout(endpoint.connect_timeout_s):
+                await _connect(endpoint, link)
+                await _greet(endpoint, link)
+        except TimeoutError as exc:
+            raise RedisTimeoutError("Timeout connecting to server") from exc
+
     async def _connect(self) -> None:
         link = Link(self._late_reply_s)
         try:
-            await _taken_over(self._make(), link)
+            await self._open(link)
         except BaseException as exc:
             link.close()
             error: BaseException = exc
