@@ -379,3 +379,44 @@ def _record(*, source: str, error: str) -> AttemptRecord:
     fields = dict.fromkeys(AttemptRecord.__dataclass_fields__)
     fields.update(source=source, error=error)
     return AttemptRecord(**fields)  # type: ignore[arg-type]
+
+
+async def test_a_timeout_with_exactly_the_epsilon_left_may_be_the_deadlines() -> None:
+    """1 ms left is no time left: a clipped timeout then counts as cut by the deadline."""
+    clock = FakeClock(start=0.0)
+    admit = _admitter(_source(timeout_s=60), clock=clock)
+    call = _call(admit, deadline_s=0.001)
+    assert admit.cut_by_deadline(call, 0.0005, "a")
+
+
+async def test_a_queued_call_exactly_at_its_window_sleeps_only_the_slack() -> None:
+    """stalled_s == stall_window_s: the call behind the head looks again 1 ms later."""
+    assert await _wait_turn_behind_a_head(300.0, None) == pytest.approx(0.001)
+
+
+async def test_the_head_wakes_just_after_a_source_reopens() -> None:
+    """A reopen exactly at the poll draw: the head sleeps the draw, not the draw plus slack."""
+
+    class _Draw(random.Random):
+        def uniform(self, a: float, b: float) -> float:
+            return 0.25
+
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    admit = Admitter(
+        scope=SCOPE,
+        sources=(_source(),),
+        policy=LoopPolicy(poll_interval_s=1.0),
+        backend=backend,
+        now=clock,
+        sleep=clock.sleep,
+        rng=_Draw(7),
+    )
+    holder = await _pick(admit, _call(admit))
+    assert holder is not None
+    await backend.release(holder, AttemptOutcome("rate_limited", retry_after_s=0.25))
+    call = _call(admit)
+    room = WaitingRoom()
+    assert await admit.pick(call, room) is None
+    await admit.wait_turn(call, room, 0.0, ("a",))
+    assert clock.sleeps == [0.25]
