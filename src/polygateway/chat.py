@@ -70,6 +70,23 @@ _new_response = positional_builder(ChatResponse)
 """``ChatResponse`` without the frozen dataclass's per-field ``__setattr__`` (one per call)."""
 
 
+def _response(parsed: ParsedChat, served: Served[Any]) -> ChatResponse[Any]:
+    """The answer of a served call, plain or assembled from a stream; ``parsed`` unset."""
+    # ChatResponse's fields in order: text, source, finish_reason, tool_calls, usage,
+    # attempts, raw, choices, parsed.
+    return _new_response(
+        parsed.text,
+        served.source,
+        parsed.finish_reason,
+        parsed.tool_calls,
+        parsed.usage,
+        served.attempts,
+        parsed.raw,
+        parsed.choices,
+        None,
+    )
+
+
 _ChunkParser = Callable[[Any, str], ChatChunk]
 """Reads one parsed stream event (and the source's name) into a chunk."""
 
@@ -233,20 +250,7 @@ class ChatClient(GovernedClient):
             call.leave(None)
         finally:
             self._life.end(call)
-        parsed = served.value
-        # ChatResponse's fields in order: text, source, finish_reason, tool_calls, usage,
-        # attempts, raw, choices, parsed.
-        response: ChatResponse[Any] = _new_response(
-            parsed.text,
-            served.source,
-            parsed.finish_reason,
-            parsed.tool_calls,
-            parsed.usage,
-            served.attempts,
-            parsed.raw,
-            parsed.choices,
-            None,
-        )
+        response = _response(served.value, served)
         if answer is None:
             return response
         # Validated once the permit is back: whatever the answer, the source served.
@@ -620,16 +624,5 @@ class ChatStream:
             )
         served = self._served
         parsed = assemble_chat(self._chunks, arguments=served.value.wire.stream_arguments)
-        # ChatResponse's fields in order, as complete() builds it.
-        self._response = _new_response(
-            parsed.text,
-            served.source,
-            parsed.finish_reason,
-            parsed.tool_calls,
-            parsed.usage,
-            served.attempts,
-            parsed.raw,
-            parsed.choices,
-            None,
-        )
+        self._response = _response(parsed, served)
         return self._response
