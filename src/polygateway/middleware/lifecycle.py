@@ -278,9 +278,9 @@ class GovernedClient:
 
     # Kept out of mutation testing: the collector runs a finalizer at any point, even inside
     # the mutation tool's own bookkeeping, which then crashes (research-wiki/MUTATION.md).
-    def __del__(  # pragma: no mutate block
+    def __del__(
         self, _warn: Callable[..., None] = warnings.warn
-    ) -> None:
+    ) -> None:  # pragma: no mutate block
         # Only a warning: a finalizer must not await, so it cannot close anything.
         # ``_warn`` is bound at definition, as aiohttp binds ``warnings``: at
         # interpreter exit the module's globals may be gone before this runs.
