@@ -100,6 +100,8 @@ mutation: mutation-python mutation-lua
 # A fresh run every time: mutmut's cache would carry results over from older code.
 mutation-python: $(MUT_STAMP)
 	rm -rf mutants && mkdir mutants
+	git rev-parse --short=12 HEAD > mutants/run-commit.txt
+	date -u '+%Y-%m-%d %H:%M UTC' > mutants/run-started.txt
 	start=$$(date +%s); \
 	$(MUT_VENV)/bin/mutmut run --max-children 2 > mutants/mutmut-run.log 2>&1 \
 	  || { tail -c 4000 mutants/mutmut-run.log; exit 1; }; \
