@@ -420,3 +420,17 @@ async def test_the_head_wakes_just_after_a_source_reopens() -> None:
     assert await admit.pick(call, room) is None
     await admit.wait_turn(call, room, 0.0, ("a",))
     assert clock.sleeps == [0.25]
+
+
+async def test_a_call_past_its_window_with_no_age_read_waits_a_whole_window() -> None:
+    """No progress age read this iteration: the queued call counts it as 0 and waits a window."""
+    assert await _wait_turn_behind_a_head(400.0, None) == pytest.approx(300.001)
+
+
+async def test_a_head_that_has_not_asked_yet_waits_one_poll() -> None:
+    """A call that became head before its first acquire has no reopen time: one poll draw."""
+    clock = FakeClock()
+    admit = _admitter(clock=clock, poll_interval_s=1.0)
+    await admit.wait_turn(_call(admit), WaitingRoom(), 0.0, ("a",))
+    [slept] = clock.sleeps
+    assert 0.5 <= slept <= 1.0

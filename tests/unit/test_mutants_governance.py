@@ -339,3 +339,19 @@ def test_a_snapshot_of_a_limit_whose_bucket_is_not_made_yet_shows_it_full() -> N
     limits = _Limits(rpm=60.0, rpm_capacity=3.0, tpm=600.0, tpm_capacity=50.0)
     snap = source_state.view(state, limits, 1.0, name="a")
     assert (snap.rpm_tokens, snap.tpm_tokens) == (3.0, 50.0)
+
+
+def test_a_release_exactly_at_the_lease_expiry_is_a_no_op() -> None:
+    """A lease is dead at expiry <= now: released at exactly its expiry, nothing is recorded."""
+    limits = _Limits()
+    state = source_state.new_source_state(limits, 0.0)
+    _grant(state, limits, "a", 0.0)
+    assert source_state.apply_outcome(state, limits, "a", 30.0, "transient") is False
+    assert state.breaker.failures == 0
+
+
+def test_a_weightless_source_never_leads_a_weighted_one() -> None:
+    """Weights 2 and 0 in one tier: the weight-0 source is last whatever the draws."""
+    weights = {"a": 2.0, "b": 0.0}
+    order = SelectionOrder(["a", "b"], priority=lambda _: 0, weight=weights.__getitem__)
+    assert order.order(_Draws(0.1, 0.9)) == ["a", "b"]

@@ -18,7 +18,7 @@ import pytest
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.config import SourceConfig
-from polygateway.errors import AllSourcesExhausted, GovernanceBackendError
+from polygateway.errors import AllSourcesExhausted, GovernanceBackendError, RequestRejected
 from polygateway.middleware.attempt import AttemptContext
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.retry import RetryMW, StallClock, backoff_delay
@@ -425,3 +425,12 @@ async def test_a_queued_session_that_fails_gives_up_its_place() -> None:
             pass
     assert caught.value.reason == "deadline"
     assert len(room) == 1
+
+
+async def test_a_rejected_request_names_the_call_the_source_and_the_reason() -> None:
+    """A 400 raises RequestRejected with the operation, the source and the upstream's words."""
+    clock = FakeClock()
+    mw = _loop(clock)
+    with pytest.raises(RequestRejected) as caught:
+        await mw.run(_script(TransientError("context too long", status_code=400)), op_name="chat")
+    assert str(caught.value).startswith("chat: primary rejected the request: context too long")
