@@ -414,7 +414,7 @@ async def test_truncated_stream_ends_without_finish_reason_or_done(
 
 async def test_slow_first_token_delays_the_first_chunk(client: httpx.AsyncClient) -> None:
     """ttft_s delays the first content chunk; the role chunk goes at once, as OpenAI's does."""
-    async with SimulatedUpstream({"a": FaultProfile(ttft_s=0.4)}) as sim:
+    async with SimulatedUpstream({"a": FaultProfile(ttft_s=1.0)}) as sim:
         url = f"{sim.base_url('a')}/chat/completions"
         async with client.stream("POST", url, json={**CHAT, "stream": True}) as r:
             headers_at = time.monotonic()
@@ -425,9 +425,11 @@ async def test_slow_first_token_delays_the_first_chunk(client: httpx.AsyncClient
             ttft = time.monotonic() - headers_at
             rest = [line async for line in lines]
     assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert role_after < 0.2
+    # Well before the TTFT (a role chunk held back with the content would come after it);
+    # the margin is for a loaded machine.
+    assert role_after < 0.6
     assert json.loads(content[6:])["choices"][0]["delta"]["content"]
-    assert ttft >= 0.4 * 0.8
+    assert ttft >= 1.0 * 0.8
     assert "data: [DONE]" in rest
 
 

@@ -143,15 +143,17 @@ async def test_ttft_is_waited_after_the_role_chunk_and_before_the_first_content(
     client: httpx.AsyncClient, wire: Wire
 ) -> None:
     """The role chunk comes at once; the first content about ttft_s after the headers."""
-    async with SimulatedUpstream({"s": FaultProfile(wire=wire, ttft_s=0.6)}) as sim:
+    async with SimulatedUpstream({"s": FaultProfile(wire=wire, ttft_s=1.0)}) as sim:
         _, lines = await stream(client, chat_url(sim, "s", wire), {**CHAT, "stream": True}, {})
     events = data_events(lines)
     role_at, role = events[0]
     content_at, content = events[1]
     assert role["choices"][0]["delta"]["role"] == "assistant"
-    assert role_at < 0.3
+    # Well before the TTFT (held back with the content it would come after it); the
+    # margin is for a loaded machine.
+    assert role_at < 0.6
     assert content["choices"][0]["delta"]["content"]
-    assert 0.6 * 0.8 <= content_at < 0.6 + 1.0
+    assert 1.0 * 0.8 <= content_at < 1.0 + 1.5
 
 
 async def test_openai_tool_call_stream_names_the_tool_after_the_delay(
@@ -224,7 +226,11 @@ async def test_remaining_requests_reach_zero_then_429_until_the_window_frees(
     async with SimulatedUpstream({"s": profile}) as sim:
         url, body, headers = chat_url(sim, "s", wire), chat_body(wire), chat_headers(wire)
         started = time.monotonic()
-        rs = [await client.post(url, json=body, headers=headers) for _ in range(3)]
+        rs = []
+        answered_wall = []  # when each answer came, on the wall clock the reset times use
+        for _ in range(3):
+            rs.append(await client.post(url, json=body, headers=headers))
+            answered_wall.append(time.time())
         retry_after = float(rs[2].headers["retry-after"])
         await asyncio.sleep(1.5 - (time.monotonic() - started) + 0.05)
         later = await client.post(url, json=body, headers=headers)
@@ -250,7 +256,8 @@ async def test_remaining_requests_reach_zero_then_429_until_the_window_frees(
         reset_at = datetime.strptime(
             rs[1].headers["anthropic-ratelimit-requests-reset"], "%Y-%m-%dT%H:%M:%SZ"
         ).replace(tzinfo=UTC)
-        assert 0 < reset_at.timestamp() - time.time() <= 3.0
+        # Whole seconds rounded up: from 0 to 1.5 s (the window) plus 1 s after the answer.
+        assert 0 < reset_at.timestamp() - answered_wall[1] <= 3.0
     if wire == "azure":
         assert rs[2].json()["error"]["code"] == "429"
 
@@ -454,7 +461,7 @@ async def test_anthropic_stream_is_the_documented_event_sequence_with_ttft_after
     client: httpx.AsyncClient,
 ) -> None:
     """message_start, content_block_start, ping at once; after ttft the deltas, stop, no [DONE]."""
-    profile = FaultProfile(wire="anthropic", ttft_s=0.5, stream_chunks=3)
+    profile = FaultProfile(wire="anthropic", ttft_s=1.0, stream_chunks=3)
     async with SimulatedUpstream({"s": profile}) as sim:
         url = chat_url(sim, "s", "anthropic")
         whole = (
@@ -477,8 +484,9 @@ async def test_anthropic_stream_is_the_documented_event_sequence_with_ttft_after
     assert all(data["type"] == name for _, name, data in events)
     assert not [line for _, line in lines if "[DONE]" in line]
     assert r.headers["content-type"].startswith("text/event-stream")
-    assert max(at for at, _, _ in events[:3]) < 0.3
-    assert 0.5 * 0.8 <= events[3][0] < 0.5 + 1.0
+    # At once, well before the TTFT; the margin is for a loaded machine.
+    assert max(at for at, _, _ in events[:3]) < 0.6
+    assert 1.0 * 0.8 <= events[3][0] < 1.0 + 1.5
     deltas = [data["delta"] for _, name, data in events if name == "content_block_delta"]
     assert all(d["type"] == "text_delta" for d in deltas)
     assert "".join(d["text"] for d in deltas) == whole["content"][0]["text"]
@@ -610,8 +618,9 @@ async def test_vllm_sends_keep_alive_comments_while_waiting_for_the_first_token(
         if data != "[DONE]" and data["choices"][0]["delta"].get("content")
     )
     assert len(comments) == 2
-    assert comments[0] == pytest.approx(0.5, abs=0.25)
-    assert comments[1] == pytest.approx(1.0, abs=0.25)
+    # Lower bounds only (the server cannot send early; a loaded client may read late).
+    assert comments[0] >= 0.5 * 0.8
+    assert comments[1] >= 1.0 * 0.8
     assert max(comments) < content_at
     assert content_at >= 1.2 * 0.8
     assert not [k for k in r.headers if "ratelimit" in k]
