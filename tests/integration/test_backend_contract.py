@@ -921,3 +921,17 @@ async def test_a_renewal_drops_more_than_a_chunk_of_expired_leases(
     """Any of 1001 expired leases, renewed first, is dead: the sweep reached every chunk."""
     leases = await _expired_crowd(backend_env, "crowd")
     assert await backend_env.backend.renew(leases[index]) is False
+
+
+async def test_an_acquire_over_nine_busy_sources_refuses_each_once(
+    backend_env: BackendEnv,
+) -> None:
+    """Nine candidates, all at their limit: nine rejections, in order, and no lease."""
+    specs = [SourceSpec(name=f"s{i}", max_concurrency=1) for i in range(9)]
+    for spec in specs:
+        await _grant(backend_env, spec)
+    result = await _acquire(backend_env, *specs)
+    assert result.lease is None
+    assert [(r.source, r.reason) for r in result.rejections] == [
+        (spec.name, "concurrency") for spec in specs
+    ]
