@@ -935,3 +935,82 @@ async def test_an_acquire_over_nine_busy_sources_refuses_each_once(
     assert [(r.source, r.reason) for r in result.rejections] == [
         (spec.name, "concurrency") for spec in specs
     ]
+
+
+# --- edges the Lua scripts' mutants found (research-wiki/MUTATION.md) ----------------------------
+
+
+async def test_a_release_exactly_at_its_lease_expiry_records_nothing(
+    backend_env: BackendEnv,
+) -> None:
+    """A lease is dead at its expiry: a failure released at that instant does not count."""
+    env = backend_env
+    one_strike = SourceSpec(name="strict", max_concurrency=2, breaker_failures=1)
+    lease = await _grant(env, one_strike, ttl=30.0)
+    env.clock.advance(30.0)
+    await env.backend.release(lease, TRANSIENT)
+    state = await _source(env, "strict")
+    assert (state.breaker, state.consecutive_failures) == ("closed", 0)
+
+
+async def test_a_refund_never_lifts_the_tpm_bucket_above_its_capacity(
+    backend_env: BackendEnv,
+) -> None:
+    """A reservation refunded after the bucket refilled stops at the burst, not at the rate."""
+    env = backend_env
+    spec = SourceSpec(name="t", max_concurrency=4, tpm=6000.0, tpm_burst=100.0)
+    lease = await _grant(env, spec, cost=50)
+    env.clock.advance(60.0)
+    await _grant(env, spec, cost=0)  # refills the bucket to its burst
+    await env.backend.release(lease, AttemptOutcome("success", tokens_used=0))
+    assert (await _source(env, "t")).tpm_tokens == pytest.approx(100.0)
+
+
+async def test_usage_released_while_tpm_is_off_is_not_reconciled(
+    backend_env: BackendEnv,
+) -> None:
+    """tpm dropped from the spec: a release's usage leaves the old bucket as it was."""
+    env = backend_env
+    with_tpm = SourceSpec(name="t", max_concurrency=4, tpm=6000.0, tpm_burst=100.0)
+    without = SourceSpec(name="t", max_concurrency=4)
+    lease = await _grant(env, with_tpm, cost=40)
+    await _grant(env, without)
+    await env.backend.release(lease, AttemptOutcome("success", tokens_used=0))
+    assert (await _source(env, "t")).in_flight == 1
+    await _grant(env, with_tpm, cost=0)
+    assert (await _source(env, "t")).tpm_tokens == pytest.approx(60.0)
+
+
+async def test_another_leases_release_leaves_the_half_open_probe_held(
+    backend_env: BackendEnv,
+) -> None:
+    """While the breaker's probe runs, a sibling lease released as cancelled frees nothing."""
+    env = backend_env
+    sibling = await _grant(env, FLAKY)
+    await _trip(env)
+    env.clock.advance(FLAKY.cooldown_s)
+    probe = await _acquire(env, FLAKY)
+    assert probe.lease is not None
+    assert probe.lease.probe
+    await env.backend.release(sibling, CANCELLED)
+    assert (await _refused(env, FLAKY)).reason == "probe_in_flight"
+
+
+async def test_the_half_open_probe_slot_follows_its_renewals(backend_env: BackendEnv) -> None:
+    """A renewed half-open probe keeps its slot past its first expiry, until the renewed one.
+
+    The source has reopened from a pause once before, so the pause's probe slot is empty.
+    """
+    env = backend_env
+    paced = AttemptOutcome("rate_limited", retry_after_s=1)
+    await env.backend.release(await _grant(env, FLAKY), paced)
+    env.clock.advance(1)
+    await env.backend.release(await _grant(env, FLAKY), SUCCESS)
+    await _trip(env)
+    env.clock.advance(FLAKY.cooldown_s)
+    probe = await _grant(env, FLAKY, ttl=5.0)
+    assert probe.probe
+    env.clock.advance(4.0)
+    assert await env.backend.renew(probe)
+    env.clock.advance(4.0)
+    assert (await _refused(env, FLAKY)).reason == "probe_in_flight"

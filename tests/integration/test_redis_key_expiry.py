@@ -77,3 +77,30 @@ async def test_lease_keys_outlive_their_longest_lease(
     assert (await backend.acquire(SCOPE, [spec], ttl_s=1.0)).lease is not None
     for key in ("leases:a", "lease_meta:a"):
         assert _within_a_second_below(_pttl(redis_url, key), LONG_COOLDOWN_MS), key
+
+
+async def test_a_release_sets_the_source_state_a_day_again(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    """With a short cool-down, a release gives the source state a full day once more."""
+    result = await backend.acquire(SCOPE, [SourceSpec("a", max_concurrency=2)], ttl_s=30.0)
+    assert result.lease is not None
+    with redis.Redis.from_url(redis_url) as client:
+        client.expire(f"pgw:{{{SCOPE}}}:src:a", 60)
+    await backend.release(result.lease, AttemptOutcome("success"))
+    assert _within_a_second_below(_pttl(redis_url, "src:a"), DAY_MS)
+
+
+async def test_a_source_whose_state_expired_is_left_out_of_the_snapshot(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    """Still listed in the scope but its state gone: the snapshot skips it, others read right."""
+    for name in ("a", "b"):
+        granted = await backend.acquire(SCOPE, [SourceSpec(name, max_concurrency=2)], ttl_s=30.0)
+        assert granted.lease is not None
+    with redis.Redis.from_url(redis_url) as client:
+        client.delete(f"pgw:{{{SCOPE}}}:src:a")
+    snap = await backend.snapshot(SCOPE)
+    assert [s.name for s in snap.sources] == ["b"]
+    [b] = snap.sources
+    assert (b.in_flight, b.breaker, b.limit, b.consecutive_failures) == (1, "closed", 2.0, 0)
