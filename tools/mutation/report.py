@@ -248,6 +248,18 @@ def main() -> int:
         f"{lua_total['equivalent']} | {lua_total['not killed']} | "
         f"**{_score(lua_killed, lua_total['total'], lua_total['equivalent'])}** |"
     )
+    py_later = sum(1 for n, _, _ in survivors if n in later)
+    lua_later = sum(1 for r in lua_survivors if r["id"] in later)
+    lines.insert(
+        lines.index("## Lua: per script") - 1,
+        f"\nOf the {total['not killed']} not killed, {py_later} are killed by tests written "
+        "after this run (see the survivors below).",
+    )
+    lines.append("")
+    lines.append(
+        f"Of the {lua_total['not killed']} not killed, {lua_later} are killed by tests "
+        "written after this run (see the survivors below)."
+    )
     operators = Counter(r["operator"] for r in lua["results"])
     lines += [
         "",
