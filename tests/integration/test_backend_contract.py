@@ -977,6 +977,7 @@ async def test_usage_released_while_tpm_is_off_is_not_reconciled(
     await _grant(env, without)
     await env.backend.release(lease, AttemptOutcome("success", tokens_used=0))
     assert (await _source(env, "t")).in_flight == 1
+    assert await env.backend.progress_age_s(SCOPE) == 0.0  # the release ran to its end
     await _grant(env, with_tpm, cost=0)
     assert (await _source(env, "t")).tpm_tokens == pytest.approx(60.0)
 
