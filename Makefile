@@ -111,5 +111,11 @@ mutation-python: $(MUT_STAMP)
 mutation-lua: redis-server $(MUT_STAMP)
 	$(MUT_PY) tools/mutation/lua.py
 
+# polygateway.example.toml from the settings model (tests/unit/test_example_config.py fails
+# when the committed file is stale).
+.PHONY: example-config
+example-config: install
+	$(PY) tools/example_config.py polygateway.example.toml
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist
