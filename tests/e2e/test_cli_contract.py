@@ -369,7 +369,7 @@ def test_every_command_and_option_has_a_help_line() -> None:
     [
         ("chat", "Send one chat completion through a scope"),
         ("embed", "Embed texts through a scope"),
-        ("ocr", "Recognise the text of a PNG, JPEG or PDF file"),
+        ("ocr", "Recognise the text of PNG, JPEG or PDF files"),
     ],
 )
 def test_call_commands_describe_themselves(run_cli: RunCli, command: str, says: str) -> None:

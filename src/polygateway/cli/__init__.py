@@ -126,6 +126,25 @@ def _json_option() -> _Parser:
     return flag
 
 
+def _output_options(item: str) -> _Parser:
+    """``--jsonl`` and ``--output``: where the results of a long job go (``cli/jobs.py``)."""
+    out = _Parser(add_help=False)
+    out.add_argument(
+        "--jsonl",
+        action="store_true",
+        help=f"print one JSON object per input (its {item} or its error) on stdout, in input "
+        "order; not with --json (use --json --output FILE)",
+    )
+    out.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        metavar="FILE",
+        help="write the JSON lines to FILE instead (stdout: nothing, or the --json summary)",
+    )
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``polygateway`` with every sub-command."""
     from polygateway.cli.demo import add_demo_parser
@@ -209,12 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     embed = sub.add_parser(
         "embed",
-        parents=[common, config, as_json],
+        parents=[common, config, as_json, _output_options("vector")],
         help="embed texts through a scope",
         description="Embed texts through a scope of the settings file: split into batches "
         "(max_batch_size, max_batch_tokens), each governed like any call, the vectors "
-        "reassembled in input order. Prints a table of the vectors' first values, or every "
-        "vector with --json. Exit 1 when a batch cannot be served.",
+        "reassembled in input order. Prints a table of the first texts' first values; "
+        "--jsonl (stdout) or --output FILE writes every vector as JSON lines, one object per "
+        "text in input order. A progress bar shows on a terminal. When a batch cannot be "
+        "served, every other vector is still written, the failed texts' lines say why, and "
+        "the exit status is 1.",
     )
     embed.add_argument("texts", nargs="*", help="texts (default: one per line of --file or stdin)")
     embed.add_argument(
@@ -225,14 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     ocr = sub.add_parser(
         "ocr",
-        parents=[common, config, as_json],
-        help="OCR an image or PDF through a scope",
-        description="Recognise the text of a PNG, JPEG or PDF file through a scope of the "
-        "settings file (MonkeyOCR or a vision model), or with --layout parse its layout into "
-        "blocks and markdown (MonkeyOCR). Prints the text on stdout. Exit 1 when the gateway "
-        "cannot serve it.",
+        parents=[common, config, as_json, _output_options("file's result")],
+        help="OCR images or PDFs through a scope",
+        description="Recognise the text of PNG, JPEG or PDF files through a scope of the "
+        "settings file (MonkeyOCR or a vision model), or with --layout parse their layout into "
+        "blocks and markdown (MonkeyOCR). One file: its text on stdout. Several: read "
+        "concurrently with a progress bar on a terminal, each text under a '==> FILE <==' "
+        "line, or as JSON lines with --jsonl / --output FILE, in input order. A file that "
+        "fails does not stop the others; the exit status is then 1.",
     )
-    ocr.add_argument("file", help="a PNG, JPEG or PDF file")
+    ocr.add_argument("files", nargs="+", metavar="FILE", help="PNG, JPEG or PDF files")
     ocr.add_argument("--scope", default="ocr", help="scope to use (default ocr)")
     ocr.add_argument(
         "--layout", action="store_true", help="parse the layout (blocks, markdown) instead"
@@ -315,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
+    except UsageError as exc:
+        return _usage_failed(exc, as_json)
     except BrokenPipeError:
         return _stdout_closed()
     except KeyboardInterrupt as exc:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from polygateway.backends.base import Backend, ScopeSnapshot
 from polygateway.backends.factory import shared_backend
-from polygateway.cli import render
+from polygateway.cli import jobs, render
 from polygateway.cli.render import CliError
 from polygateway.cli.settings_report import origins_json, report_lines, setting_rows
 from polygateway.config import GatewaySettings
@@ -305,65 +305,42 @@ async def _chat(
 
 
 def run_embed(args: argparse.Namespace) -> int:
-    """Embed texts through a configured scope."""
+    """Embed texts through a configured scope (``cli/jobs.py``: progress, JSON lines)."""
+    jobs.check_output_options(args, "embed")
     settings = load_settings(args)
     texts = _read_text_arg(args.texts, args.file)
     if not texts:
         raise CliError("nothing to embed: give texts, --file or lines on stdin")
-    return asyncio.run(_embed(settings, args, texts))
-
-
-async def _embed(settings: GatewaySettings, args: argparse.Namespace, texts: list[str]) -> int:
-    from polygateway.embedding import EmbeddingClient
-
-    client = EmbeddingClient.from_settings(settings, scope=args.scope, **_parts(args))
-    async with _closing_backend(client):
-        with _spinner(f"embedding {len(texts)} texts via scope {client.scope}", not args.json):
-            e = await client.embed(texts)
-    if args.json:
-        render.dump_json(
-            {
-                "ok": True,
-                "vectors": e.vectors,
-                "usage": asdict(e.usage),
-                "sources": list(e.sources),
-                "batches": [list(b) for b in e.batches],
-                "attempts": _attempts_json(e.attempts),
-            }
-        )
-        return 0
-    dim = len(e.vectors[0]) if e.vectors else 0
-    table = render.text_table(None, ("#", "text", "dim", "first values"), right_from=2)
-    for index, (text, vector) in enumerate(zip(texts, e.vectors, strict=True)):
-        head = ", ".join(f"{x:.4f}" for x in vector[:3])
-        table.add_row(str(index), _clip(text, 40), str(len(vector)), f"[{head}, ...]")
-    render.output().print(table)
-    _note(
-        f"{len(e.vectors)} vectors of dimension {dim} in {len(e.batches)} batch(es), "
-        f"sources {sorted(set(e.sources))}, {len(e.attempts)} attempt(s)"
-    )
-    return 0
+    return asyncio.run(jobs.embed_job(settings, args, texts, _parts(args)))
 
 
 def run_ocr(args: argparse.Namespace) -> int:
-    """Recognise the text of an image (or parse a document's layout) through a configured scope."""
+    """Recognise the text of images (or parse documents' layout) through a configured scope.
+
+    One file prints its text; several (or ``--jsonl`` / ``--output``) run as a
+    job of ``cli/jobs.py``: concurrently, with a progress bar, results in input order.
+    """
+    jobs.check_output_options(args, "ocr")
     settings = load_settings(args)
+    if len(args.files) > 1 or jobs.wants_lines(args):
+        return asyncio.run(jobs.ocr_job(settings, args, args.files, _parts(args)))
+    (name,) = args.files
     try:
-        data = Path(args.file).read_bytes()
+        data = Path(name).read_bytes()
     except OSError as exc:
-        raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
-    return asyncio.run(_ocr(settings, args, data))
+        raise CliError(f"cannot read {name}: {exc.strerror}") from None
+    return asyncio.run(_ocr(settings, args, name, data))
 
 
-async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes) -> int:
+async def _ocr(settings: GatewaySettings, args: argparse.Namespace, name: str, data: bytes) -> int:
     from polygateway.ocr import OcrClient
 
     client = OcrClient.from_settings(settings, scope=args.scope, **_parts(args))
-    spinning = _spinner(f"OCR of {args.file} via scope {client.scope}", not args.json)
+    spinning = _spinner(f"OCR of {name} via scope {client.scope}", not args.json)
     async with _closing_backend(client):
         if args.layout:
             with spinning:
-                d = await client.parse_layout(data)
+                d = await client.parse_layout(data, filename=name)
             if args.json:
                 render.dump_json(
                     {
@@ -379,7 +356,7 @@ async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes)
                 _note(f"source {d.source}, {len(d.blocks)} block(s), {len(d.attempts)} attempt(s)")
             return 0
         with spinning:
-            t = await client.recognize_text(data)
+            t = await client.recognize_text(data, filename=name)
     if args.json:
         render.dump_json(
             {"ok": True, "text": t.text, "source": t.source, "attempts": _attempts_json(t.attempts)}
@@ -388,12 +365,6 @@ async def _ocr(settings: GatewaySettings, args: argparse.Namespace, data: bytes)
         print(t.text)
         _note(f"source {t.source}, {len(t.attempts)} attempt(s)")
     return 0
-
-
-def _clip(text: str, width: int) -> str:
-    """One line of at most ``width`` characters."""
-    line = " ".join(text.split())
-    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _note(text: str) -> None:
