@@ -28,13 +28,14 @@ from pydantic import SecretStr
 
 from polygateway.cli import positive_float, render
 from polygateway.cli.demo_report import (
+    LEGEND,
     CallResult,
     DemoEmitter,
     TripCounter,
     calls_json,
     calls_table,
+    end_table,
     simulator_json,
-    simulator_table,
     sources_json,
     sources_table,
 )
@@ -75,6 +76,8 @@ _SAMPLE_EVERY_S = 0.2
 """Snapshot period of the breaker-trip sampler (a trip stays open for seconds)."""
 _PLAIN_PROGRESS_EVERY_S = 2.0
 """Progress line period when the output is not a terminal (CI logs, pipes)."""
+_FAILED_SHOWN = 3
+"""Failed calls listed by name on the last screen (``--json`` lists every one)."""
 
 
 def add_demo_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
@@ -318,18 +321,16 @@ class _Run:
         return served, failed
 
     def progress_line(self) -> str:
-        """One line: calls done per client, and what the attempts met so far."""
+        """One line: per client, calls done and what its own attempts met so far."""
         parts = []
         for kind, total in self.planned.items():
             served, failed = self.done(kind)
             parts.append(
-                f"{kind} {served + failed}/{total}" + (f" ({failed} failed)" if failed else "")
+                f"{kind} {served + failed}/{total} calls"
+                + (f" ({failed} failed)" if failed else "")
+                + f" ({self.emitter.attempts_note(SCOPES[kind])})"
             )
-        o = self.emitter.outcomes
-        return (
-            f"[{self.elapsed():5.1f} s] " + ", ".join(parts) + f" | attempts {sum(o.values())}, "
-            f"429s {o['rate_limited']}, transient {o['transient']}"
-        )
+        return f"[{self.elapsed():5.1f} s] " + "; ".join(parts)
 
     async def snapshots(self) -> list[ScopeSnapshot]:
         """The backend's state of every demo scope, now."""
@@ -498,13 +499,10 @@ async def _live_bars(run: _Run, calls: Sequence[asyncio.Task[None]], out: Consol
         pending = set(calls)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=0.1)
-            o = run.emitter.outcomes
             for kind, bar in bars.items():
                 served, failed = run.done(kind)
-                note = f"[red]{failed} failed[/red]" if failed else ""
-                if kind == "chat":
-                    note += f" attempts {sum(o.values())}, 429s {o['rate_limited']}, "
-                    note += f"transient {o['transient']}"
+                note = f"[red]{failed} failed[/red] " if failed else ""
+                note += run.emitter.attempts_note(SCOPES[kind])
                 progress.update(bar, completed=served + failed, note=note)
 
 
@@ -557,18 +555,29 @@ def _report(
     out.print()
     out.print(calls_table(calls))
     out.print(sources_table(sources))
-    out.print(simulator_table(stats))
-    owner = "this process owns the memory backend" if args.backend == "memory" else "Redis"
-    out.print(f"governance state at the end ({owner}):")
-    for snap in final:
-        out.print(render.scope_status_table(snap, CONCURRENCY))
-    for r in failed[:20]:
-        out.print(f"[red]failed[/red] {escape(f'{r.label}: {r.error}: {r.message}')}")
-    if len(failed) > 20:
-        out.print(f"... and {len(failed) - 20} more failed calls")
+    wire_order = [
+        (scope, role, f"{kind}-{role}") for kind, scope in SCOPES.items() for role in ROLES
+    ]
+    out.print(end_table(stats, final, wire_order, CONCURRENCY))
+    for line in LEGEND:
+        out.print(line, markup=False, highlight=False)
+    # The last screen (120x40) keeps the tables and the verdict: a few failures here, every one
+    # in --json.
+    for r in failed[:_FAILED_SHOWN]:
+        out.print(f"[red]failed[/red] {escape(_clip(f'{r.label}: {r.error}: {r.message}'))}")
+    if len(failed) > _FAILED_SHOWN:
+        out.print(f"... and {len(failed) - _FAILED_SHOWN} more failed calls (--json lists each)")
     style = "bold green" if served_all else "bold red"
-    out.print(f"[{style}]{verdict}[/{style}] ({run.elapsed():.1f} s)")
+    out.print(
+        f"[{style}]{escape(verdict)}[/{style}] ({run.elapsed():.1f} s, {args.backend} backend)"
+    )
     return 0 if served_all else 1
+
+
+def _clip(text: str, width: int = 110) -> str:
+    """One line of at most ``width`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _verdict(

@@ -25,14 +25,15 @@ if TYPE_CHECKING:
     from polygateway.simulator.stats import SourceStats
 
 __all__ = [
+    "LEGEND",
     "CallResult",
     "DemoEmitter",
     "TripCounter",
     "calls_json",
     "calls_table",
+    "end_table",
     "percentile",
     "simulator_json",
-    "simulator_table",
     "sources_json",
     "sources_table",
 ]
@@ -44,18 +45,23 @@ _SAME_TRIP_S = 0.5
 
 
 class DemoEmitter:
-    """Keeps every attempt record and live counts for the progress line (an ``Emitter``)."""
+    """Keeps every attempt record and live counts per scope for the progress bars."""
 
-    __slots__ = ("outcomes", "records")
+    __slots__ = ("by_scope", "records")
 
     def __init__(self) -> None:
         self.records: list[AttemptRecord] = []
-        self.outcomes: Counter[str] = Counter()
+        self.by_scope: defaultdict[str, Counter[str]] = defaultdict(Counter)
 
     def emit_attempt(self, record: AttemptRecord) -> None:
         """Keep the record; quick, never raises."""
         self.records.append(record)
-        self.outcomes[record.outcome] += 1
+        self.by_scope[record.scope][record.outcome] += 1
+
+    def attempts_note(self, scope: str) -> str:
+        """One scope's attempts so far and what they met, for its own progress bar."""
+        o = self.by_scope[scope]
+        return f"attempts {sum(o.values())}, 429s {o['rate_limited']}, transient {o['transient']}"
 
 
 class TripCounter:
@@ -187,6 +193,7 @@ def sources_table(rows: Sequence[Mapping[str, Any]]) -> Table:
         ),
         right_from=2,
     )
+    table.show_edge = False  # the last screen holds every table and the verdict: no blank edges
     for row in rows:
         table.add_row(
             row["scope"],
@@ -236,6 +243,7 @@ def calls_table(calls: Mapping[str, Mapping[str, Any]]) -> Table:
         ("client", "scope", "calls", "served", "failed", "attempts", "p50 ms", "p99 ms"),
         right_from=2,
     )
+    table.show_edge = False
     for kind, row in calls.items():
         calls_cell = str(row["planned"])
         if row["streamed"]:
@@ -267,22 +275,69 @@ def simulator_json(stats: Mapping[str, SourceStats]) -> dict[str, dict[str, Any]
     }
 
 
-def simulator_table(stats: Mapping[str, Mapping[str, Any]]) -> Table:
-    """The simulator's own record: the misbehaviour the gateway had to absorb."""
+def end_table(
+    stats: Mapping[str, Mapping[str, Any]],
+    final: Sequence[ScopeSnapshot],
+    order: Sequence[tuple[str, str, str]],
+    max_concurrency: Mapping[str, int],
+) -> Table:
+    """Per source: what the simulator answered on the wire, and its governance state at the end.
+
+    ``order`` holds (scope, source, simulated source name) per row.
+    """
     table = render.make_table(
-        "simulated upstream (what really happened on the wire)",
-        ("simulated source", "requests", "ok", "429 (rpm / random / conc)", "5xx", "resets"),
+        "simulated upstream (what it answered on the wire) and governance state at the end",
+        (
+            "scope",
+            "source",
+            "requests",
+            "ok",
+            "429s",
+            "5xx",
+            "resets",
+            "limit / max",
+            "breaker",
+            "paced for",
+        ),
+        right_from=2,
     )
-    for name, s in stats.items():
-        outcome = s["by_outcome"]
-        limits = s["limits_hit"]
+    table.show_edge = False
+    state = {(snap.scope, s.name): s for snap in final for s in snap.sources}
+    for scope, source, sim_name in order:
+        wire = stats.get(sim_name, {})
+        outcome = wire.get("by_outcome", {})
+        live = state.get((scope, source))
+        if live is None:
+            limit, breaker, paced = "-", "-", "-"
+        else:
+            limit = f"{live.limit:.1f} / {max_concurrency.get(source, '?')}"
+            breaker = live.breaker.replace("_", "-")
+            if live.reopen_in_s is not None:
+                breaker += f" {live.reopen_in_s:.1f} s"
+            paced = render.fmt_seconds(live.paced_for_s)
         table.add_row(
-            name,
-            str(s["requests"]),
+            scope,
+            source,
+            str(wire.get("requests", 0)),
             str(outcome.get("ok", 0)),
-            f"{outcome.get('429', 0)} ({limits.get('rpm', 0)} / {limits.get('random', 0)} / "
-            f"{limits.get('concurrency', 0)})",
+            str(outcome.get("429", 0)),
             str(outcome.get("5xx", 0)),
             str(outcome.get("reset", 0)),
+            limit,
+            breaker,
+            paced,
         )
     return table
+
+
+LEGEND = (
+    "p50 / p99 ms: median / 99th-percentile latency, per client of whole calls, "
+    "per source of one attempt",
+    "retries: attempts that were a call's 2nd or later try; transient: 5xx, resets, timeouts",
+    "requests .. resets: what the simulator itself answered; "
+    "breaker 'open 2.9 s': it reopens in 2.9 s",
+    "limit / max: AIMD concurrency limit (+1/limit per success, x0.7 on a 429 or 503) "
+    "/ max_concurrency",
+    "paced for: time before the source may be called again, from its last 429's Retry-After",
+)
+"""One line per figure of the last screen that its column title does not explain."""
