@@ -28,12 +28,13 @@ $(DEMO_STAMP): $(VENV)/bin/python pyproject.toml
 
 install-demo: $(DEMO_STAMP)
 
-# Debian's redis-server for the real-Redis fixture; installed only when missing.
+# Debian's redis-server (and redis-sentinel, for the Sentinel failover tests) for the
+# real-Redis fixtures; installed only when missing.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (Debian)"; \
+	@command -v redis-server >/dev/null 2>&1 && command -v redis-sentinel >/dev/null 2>&1 || { \
+	  echo "installing redis-server and redis-sentinel (Debian)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-sentinel >/dev/null; }
 
 lint: install
 	$(VENV)/bin/ruff format --check src tests bench tools

@@ -38,6 +38,9 @@ GATEWAY_NOTES: dict[str, str] = {
     "backend": '"memory" (one process) or "redis" (a fleet shares one budget)',
     "redis_url": "backend redis; a password in it is masked when printed",
     "redis_socket_timeout_s": "a slower Redis operation fails (and the call fails closed)",
+    "redis_mode": '"standalone", "cluster" (redis_url: any node) or "sentinel"',
+    "redis_sentinels": 'sentinel mode: ["host:26379", ...]; redis_url = "redis://:PW@/DB"',
+    "redis_sentinel_master": "sentinel mode: the name the Sentinels monitor the primary under",
     "transport": '"httpx" or "aiohttp" (the aiohttp extra)',
     "stall_window_s": "non-productive waiting per call (<= 3600)",
     "max_attempts": "failed attempts (429 excepted in chat) before retry_exhausted",
@@ -156,6 +159,8 @@ def toml_value(value: Any) -> str:
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         return f'"{escaped}"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     if isinstance(value, Mapping):
         if not value:
             return "{}"

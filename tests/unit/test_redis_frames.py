@@ -73,6 +73,10 @@ class FakeWire:
         self.written.append(data)
         on_reply(self._replies.pop(0))
 
+    def route(self, scope: str) -> FakeWire:
+        """One server (the backend's ``Topology``)."""
+        return self
+
     async def drain(self) -> None:
         """Nothing is ever due."""
 

@@ -29,8 +29,8 @@ __all__ = ["shared_backend"]
 _MEMORY: dict[int, Backend] = {}
 """``id(settings)`` -> its memory backend, for as long as the settings object lives."""
 
-_REDIS: dict[str, Backend] = {}
-"""Redis URL (password included, never printed) -> its backend."""
+_REDIS: dict[tuple[str, str, tuple[str, ...], str], Backend] = {}
+"""Redis URL (password included, never printed) and topology -> its backend."""
 
 
 def shared_backend(settings: GatewaySettings) -> Backend:
@@ -48,13 +48,15 @@ def shared_backend(settings: GatewaySettings) -> Backend:
             weakref.finalize(settings, _MEMORY.pop, key, None)
         return backend
     url = settings.get_redis_url()
-    backend = _REDIS.get(url)
+    sentinels = tuple(settings.redis_sentinels)
+    topology = (url, settings.redis_mode, sentinels, settings.redis_sentinel_master)
+    backend = _REDIS.get(topology)
     if backend is None:
-        backend = _REDIS[url] = _redis_backend(url, settings.redis_socket_timeout_s)
+        backend = _REDIS[topology] = _redis_backend(url, settings)
     return backend
 
 
-def _redis_backend(url: str, socket_timeout_s: float) -> Backend:
+def _redis_backend(url: str, settings: GatewaySettings) -> Backend:
     """A ``RedisBackend``, imported only now; ``ConfigError`` says which extra is missing."""
     try:
         module = importlib.import_module("polygateway.backends.redis")
@@ -64,5 +66,11 @@ def _redis_backend(url: str, socket_timeout_s: float) -> Backend:
             'backend = "redis" needs the redis extra: install polygateway[redis]',
             field="backend",
         ) from exc
-    backend: Backend = backend_cls(url, socket_timeout_s=socket_timeout_s)
+    backend: Backend = backend_cls(
+        url,
+        socket_timeout_s=settings.redis_socket_timeout_s,
+        mode=settings.redis_mode,
+        sentinels=settings.redis_sentinels,
+        sentinel_master=settings.redis_sentinel_master,
+    )
     return backend

@@ -7,11 +7,12 @@ file and hands its values to the constructor as the lowest-precedence source.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     Field,
@@ -44,10 +45,78 @@ from polygateway.config.masking import mask_url
 from polygateway.config.models import NAME_RE, ScopeConfig, config_problem
 from polygateway.errors import ConfigError
 
-__all__ = ["PROGRESS_TTL_S", "GatewaySettings"]
+__all__ = [
+    "PROGRESS_TTL_S",
+    "GatewaySettings",
+    "RedisMode",
+    "redis_topology_problem",
+    "sentinel_address",
+]
 
 PROGRESS_TTL_S = 3600.0
 """Lifetime of the fleet-wide progress key; a longer stall window could never see progress."""
+
+
+RedisMode = Literal["standalone", "cluster", "sentinel"]
+
+
+def sentinel_address(value: str) -> tuple[str, int]:
+    """A Sentinel's ``host:port`` (``[v6]:port``) as ``(host, port)``; else ``ValueError``."""
+    host, colon, port = value.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a Sentinel is host:port with a port in 1-65535, not {value!r}")
+    return host, int(port)
+
+
+def redis_topology_problem(
+    mode: str, url: str, sentinels: Sequence[str], master: str | None
+) -> tuple[str, str] | None:
+    """What makes a Redis topology unusable, as ``(field, message)``; ``None`` when it is fine.
+
+    The one rule for the settings (at load) and for a ``RedisBackend`` built in
+    code. Messages never quote the URL (it may hold a password).
+    """
+    if mode != "sentinel" and (sentinels or master):
+        name = "redis_sentinels" if sentinels else "redis_sentinel_master"
+        return name, f'{name} is only read with redis_mode = "sentinel" (redis_mode is {mode!r})'
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None  # the backend's URL parser says what is wrong with it
+    if mode == "cluster":
+        if parts.scheme == "unix":
+            return "redis_url", (
+                'redis_mode = "cluster" needs a redis:// or rediss:// seed node: cluster nodes '
+                "are discovered by TCP address, not through a unix socket"
+            )
+        db = dict(parse_qsl(parts.query)).get("db") or parts.path.replace("/", "") or "0"
+        if db != "0":
+            return "redis_url", (
+                f'redis_mode = "cluster" has only database 0; redis_url selects database {db}'
+            )
+    if mode == "sentinel":
+        if not sentinels:
+            return "redis_sentinels", (
+                'redis_mode = "sentinel" needs redis_sentinels = ["host:26379", ...]'
+            )
+        if not master:
+            return "redis_sentinel_master", (
+                'redis_mode = "sentinel" needs redis_sentinel_master, the name the Sentinels '
+                "monitor the primary under"
+            )
+        for sentinel in sentinels:
+            try:
+                sentinel_address(sentinel)
+            except ValueError as exc:
+                return "redis_sentinels", str(exc)
+        if parts.scheme == "unix" or host is not None or port is not None:
+            return "redis_url", (
+                'with redis_mode = "sentinel" the Sentinels name the primary: redis_url carries '
+                "only the password and database (redis://:PASSWORD@/DB), no host, port or socket"
+            )
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +181,9 @@ class GatewaySettings(BaseSettings):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     redis_socket_timeout_s: PositiveFloat = 1.0
+    redis_mode: RedisMode = "standalone"
+    redis_sentinels: list[str] = Field(default_factory=list)
+    redis_sentinel_master: str = ""
     transport: Literal["httpx", "aiohttp"] = "httpx"
     stall_window_s: PositiveFloat = 300.0
     max_attempts: PositiveInt = 3
@@ -148,6 +220,7 @@ class GatewaySettings(BaseSettings):
         }
         check_env_names(type(self).model_fields, key_names, env_file, settings_cls=GatewaySettings)
         self._check_stall_covers_ttft(origin("stall_window_s"))
+        self._check_redis_topology(origin)
         # .env is read with GatewaySettings' own configuration, as for the class itself.
         resolved = resolve_api_keys(self.scopes, env_file, path, settings_cls=GatewaySettings)
         if resolved is not self.scopes:
@@ -280,6 +353,16 @@ class GatewaySettings(BaseSettings):
                 env=env,
             )
 
+    def _check_redis_topology(self, origin: Callable[[str], Origin]) -> None:
+        """Refuse a Redis topology that cannot work (``redis_topology_problem``), at load."""
+        problem = redis_topology_problem(
+            self.redis_mode, self.get_redis_url(), self.redis_sentinels, self.redis_sentinel_master
+        )
+        if problem is not None:
+            field, message = problem
+            path, env = origin(field)
+            raise ConfigError(message, field=field, path=path, env=env)
+
     def scope(self, name: str) -> ScopeConfig:
         """The scope called ``name``; ``ConfigError`` naming it and the known scopes when absent."""
         try:
@@ -293,7 +376,13 @@ class GatewaySettings(BaseSettings):
             ) from None
 
     def get_redis_url(self) -> str:
-        """The real Redis URL, password included: for the Redis client only, never for printing."""
+        """The real Redis URL, password included: for the Redis client only, never for printing.
+
+        With ``redis_mode = "sentinel"`` and no ``redis_url`` given, ``redis:///0``:
+        the default URL's host is not the primary (the Sentinels name it).
+        """
+        if self.redis_mode == "sentinel" and "redis_url" not in self.model_fields_set:
+            return "redis:///0"
         return self.redis_url.get_secret_value()
 
     @property

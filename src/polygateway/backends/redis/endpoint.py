@@ -74,6 +74,8 @@ class Endpoint:
     tls: ssl.SSLContext | None = None
     connect_timeout_s: float | None = None
     """Bounds making a connection: the socket, TLS, and the first commands' replies."""
+    primary_only: bool = False
+    """Refuse a server whose ``ROLE`` is not ``master`` (behind Sentinel, a demoted primary)."""
 
     @property
     def address(self) -> str:
@@ -174,9 +176,15 @@ class Endpoint:
 
         Raises:
             ValueError: connections of a class other than redis-py's three
-                (TCP, TLS, unix socket), or a connect callback of its own.
+                (TCP, TLS, unix socket), a connect callback of its own, or a
+                client without a connection pool (``RedisCluster``).
         """
-        pool = client.connection_pool
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:
+            raise ValueError(
+                f"an injected {type(client).__name__} is not supported (a RedisCluster has no"
+                ' connection pool of its own): pass its URL with redis_mode = "cluster" instead'
+            )
         kind = pool.connection_class
         kwargs: Mapping[str, Any] = pool.connection_kwargs
         if kind not in _CONNECTIONS or kwargs.get("redis_connect_func") is not None:

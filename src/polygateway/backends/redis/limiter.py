@@ -34,6 +34,17 @@ the one boundary where redis exceptions are translated); no request goes
 upstream ungoverned. The password of the URL never appears in a message or
 repr.
 
+Topologies (``redis_mode``): one server (a ``Wire``), a Redis Cluster
+(``cluster.py``: each scope's commands go to the node owning its slot,
+redirections followed) or a primary found through Sentinel
+(``sentinel.py``). In the last two a server silent while replies are due is
+given up after one socket timeout rather than ``_LATE_REPLY_S``: another
+server may be serving already. A release that fails for want of a server
+(connection lost or refused, a cluster or primary in transition) is written
+again, with a growing pause, until its lease would have expired anyway: a
+lease id is released once, whoever runs it twice, so the permit is freed on
+whichever primary serves next instead of being lost for a lease's TTL.
+
 Late replies: an operation's caller waits for its reply at most
 ``socket_timeout_s`` (``_wait``, ``bounded.py``). A caller that stops waiting
 (its timeout, or its own cancellation) leaves the operation behind: the
@@ -58,7 +69,9 @@ from typing import Any, Literal, TypeVar, cast
 
 try:
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisError, ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "RedisBackend needs the redis client: pip install 'polygateway[redis]'"
@@ -76,11 +89,14 @@ from polygateway.backends.base import (
 )
 from polygateway.backends.redis import codec, scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
+from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
+from polygateway.backends.redis.sentinel import SentinelPrimary
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
-from polygateway.backends.redis.wire import Arg, Script, Wire, bulk, bulks, command
+from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
 from polygateway.backends.waiting import WaitingRoom
 from polygateway.config import PROGRESS_TTL_S
+from polygateway.config.settings import RedisMode, redis_topology_problem, sentinel_address
 from polygateway.errors import ConfigError, GovernanceBackendError
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
 from polygateway.governance.pacer import pause_for
@@ -126,6 +142,12 @@ process's concurrent acquires per scope below this, so a burst of calls
 reaches Redis as a stream of acquires, not all at once (only the head of a
 waiting room asks while calls wait). With an injected client: its pool size.
 """
+
+_RELEASE_RETRY_FIRST_S = 0.05
+"""The first pause before a failed release is written again; it doubles up to the socket timeout."""
+
+_IN_TRANSITION = ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+"""Error replies of a server that may serve the same command shortly (a release is retried)."""
 
 _MAX_SPEC_CACHE = 1024
 """Specs (and sources' keys) kept packed; configs hold a few dozen, so this only bounds misuse."""
@@ -179,12 +201,18 @@ class RedisBackend:
             credentials, database; ``Endpoint.of_client``) and whose pool size is
             ``max_inflight_ops``; the backend never uses the client itself, its
             owner closes it, and ``url`` then only names it in messages.
+        mode: ``"standalone"``; ``"cluster"`` (``url`` names any node, the
+            others are discovered); ``"sentinel"`` (``url`` carries only the
+            password and database; the Sentinels name the primary).
+        sentinels: ``host:port`` of each Sentinel (``mode="sentinel"`` only).
+        sentinel_master: the name the Sentinels monitor the primary under.
     """
 
     __slots__ = (
         "_deadlines",
         "_max_inflight_ops",
         "_now",
+        "_retries",
         "_rooms",
         "_scope_keys",
         "_scripts",
@@ -206,6 +234,9 @@ class RedisBackend:
         socket_timeout_s: float = 1.0,
         now: Callable[[], float] | None = None,
         client: aioredis.Redis | None = None,
+        mode: RedisMode = "standalone",
+        sentinels: Sequence[str] = (),
+        sentinel_master: str | None = None,
     ) -> None:
         self._url = mask_url(url)
         self._secrets = secrets_of(url)
@@ -214,6 +245,11 @@ class RedisBackend:
                 f"socket_timeout_s must be positive, not {socket_timeout_s!r}",
                 field="redis_socket_timeout_s",
             )
+        problem = redis_topology_problem(mode, url, tuple(sentinels), sentinel_master)
+        if problem is None and client is not None and mode != "standalone":
+            problem = ("redis_mode", f"redis_mode = {mode!r} takes a URL, not a client")
+        if problem is not None:
+            raise ConfigError(problem[1], field=problem[0])
         # socket_timeout_s (or an injected client's own connect timeout) bounds connecting:
         # the socket, TLS and the login. Afterwards callers wait socket_timeout_s (``_wait``),
         # and a late reply is still read and acted on until the connection has been silent
@@ -241,9 +277,24 @@ class RedisBackend:
             "progress_age_s": _script(scripts.PROGRESS),
             "snapshot": _script(scripts.SNAPSHOT),
         }
-        self._wire = Wire(
-            endpoint, late_reply_s=_LATE_REPLY_S, scripts=tuple(self._scripts.values())
-        )
+        loaded = tuple(self._scripts.values())
+        self._wire: Topology
+        if mode == "cluster":
+            self._wire = Cluster(
+                endpoint, late_reply_s=socket_timeout_s, scripts=loaded, timeout_s=socket_timeout_s
+            )
+        elif mode == "sentinel":
+            self._wire = SentinelPrimary(
+                [sentinel_address(s) for s in sentinels],
+                cast(str, sentinel_master),
+                endpoint,
+                late_reply_s=socket_timeout_s,
+                scripts=loaded,
+                timeout_s=socket_timeout_s,
+            )
+        else:
+            self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)
+        self._retries: set[asyncio.TimerHandle] = set()
         self._rooms: dict[str, WaitingRoom] = {}
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
@@ -319,7 +370,7 @@ class RedisBackend:
         reply = Reply(
             asyncio.get_running_loop().create_future(), late, operation, scope, self._late_failure
         )
-        self._wire.send(data, reply, script)
+        self._wire.route(scope).send(data, reply, script)
         return self._wait(operation, scope, reply, parse)
 
     async def _wait(
@@ -479,14 +530,31 @@ class RedisBackend:
         """
         reply = self._release(lease, outcome)
         if reply is not None and reply.late is not None:
-            await self._wait("release", lease.scope, reply, reply.late)
+            try:
+                await self._wait("release", lease.scope, reply, reply.late)
+            except GovernanceBackendError:
+                # Its reply was a failure (a timeout leaves it to the reply's own ``failed``).
+                if reply.waiter is not None and reply.waiter.done():
+                    cause = reply.waiter.result()
+                    if isinstance(cause, BaseException) and _worth_retrying(cause):
+                        self._retry_release(lease, outcome, None, _RELEASE_RETRY_FIRST_S)
+                raise
 
     def _release(
-        self, lease: Lease, outcome: AttemptOutcome, *, waited: bool = True
+        self,
+        lease: Lease,
+        outcome: AttemptOutcome,
+        *,
+        waited: bool = True,
+        deadline: float | None = None,
+        pause_s: float = _RELEASE_RETRY_FIRST_S,
     ) -> Reply | None:
         """Write a RELEASE; ``None``, or the ``Reply`` to wait for when it could only be queued.
 
-        ``waited=False``: nobody will wait (a late grant given back), queued or not.
+        ``waited=False``: nobody will wait (a late grant given back, a retry),
+        queued or not. A failure for want of a server writes it again
+        (``_retry_release``) until ``deadline`` (the event loop's time; by default
+        the lease's TTL from its first failure).
         """
         scope = lease.scope
         pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
@@ -509,12 +577,47 @@ class RedisBackend:
                     room.notify()
 
         # Written at once on an open connection: nobody waits. Else queued: the caller waits.
-        queued = waited and not self._wire.writable
+        def failed(operation: str, scope: str, exc: BaseException) -> None:
+            if _worth_retrying(exc) and self._retry_release(lease, outcome, deadline, pause_s):
+                if deadline is None:  # its first failure: said once, not at every retry
+                    logger.warning(
+                        "%s (written again until it succeeds or its lease expires)",
+                        self._translate("release", scope, exc),
+                    )
+                return
+            self._late_failure(operation, scope, exc)
+
+        wire = self._wire.route(scope)
+        queued = waited and not wire.writable
         waiter = asyncio.get_running_loop().create_future() if queued else None
-        reply = Reply(waiter, freed, "release", scope, self._late_failure)
+        reply = Reply(waiter, freed, "release", scope, failed)
         script = self._scripts["release"]
-        self._wire.send(script.command(keys, argv), reply, script)
+        wire.send(script.command(keys, argv), reply, script)
         return None if waiter is None else reply
+
+    def _retry_release(
+        self, lease: Lease, outcome: AttemptOutcome, deadline: float | None, pause_s: float
+    ) -> bool:
+        """Write a failed release again after ``pause_s``; ``False`` once its lease has expired."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + lease.ttl_s
+        if loop.time() + pause_s >= deadline:
+            return False
+
+        def again() -> None:
+            self._retries.discard(handle)
+            self._release(
+                lease,
+                outcome,
+                waited=False,
+                deadline=deadline,
+                pause_s=min(pause_s * 2, self._timeout_s),
+            )
+
+        handle = loop.call_later(pause_s, again)
+        self._retries.add(handle)
+        return True
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a live lease by its TTL from now in one RENEW run."""
@@ -581,7 +684,17 @@ class RedisBackend:
         answer a closing backend, and what it runs later frees itself at lease
         expiry. An injected client stays its owner's to close.
         """
+        for handle in self._retries:
+            handle.cancel()  # a closing backend stops writing; the leases expire
+        self._retries.clear()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._timeout_s):
                 await self._wire.drain()
         await self._wire.aclose()
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """Whether a release that failed so may succeed when written again (no server, for now)."""
+    if isinstance(exc, ResponseError):
+        return str(exc).startswith(_IN_TRANSITION)
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError))

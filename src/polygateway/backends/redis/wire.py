@@ -62,6 +62,13 @@ classes, nothing else. What this module does:
   gone without a reset) has its connection closed by a watchdog: what was
   pending fails with ``ConnectionError`` and the next command reconnects. So
   does a reply out of step or a byte stream ``hiredis`` cannot parse.
+- Topologies (``Topology``): a ``Wire`` is the topology of one server. A
+  Redis Cluster (``cluster.py``) holds a ``Wire`` per node and gives each a
+  ``Redirect``: an error reply it names (``MOVED``, ``ASK``, ``TRYAGAIN``,
+  ``READONLY``) goes to it with the command, instead of to the command's
+  callback, to be sent again where it belongs. Behind Sentinel
+  (``sentinel.py``) the wire asks where the primary is (``locate``) before
+  each connection, and refuses a server that is not a primary (``ROLE``).
 
 Timeouts of callers are not this module's (``bounded.Deadlines``).
 """
@@ -74,8 +81,8 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, Final, NewType, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, NewType, Protocol, cast
 
 import hiredis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
@@ -84,7 +91,20 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from polygateway.backends.redis.endpoint import Endpoint
 
-__all__ = ["Arg", "Link", "OnReply", "Script", "Wire", "bulk", "bulks", "command", "handshake"]
+__all__ = [
+    "Arg",
+    "Link",
+    "Locate",
+    "OnReply",
+    "Redirect",
+    "Script",
+    "Topology",
+    "Wire",
+    "bulk",
+    "bulks",
+    "command",
+    "handshake",
+]
 
 logger = logging.getLogger("polygateway.backends.redis")
 
@@ -97,6 +117,15 @@ _KEEPALIVE: Final = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT",
 
 OnReply = Callable[[Any], None]
 """Called once with a command's reply: a value, or an exception (error reply, lost link)."""
+
+Redirect = Callable[[ResponseError, bytes, "OnReply", "Script | None"], None]
+"""Takes an error reply that says the command belongs elsewhere, with the command, to send it on."""
+
+REDIRECTS: Final = ("MOVED ", "ASK ", "TRYAGAIN", "READONLY")
+"""The error replies a ``Redirect`` is given (Cluster redirections, a demoted primary)."""
+
+Locate = Callable[[], Awaitable[Endpoint]]
+"""Where the server is now: asked before each new connection (Sentinel's current primary)."""
 
 Arg = NewType("Arg", bytes)
 """One command argument, packed (a RESP bulk string): a command counts its ``Arg``s."""
@@ -118,12 +147,19 @@ def command(*args: str) -> bytes:
     return b"".join((b"*%d\r\n" % len(args), *map(bulk, args)))
 
 
-def handshake(credentials: tuple[str, str] | None, db: int, client_name: str | None) -> list[bytes]:
+def handshake(
+    credentials: tuple[str, str] | None,
+    db: int,
+    client_name: str | None,
+    *,
+    primary_only: bool = False,
+) -> list[bytes]:
     """What a new connection sends first: ``HELLO 2 [AUTH user password] [SETNAME name]``, SELECT.
 
     ``HELLO`` rather than ``AUTH``: it logs in a ``default`` user that has no
     password whatever password is given (``AUTH`` would refuse one), and on a
     server that wants a password it fails at once, before any script runs.
+    ``primary_only`` adds ``ROLE``, whose reply must say ``master``.
     """
     hello = ["HELLO", "2"]
     if credentials is not None:
@@ -133,6 +169,8 @@ def handshake(credentials: tuple[str, str] | None, db: int, client_name: str | N
     commands = [command(*hello)]
     if db:
         commands.append(command("SELECT", str(db)))
+    if primary_only:
+        commands.append(command("ROLE"))
     return commands
 
 
@@ -172,15 +210,24 @@ class Link(asyncio.Protocol):
         "_drained",
         "_heard",
         "_late_reply_s",
+        "_on_down",
         "_parser",
         "_pending",
+        "_redirect",
         "_transport",
         "_watchdog",
         "open",
     )
 
-    def __init__(self, late_reply_s: float) -> None:
+    def __init__(
+        self,
+        late_reply_s: float,
+        redirect: Redirect | None = None,
+        on_down: Callable[[], None] | None = None,
+    ) -> None:
         self._late_reply_s = late_reply_s
+        self._redirect = redirect
+        self._on_down = on_down
         self._parser = hiredis.Reader(replyError=ResponseError, notEnoughData=_INCOMPLETE)
         self._pending: deque[_Pending] = deque()
         self._transport: asyncio.Transport | None = None
@@ -220,15 +267,16 @@ class Link(asyncio.Protocol):
                 self._fail("a reply nobody asked for")
                 return
             on_reply, data_sent, script = pending.popleft()
-            if (
-                script is not None
-                and type(reply) is ResponseError
-                and str(reply).startswith("NOSCRIPT")
-            ):
-                # Flushed or restarted: load the script and run the command once more.
-                self.send(script.load, _ignore)
-                self.send(data_sent, on_reply)
-                continue
+            if type(reply) is ResponseError:
+                message = str(reply)
+                if script is not None and message.startswith("NOSCRIPT"):
+                    # Flushed or restarted: load the script and run the command once more.
+                    self.send(script.load, _ignore)
+                    self.send(data_sent, on_reply)
+                    continue
+                if self._redirect is not None and message.startswith(REDIRECTS):
+                    self._redirect(reply, data_sent, on_reply, script)
+                    continue
             on_reply(reply)
         if pending:
             self._heard = self._clock()  # the server speaks: silence counts from now
@@ -249,6 +297,8 @@ class Link(asyncio.Protocol):
             on_reply(RedisConnectionError(reason))
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
+        if self._on_down is not None:
+            self._on_down()
 
     def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> None:
         """Write a command; its reply (or the link's failure) goes to ``on_reply``."""
@@ -328,7 +378,12 @@ def _refused(reply: ResponseError) -> RedisError:
 
 async def _greet(endpoint: Endpoint, link: Link) -> None:
     """Send the handshake's commands pipelined; raise the first refusal once all have replied."""
-    commands = handshake(await endpoint.credentials(), endpoint.db, endpoint.client_name)
+    commands = handshake(
+        await endpoint.credentials(),
+        endpoint.db,
+        endpoint.client_name,
+        primary_only=endpoint.primary_only,
+    )
     replies: list[Any] = []
     answered = asyncio.get_running_loop().create_future()
 
@@ -345,22 +400,88 @@ async def _greet(endpoint: Endpoint, link: Link) -> None:
             raise _refused(reply)
         if isinstance(reply, Exception):
             raise reply
+    if endpoint.primary_only:
+        role = replies[-1][0] if isinstance(replies[-1], list) and replies[-1] else b"?"
+        if role != b"master":
+            # A demoted primary that Sentinel still named, or a replica: never write to it.
+            raise RedisConnectionError(
+                f"{endpoint.address} is not the primary (its role is {role.decode()!r})"
+            )
+
+
+class Topology(Protocol):
+    """Where a scope's commands go: one server's ``Wire``, or the Cluster node owning it."""
+
+    def route(self, scope: str) -> Wire:
+        """The wire that carries ``scope``'s commands now."""
+        ...
+
+    async def drain(self) -> None:
+        """Return once no reply is due anywhere."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every connection; what is pending or queued fails with ``ConnectionError``."""
+        ...
 
 
 class Wire:
-    """One pipelined connection to ``endpoint``, remade when lost."""
+    """One pipelined connection to ``endpoint``, remade when lost; the topology of one server.
 
-    __slots__ = ("_connecting", "_endpoint", "_late_reply_s", "_link", "_queue", "_scripts")
+    Args:
+        locate: asked for the endpoint before each new connection (the current
+            primary behind Sentinel), instead of ``endpoint``; its failure fails
+            the commands queued, as a failed connect does.
+        redirect: given the error replies of ``REDIRECTS`` (see the module docstring).
+        on_down: told when a connection could not be made or was lost.
+    """
+
+    __slots__ = (
+        "_connecting",
+        "_endpoint",
+        "_late_reply_s",
+        "_link",
+        "_locate",
+        "_on_down",
+        "_queue",
+        "_redirect",
+        "_scripts",
+    )
 
     def __init__(
-        self, endpoint: Endpoint, *, late_reply_s: float, scripts: Sequence[Script] = ()
+        self,
+        endpoint: Endpoint,
+        *,
+        late_reply_s: float,
+        scripts: Sequence[Script] = (),
+        locate: Locate | None = None,
+        redirect: Redirect | None = None,
+        on_down: Callable[[], None] | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._late_reply_s = late_reply_s
         self._scripts = tuple(scripts)
+        self._locate = locate
+        self._redirect = redirect
+        self._on_down = on_down
         self._link: Link | None = None
         self._queue: list[_Pending] = []
         self._connecting: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The server this wire connects to (behind Sentinel: the one it last connected to)."""
+        return self._endpoint
+
+    def route(self, scope: str) -> Wire:
+        """One server carries every scope."""
+        return self
+
+    def abandon(self) -> None:
+        """Close the connection (a demoted primary): what is pending fails; the next reconnects."""
+        link = self._link
+        if link is not None:
+            link.close()
 
     @property
     def writable(self) -> bool:
@@ -387,7 +508,9 @@ class Wire:
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
     async def _open(self, link: Link) -> None:
-        """Connect and greet within the endpoint's connect timeout."""
+        """Connect and greet within the endpoint's connect timeout (after locating the server)."""
+        if self._locate is not None:
+            self._endpoint = await self._locate()
         endpoint = self._endpoint
         try:
             async with asyncio.timeout(endpoint.connect_timeout_s):
@@ -397,11 +520,13 @@ class Wire:
             raise RedisTimeoutError("Timeout connecting to server") from exc
 
     async def _connect(self) -> None:
-        link = Link(self._late_reply_s)
+        link = Link(self._late_reply_s, self._redirect, self._on_down)
         try:
             await self._open(link)
         except BaseException as exc:
             link.close()
+            if self._on_down is not None and isinstance(exc, Exception):
+                self._on_down()
             error: BaseException = exc
             if isinstance(exc, asyncio.CancelledError):
                 error = RedisConnectionError("the backend closed while connecting")

@@ -1,0 +1,354 @@
+"""Redis Cluster: each scope's commands go to the node that owns its hash slot.
+
+Every key of a scope carries the hash tag ``{scope}`` (``codec.key``), so a
+scope lives in one slot, on one node, and each of its scripts runs there
+whole: a call still costs two round trips (acquire, release), pipelined on
+that node's ``Wire``. ``Cluster`` is the backend's ``Topology``: a ``Wire``
+per node, made on first use, and a slot map (16384 slots to the primary
+serving each), read with ``CLUSTER SHARDS`` (``CLUSTER SLOTS`` before Redis 7).
+
+Redirections are followed the way Redis's cluster specification asks
+(each node's ``Wire`` hands them here, with the command, instead of to the
+command's callback):
+
+- ``MOVED slot host:port``: the slot has a new owner. The map learns it at
+  once, the command is sent there, and the whole map is read again in the
+  background (a resharding seldom moves one slot alone).
+- ``ASK slot host:port``: the slot is migrating and the node that answered
+  lacks one of the keys; the command is sent once to the named node behind
+  ``ASKING``, and the map is left alone.
+- ``TRYAGAIN``: the migrating node has some of the keys the script names
+  but not all (Redis 7), or the importing node, after ``ASK``, lacks some
+  (scripts name keys that may not exist yet, so during a migration of its
+  slot a scope mostly sees this). The command is sent again to the slot's
+  owner after a short pause that doubles each time: the scope waits until
+  the migration of its keys ends (milliseconds for a scope's few keys).
+
+Each command follows at most ``_MAX_REDIRECTS`` redirections; then its last
+reply is its answer (the backend fails closed with it). A redirected command
+is sent on from the reply's callback, before anything else is written, so
+the commands of one scope reach their new node in the order they were sent.
+
+A node that cannot be reached, or whose connection is lost, makes the map be
+read again from any node that answers (the seed node last), so a failover
+inside the cluster is followed as soon as the cluster has promoted a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Final
+
+from redis.crc import key_slot
+from redis.exceptions import RedisError, ResponseError
+
+from polygateway.backends.redis import codec
+from polygateway.backends.redis.endpoint import Endpoint
+from polygateway.backends.redis.wire import OnReply, Script, Wire, command
+
+__all__ = ["SLOTS", "Cluster", "read_shards", "read_slots"]
+
+logger = logging.getLogger("polygateway.backends.redis")
+
+SLOTS: Final = 16384
+_MAX_REDIRECTS: Final = 32
+"""Redirections one command follows; TRYAGAIN pauses add up to about 6 s before that."""
+_TRYAGAIN_FIRST_S: Final = 0.01
+_TRYAGAIN_MAX_S: Final = 0.2
+_ASKING: Final = command("ASKING")
+_SHARDS: Final = command("CLUSTER", "SHARDS")
+_SLOTS: Final = command("CLUSTER", "SLOTS")
+_MAX_SCOPES: Final = 4096
+"""Scopes whose slot is kept computed; configs hold a few, so this only bounds misuse."""
+
+Address = tuple[str, int]
+Ranges = list[tuple[int, int, Address]]
+"""``(first slot, last slot, primary's address)``, as a slot map is read."""
+
+
+class _Hop:
+    """A redirected command's callback: the original one, and how far the command has come."""
+
+    __slots__ = ("hops", "on_reply", "slot")
+
+    def __init__(self, on_reply: OnReply, slot: int, hops: int) -> None:
+        self.on_reply = on_reply
+        self.slot = slot
+        self.hops = hops
+
+    def __call__(self, reply: Any) -> None:
+        self.on_reply(reply)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
+    """A RESP2 map (a flat list of names and values) as a dict keyed by name."""
+    return {codec.text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+def _host(endpoint: Any, ip: Any, replier: str) -> str | None:
+    """The address to reach a node at: its endpoint, its IP, or the node that answered ("")."""
+    for value in (endpoint, ip):
+        if value is None:
+            continue
+        text = codec.text(value)
+        if text == "?":
+            continue
+        return text or replier
+    return None
+
+
+def read_shards(reply: Sequence[Any], replier: str, *, tls: bool) -> Ranges:
+    """``CLUSTER SHARDS``'s reply as slot ranges of each shard's online primary."""
+    ranges: Ranges = []
+    for shard in reply:
+        fields = _pairs(shard)
+        slots = [int(slot) for slot in fields.get("slots", ())]
+        for node in fields.get("nodes", ()):
+            info = _pairs(node)
+            if codec.text(info.get("role", "")) != "master":
+                continue
+            if codec.text(info.get("health", "online")) != "online":
+                continue
+            port = info.get("tls-port" if tls else "port") or info.get("port")
+            host = _host(info.get("endpoint"), info.get("ip"), replier)
+            if host is None or port is None:
+                continue
+            ranges += (
+                (slots[i], slots[i + 1], (host, int(port))) for i in range(0, len(slots) - 1, 2)
+            )
+            break
+    return ranges
+
+
+def read_slots(reply: Sequence[Any], replier: str) -> Ranges:
+    """``CLUSTER SLOTS``'s reply (Redis before 7) as slot ranges of their primaries."""
+    ranges: Ranges = []
+    for row in reply:
+        first, last, primary = int(row[0]), int(row[1]), row[2]
+        host = _host(primary[0], None, replier)
+        if host is not None:
+            ranges.append((first, last, (host, int(primary[1]))))
+    return ranges
+
+
+class Cluster:
+    """A Redis Cluster as the backend's ``Topology``: a ``Wire`` per node, routed by slot.
+
+    Args:
+        seed: any node of the cluster; every other is made like it (TLS,
+            credentials, timeouts), at the address the slot map gives.
+        late_reply_s: each node's ``Wire`` silence bound.
+        scripts: loaded on every new connection of every node.
+        timeout_s: how long reading the slot map from one node may take.
+    """
+
+    __slots__ = (
+        "_again",
+        "_closed",
+        "_late_reply_s",
+        "_owners",
+        "_refreshing",
+        "_scripts",
+        "_seed",
+        "_slots",
+        "_timeout_s",
+        "_wires",
+    )
+
+    def __init__(
+        self,
+        seed: Endpoint,
+        *,
+        late_reply_s: float,
+        scripts: Sequence[Script] = (),
+        timeout_s: float,
+    ) -> None:
+        self._seed = seed
+        self._late_reply_s = late_reply_s
+        self._scripts = tuple(scripts)
+        self._timeout_s = timeout_s
+        self._wires: dict[Address, Wire] = {}
+        self._owners: list[Wire | None] = [None] * SLOTS
+        self._slots: dict[str, int] = {}
+        self._refreshing: asyncio.Task[None] | None = None
+        self._again = False
+        self._closed = False
+
+    def route(self, scope: str) -> Wire:
+        """The wire of the node owning ``scope``'s slot (the seed's until the map is known)."""
+        slot = self._slots.get(scope)
+        if slot is None:
+            slot = self.slot_of(scope)
+        wire = self._owners[slot]
+        if wire is None:
+            self.refresh()
+            wire = self._wire((self._seed.host, self._seed.port))
+        return wire
+
+    def slot_of(self, scope: str) -> int:
+        """The hash slot of every key of ``scope`` (computed once per scope)."""
+        slot = key_slot(codec.key(scope, "sources").encode())
+        if len(self._slots) >= _MAX_SCOPES:
+            self._slots.clear()
+        self._slots[scope] = slot
+        return slot
+
+    def nodes(self) -> list[str]:
+        """The nodes owning slots now, as ``host:port``, in slot order."""
+        seen: dict[str, None] = {}
+        for wire in self._owners:
+            if wire is not None:
+                seen.setdefault(wire.endpoint.address)
+        return list(seen)
+
+    def _wire(self, address: Address) -> Wire:
+        wire = self._wires.get(address)
+        if wire is None:
+            host, port = address
+            wire = self._wires[address] = Wire(
+                replace(self._seed, host=host, port=port),
+                late_reply_s=self._late_reply_s,
+                scripts=self._scripts,
+                redirect=functools.partial(self._redirected, address),
+                on_down=self.refresh,
+            )
+        return wire
+
+    # -- redirections ------------------------------------------------------------------
+
+    def _redirected(
+        self, replier: Address, reply: ResponseError, data: bytes, on_reply: OnReply, script: Any
+    ) -> None:
+        """Send a command on where a ``MOVED``, ``ASK`` or ``TRYAGAIN`` reply says it belongs."""
+        kind, _, rest = str(reply).partition(" ")
+        hops = on_reply.hops + 1 if isinstance(on_reply, _Hop) else 1
+        original = on_reply.on_reply if isinstance(on_reply, _Hop) else on_reply
+        if kind == "READONLY" or hops > _MAX_REDIRECTS:
+            original(reply)  # a replica in a cluster is never a redirection of ours
+            return
+        if kind == "TRYAGAIN":
+            # From the migrating node (it has some of the keys) or, after ASK, the importing
+            # one: either way the slot's owner is asked again, which the map (or, before any
+            # redirection, the node that answered) says.
+            slot = on_reply.slot if isinstance(on_reply, _Hop) else -1
+            hop = _Hop(original, slot, hops)
+            delay = min(_TRYAGAIN_FIRST_S * 2 ** (hops - 1), _TRYAGAIN_MAX_S)
+            loop = asyncio.get_running_loop()
+            loop.call_later(delay, self._resend, replier, data, hop, script)
+            return
+        slot_text, _, address = rest.partition(" ")
+        host, _, port = address.rpartition(":")
+        try:
+            slot, target = int(slot_text), self._wire((host or replier[0], int(port)))
+        except ValueError:
+            original(reply)
+            return
+        hop = _Hop(original, slot, hops)
+        if kind == "MOVED":
+            self._owners[slot] = target
+            self.refresh()
+        else:
+            target.send(_ASKING, _ignore)
+        target.send(data, hop, script)
+
+    def _resend(self, replier: Address, data: bytes, hop: _Hop, script: Script | None) -> None:
+        """Send a command again to its slot's owner (after ``TRYAGAIN``)."""
+        wire = self._owners[hop.slot] if hop.slot >= 0 else None
+        (wire or self._wire(replier)).send(data, hop, script)
+
+    # -- the slot map ------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Read the slot map again in the background (once more after a reading under way)."""
+        if self._closed:
+            return
+        if self._refreshing is not None:
+            self._again = True  # what it reads may predate what asked for this one
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: at the next use
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        try:
+            self._again = False
+            await self._read_any()
+        finally:
+            self._refreshing = None
+        if self._again:
+            self.refresh()
+
+    async def _read_any(self) -> None:
+        """Read the map from the nodes owning slots, else the seed; the first answer wins."""
+        seed = (self._seed.host, self._seed.port)
+        owning = {id(wire) for wire in self._owners if wire is not None}
+        tried = [a for a, w in self._wires.items() if a != seed and id(w) in owning]
+        errors = []
+        for address in [*tried, seed]:
+            try:
+                ranges = await self._read_map(self._wire(address), address[0])
+            except (RedisError, OSError, ValueError, TypeError, IndexError) as exc:
+                errors.append(f"{address[0]}:{address[1]}: {type(exc).__name__}")
+                continue
+            if ranges:
+                self._apply(ranges)
+                return
+        logger.warning("cannot read the Redis Cluster's slot map (%s)", "; ".join(errors))
+
+    async def _read_map(self, wire: Wire, host: str) -> Ranges:
+        """The slot map as ``wire``'s node knows it: ``CLUSTER SHARDS``, else ``CLUSTER SLOTS``."""
+        reply = await self._ask(wire, _SHARDS)
+        if isinstance(reply, ResponseError):
+            reply = await self._ask(wire, _SLOTS)
+            if isinstance(reply, Exception):
+                raise reply
+            return read_slots(reply, host)
+        if isinstance(reply, Exception):
+            raise reply
+        return read_shards(reply, host, tls=self._seed.tls is not None)
+
+    async def _ask(self, wire: Wire, data: bytes) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def on_reply(reply: Any) -> None:
+            if not future.done():
+                future.set_result(reply)
+
+        wire.send(data, on_reply)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await future
+        except TimeoutError as exc:
+            raise RedisError(f"no reply within {self._timeout_s:g} s") from exc
+
+    def _apply(self, ranges: Ranges) -> None:
+        owners: list[Wire | None] = [None] * SLOTS
+        for first, last, address in ranges:
+            wire = self._wire(address)
+            for slot in range(max(first, 0), min(last, SLOTS - 1) + 1):
+                owners[slot] = wire
+        self._owners = owners
+
+    async def drain(self) -> None:
+        """Return once no reply is due on any node."""
+        for wire in list(self._wires.values()):
+            await wire.drain()
+
+    async def aclose(self) -> None:
+        """Close every node's connection (and stop reading the map)."""
+        self._closed = True
+        refreshing, self._refreshing = self._refreshing, None
+        if refreshing is not None:
+            refreshing.cancel()
+            with contextlib.suppress(BaseException):
+                await refreshing
+        for wire in list(self._wires.values()):
+            await wire.aclose()
+
+
+def _ignore(reply: Any) -> None:
+    """``ASKING``'s reply: if it failed, the command sent behind it says so."""

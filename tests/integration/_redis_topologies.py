@@ -1,0 +1,322 @@
+"""Real Redis topologies for the tests: a 3-master Cluster, a primary with a replica and a Sentinel.
+
+Every process listens on a free loopback port with its own temporary
+directory, and is stopped (thawed first when frozen) by the fixture that
+started it. Startup waits are bounded; a topology that does not come up
+fails the test with the servers' logs, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+_START_S = 15.0
+_STOP_S = 10.0
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def binary(name: str) -> str:
+    """The path of ``name``, or a failure naming the Debian package `make test` installs."""
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed; `make test` installs it (Debian)", pytrace=False)
+    return found
+
+
+class Process:
+    """One redis-server (or redis-sentinel) on 127.0.0.1: started, frozen, killed, stopped."""
+
+    def __init__(self, directory: Path, program: str, *args: str, config: str = "") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.port = free_port()
+        self.program = program
+        self.args = args
+        self.config = config
+        self.process: subprocess.Popen[bytes] | None = None
+        self.paused = False
+        self.log = directory / "log.txt"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self) -> redis.Redis:
+        """A synchronous client for setup and inspection."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5.0)
+
+    def start(self) -> None:
+        """Start it and wait (bounded) until it answers PING."""
+        argv = [binary(self.program)]
+        if self.config:
+            conf = self.directory / "redis.conf"
+            conf.write_text(self.config)
+            argv.append(str(conf))
+        argv += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory)]
+        argv += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.args]
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.paused = False
+        deadline = time.monotonic() + _START_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                with self.client() as client:
+                    if client.ping():
+                        return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        pytest.fail(f"{self.program} on {self.address} did not start:\n{self.log.read_text()}")
+
+    def pause(self) -> None:
+        """Freeze it (SIGSTOP): its sockets stay open, nothing answers."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.process is not None and self.paused:
+            os.kill(self.process.pid, signal.SIGCONT)
+        self.paused = False
+
+    def kill(self) -> None:
+        """Kill it at once (SIGKILL): connections reset."""
+        if self.process is not None and self.process.poll() is None:
+            self.resume()
+            self.process.kill()
+            self.process.wait(timeout=_STOP_S)
+        self.process = None
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        if self.paused:
+            os.kill(process.pid, signal.SIGCONT)
+            self.paused = False
+        process.terminate()
+        try:
+            process.wait(timeout=_STOP_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=_STOP_S)
+
+
+def wait_for(what: str, check: object, timeout_s: float = _START_S) -> None:
+    """Poll ``check()`` until it is true, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}", pytrace=False)
+
+
+class Cluster:
+    """Three masters, no replicas, created with ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.nodes = [
+            Process(
+                directory / f"node{i}",
+                "redis-server",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "3000",
+                # The bus port is the client port + 10000 unless given: a free port may be too high.
+                "--cluster-port",
+                str(free_port()),
+            )
+            for i in range(masters)
+        ]
+
+    @property
+    def seed_url(self) -> str:
+        return f"redis://{self.nodes[0].address}/0"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [
+                binary("redis-cli"),
+                "--cluster",
+                "create",
+                *(node.address for node in self.nodes),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        wait_for("the cluster to be ok on every node", self._all_ok)
+
+    def _all_ok(self) -> bool:
+        for node in self.nodes:
+            with node.client() as client:
+                if client.execute_command("CLUSTER", "INFO").find(b"cluster_state:ok") < 0:
+                    return False
+                if len(client.execute_command("CLUSTER", "SLOTS")) < len(self.nodes):
+                    return False
+        return True
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            with node.client() as client:
+                client.flushall()
+
+    def node_id(self, node: Process) -> str:
+        with node.client() as client:
+            return str(client.execute_command("CLUSTER", "MYID").decode())
+
+    def owner(self, slot: int) -> Process:
+        """The master serving ``slot`` now, as the first node sees it."""
+        with self.nodes[0].client() as client:
+            for row in client.execute_command("CLUSTER", "SLOTS"):
+                if int(row[0]) <= slot <= int(row[1]):
+                    port = int(row[2][1])
+                    return next(node for node in self.nodes if node.port == port)
+        raise AssertionError(f"slot {slot} has no owner")
+
+    def scopes_per_node(self, count: int = 1) -> dict[int, list[str]]:
+        """``count`` scope names served by each node (node index -> names)."""
+        found: dict[int, list[str]] = {i: [] for i in range(len(self.nodes))}
+        for n in range(100000):
+            scope = f"scope{n}"
+            index = self.nodes.index(self.owner(slot_of(scope)))
+            if len(found[index]) < count:
+                found[index].append(scope)
+            if all(len(names) == count for names in found.values()):
+                return found
+        raise AssertionError("no scopes found for every node")
+
+    def begin_migration(self, slot: int, source: Process, target: Process) -> None:
+        """Mark ``slot`` importing on ``target`` and migrating on ``source`` (keys stay)."""
+        with target.client() as client:
+            client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source))
+        with source.client() as client:
+            client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(target))
+
+    def move_keys(
+        self, slot: int, source: Process, target: Process, only: Sequence[str] = ()
+    ) -> int:
+        """MIGRATE the slot's keys (or ``only`` these) from ``source`` to ``target``; how many."""
+        with source.client() as client:
+            keys = list(only) or client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            if keys:
+                client.execute_command(
+                    "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys
+                )
+        return len(keys)
+
+    def end_migration(self, slot: int, target: Process, others: Sequence[Process] = ()) -> None:
+        """Give ``slot`` to ``target`` on every node (``CLUSTER SETSLOT ... NODE``)."""
+        target_id = self.node_id(target)
+        for node in [target, *[n for n in self.nodes if n is not target], *others]:
+            with node.client() as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+    def migrate(self, slot: int, target: Process) -> None:
+        """Move ``slot`` and its keys to ``target``, as ``redis-cli --cluster reshard`` does."""
+        source = self.owner(slot)
+        self.begin_migration(slot, source, target)
+        while self.move_keys(slot, source, target):
+            pass
+        self.end_migration(slot, target)
+
+
+def slot_of(scope: str) -> int:
+    """The hash slot of a scope's keys (``pgw:{scope}:...``)."""
+    return int(key_slot(f"pgw:{{{scope}}}:sources".encode()))
+
+
+class SentinelSetup:
+    """A primary, its replica and one Sentinel watching them as ``mymaster``."""
+
+    MASTER = "mymaster"
+
+    def __init__(self, directory: Path, *, down_after_ms: int = 1000) -> None:
+        self.primary = Process(directory / "primary", "redis-server")
+        self.replica = Process(directory / "replica", "redis-server")
+        self.down_after_ms = down_after_ms
+        self.sentinel = Process(directory / "sentinel", "redis-sentinel")
+
+    @property
+    def sentinels(self) -> list[str]:
+        return [self.sentinel.address]
+
+    def start(self) -> None:
+        self.primary.start()
+        self.replica.args = ("--replicaof", "127.0.0.1", str(self.primary.port))
+        self.replica.start()
+        wait_for("the replica to sync", self._replica_synced)
+        self.sentinel.config = (
+            f"sentinel monitor {self.MASTER} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {self.MASTER} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.MASTER} 10000\n"
+            f"sentinel parallel-syncs {self.MASTER} 1\n"
+        )
+        self.sentinel.start()
+        wait_for("the Sentinel to see the replica", self._sentinel_sees_replica)
+
+    def _replica_synced(self) -> bool:
+        with self.replica.client() as client:
+            info = client.info("replication")
+            return bool(info.get("master_link_status") == "up")
+
+    def _sentinel_sees_replica(self) -> bool:
+        with self.sentinel.client() as client:
+            replicas = client.execute_command("SENTINEL", "REPLICAS", self.MASTER)
+            return len(replicas) >= 1
+
+    def primary_port(self) -> int:
+        """The primary's port as the Sentinel names it now."""
+        with self.sentinel.client() as client:
+            _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER)
+            return int(port)
+
+    def wait_for_failover(self, old_port: int, timeout_s: float = 30.0) -> Process:
+        """Wait until the Sentinel names another primary and it says so (ROLE); return it."""
+
+        def switched() -> bool:
+            port = self.primary_port()
+            if port == old_port:
+                return False
+            node = self.replica if self.replica.port == port else self.primary
+            with node.client() as client:
+                return bool(client.execute_command("ROLE")[0] == b"master")
+
+        wait_for("the Sentinel's failover", switched, timeout_s)
+        return self.replica if self.replica.port == self.primary_port() else self.primary
+
+    def stop(self) -> None:
+        for process in (self.sentinel, self.replica, self.primary):
+            process.stop()

@@ -1,0 +1,254 @@
+"""The Redis backend on a real 3-master Redis Cluster (``redis_mode = "cluster"``).
+
+The cluster is started once for the module (three ``redis-server
+--cluster-enabled yes`` on free loopback ports, ``redis-cli --cluster
+create``) and stopped at its end; each test empties it first. A resharding
+moves a scope's slot while calls run, as ``redis-cli --cluster reshard``
+does (``CLUSTER SETSLOT`` IMPORTING / MIGRATING, ``MIGRATE``, ``SETSLOT NODE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from _redis_topologies import Cluster, slot_of
+
+from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.redis import RedisBackend
+from polygateway.config import GatewaySettings
+from polygateway.errors import ConfigError, GovernanceBackendError
+
+SUCCESS = AttemptOutcome("success")
+SPEC = SourceSpec(name="a", max_concurrency=4)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A 3-master cluster for the module, stopped at its end."""
+    started = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        started.start()
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+async def backend(cluster: Cluster) -> AsyncIterator[RedisBackend]:
+    """A cluster-mode backend seeded with the first node, on an emptied cluster."""
+    cluster.flush()
+    made = RedisBackend(cluster.seed_url, mode="cluster", socket_timeout_s=5.0)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def evalsha_calls(cluster: Cluster) -> list[int]:
+    """EVALSHA commands each node has run so far (``INFO commandstats``)."""
+    counts = []
+    for node in cluster.nodes:
+        with node.client() as client:
+            stats = client.info("commandstats").get("cmdstat_evalsha", {"calls": 0})
+            counts.append(int(stats["calls"]))
+    return counts
+
+
+async def test_each_scope_lives_on_the_node_owning_its_slot(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """A scope per master: each is served, and its keys are on its own node, none elsewhere."""
+    for index, (scope,) in cluster.scopes_per_node().items():
+        got = await backend.acquire(scope, [SPEC], ttl_s=30)
+        assert got.lease is not None
+        await backend.release(got.lease, SUCCESS)
+        assert (await backend.snapshot(scope)).progress_age_s < 60
+        for other, node in enumerate(cluster.nodes):
+            with node.client() as client:
+                stored = client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot_of(scope))
+                assert (stored > 0) == (other == index)
+
+
+async def test_a_call_costs_two_round_trips_on_its_own_node(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """Once the slot map is known, acquire and release are two EVALSHAs on the owner only."""
+    scopes = cluster.scopes_per_node()
+    for (scope,) in scopes.values():  # the first use may be redirected: the map is learnt
+        got = await backend.acquire(scope, [SPEC], ttl_s=30)
+        assert got.lease is not None
+        await backend.release(got.lease, SUCCESS)
+    await backend._wire.drain()
+    before = evalsha_calls(cluster)
+    index, (scope,) = next(iter(scopes.items()))
+    for _ in range(10):
+        got = await backend.acquire(scope, [SPEC], ttl_s=30)
+        assert got.lease is not None
+        await backend.release(got.lease, SUCCESS)
+    await backend._wire.drain()
+    after = evalsha_calls(cluster)
+    grown = [b - a for a, b in zip(before, after, strict=True)]
+    assert grown == [20 if i == index else 0 for i in range(len(grown))]
+
+
+async def test_the_permit_limit_holds_per_scope_on_every_node(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """max_concurrency is enforced wherever the scope lives, and every permit comes back."""
+    for (scope,) in cluster.scopes_per_node().values():
+        grants = [await backend.acquire(scope, [SPEC], ttl_s=30) for _ in range(6)]
+        leases = [g.lease for g in grants if g.lease is not None]
+        assert len(leases) == SPEC.max_concurrency
+        assert [r.reason for r in grants[-1].rejections] == ["concurrency"]
+        for lease in leases:
+            await backend.release(lease, SUCCESS)
+        assert (await backend.snapshot(scope)).sources[0].in_flight == 0
+
+
+async def test_a_moved_scope_is_followed_and_the_map_relearnt(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """The slot moved between two calls: the next call follows MOVED and still holds its state."""
+    (scope,) = cluster.scopes_per_node()[0]
+    held = await backend.acquire(scope, [SPEC], ttl_s=30)
+    assert held.lease is not None
+    slot = slot_of(scope)
+    target = cluster.nodes[1]
+    await asyncio.to_thread(cluster.migrate, slot, target)
+    try:
+        assert cluster.owner(slot) is target
+        snap = await backend.snapshot(scope)
+        assert snap.sources[0].in_flight == 1  # the lease moved with the slot's keys
+        await backend.release(held.lease, SUCCESS)
+        assert (await backend.snapshot(scope)).sources[0].in_flight == 0
+        assert backend._wire.route(scope).endpoint.port == target.port
+    finally:
+        await asyncio.to_thread(cluster.migrate, slot, cluster.nodes[0])
+
+
+async def test_a_call_during_a_slot_migration_waits_for_its_end(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """One of its keys moved: the script gets ASK, then TRYAGAIN, and runs once the slot moved."""
+    (scope,) = cluster.scopes_per_node()[0]
+    for source in ("a", "b"):
+        got = await backend.acquire(scope, [SourceSpec(name=source, max_concurrency=4)], ttl_s=30)
+        assert got.lease is not None
+    slot, source_node, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
+    await asyncio.to_thread(cluster.begin_migration, slot, source_node, target)
+    try:
+        moved = [f"pgw:{{{scope}}}:src:a"]
+        assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, moved) == 1
+        acquiring = asyncio.ensure_future(backend.acquire(scope, [SPEC], ttl_s=30))
+        await asyncio.sleep(0.2)
+        assert not acquiring.done()  # bouncing: the slot's keys are split between two nodes
+        while await asyncio.to_thread(cluster.move_keys, slot, source_node, target):
+            pass
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        got = await acquiring
+        assert got.lease is not None
+        snap = await backend.snapshot(scope)
+        assert {s.name: s.in_flight for s in snap.sources} == {"a": 2, "b": 1}
+    finally:
+        while await asyncio.to_thread(cluster.move_keys, slot, source_node, target):
+            pass
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        await asyncio.to_thread(cluster.migrate, slot, source_node)
+
+
+async def test_resharding_while_calls_run_loses_no_permit_and_admits_no_excess(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """Workers acquire and release while the scope's slot moves away and back: never more than
+    max_concurrency held at once, every failure fails closed, and all permits come back."""
+    (scope,) = cluster.scopes_per_node()[0]
+    slot = slot_of(scope)
+    held = 0
+    most = 0
+    served = 0
+    failed = 0
+    stop = asyncio.Event()
+
+    async def worker() -> None:
+        nonlocal held, most, served, failed
+        while not stop.is_set():
+            try:
+                got = await backend.acquire(scope, [SPEC], ttl_s=60)
+            except GovernanceBackendError:
+                failed += 1
+                await asyncio.sleep(0.01)
+                continue
+            if got.lease is None:
+                await asyncio.sleep(0.005)
+                continue
+            held += 1
+            most = max(most, held)
+            await asyncio.sleep(0.002)
+            held -= 1
+            await backend.release(got.lease, SUCCESS)
+            served += 1
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(8)]
+    try:
+        await asyncio.sleep(0.2)
+        for target in (cluster.nodes[1], cluster.nodes[2], cluster.nodes[0]):
+            await asyncio.to_thread(cluster.migrate, slot, target)
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+    await backend._wire.drain()
+    assert served > 0
+    assert most <= SPEC.max_concurrency
+    assert failed <= served  # a reshard is a blip, not an outage
+    snap = await backend.snapshot(scope)
+    assert snap.sources[0].in_flight == 0
+    assert cluster.owner(slot) is cluster.nodes[0]
+
+
+def test_status_shows_every_scope_wherever_it_lives(cluster: Cluster, tmp_path: Path) -> None:
+    """`polygateway status --json` reads a scope on each master through one seed node."""
+    cluster.flush()
+    scopes = [names[0] for names in cluster.scopes_per_node().values()]
+    config = [
+        f'[gateway]\nbackend = "redis"\nredis_mode = "cluster"\nredis_url = "{cluster.seed_url}"\n'
+    ]
+    for scope in scopes:
+        config.append(
+            f'[scopes.{scope}]\nkind = "embed"\n[[scopes.{scope}.sources]]\nname = "a"\n'
+            'protocol = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n'
+        )
+    (tmp_path / "polygateway.toml").write_text("\n".join(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "polygateway", "status", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [scope["scope"] for scope in report["scopes"]] == scopes
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("unix:///tmp/redis.sock", "discovered by TCP address"),
+        ("redis://127.0.0.1:7000/3", "only database 0"),
+    ],
+)
+def test_a_cluster_that_cannot_work_is_refused_at_load(url: str, problem: str) -> None:
+    """A unix socket or a database other than 0 in cluster mode: ConfigError naming redis_url."""
+    with pytest.raises(ConfigError, match=problem) as info:
+        GatewaySettings(backend="redis", redis_mode="cluster", redis_url=url)
+    assert info.value.field == "redis_url"
+    with pytest.raises(ConfigError, match=problem):
+        RedisBackend(url, mode="cluster")

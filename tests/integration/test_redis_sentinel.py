@@ -1,0 +1,188 @@
+"""The Redis backend behind Sentinel (``redis_mode = "sentinel"``), failovers included.
+
+Each test starts its own primary, replica and Sentinel (``redis-sentinel``,
+Debian's package, installed by ``make test``) on free loopback ports, with a
+short ``down-after-milliseconds``, and stops them all at its end. The
+failovers are real: the primary is killed (its connections reset) or frozen
+(SIGSTOP: nothing answers, nothing resets), and the Sentinel promotes the
+replica. Bounds are generous (a loaded two-core machine); what is pinned is
+that the backend reaches the new primary without waiting for the 60 s
+silence bound of standalone mode or for a lease to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from _redis_topologies import SentinelSetup
+
+from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
+from polygateway.backends.redis import RedisBackend
+from polygateway.errors import GovernanceBackendError
+
+SCOPE = "chat"
+SPEC = SourceSpec(name="a", max_concurrency=4)
+SUCCESS = AttemptOutcome("success")
+TIMEOUT_S = 1.0
+LONG_TTL_S = 600.0
+"""Leases that would hold their permit for ten minutes if their release were lost."""
+FAILOVER_BOUND_S = 45.0
+"""Sentinel's own failover (down-after 1 s, then an election) plus ours, on a loaded machine."""
+
+
+@pytest.fixture
+def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
+    """A primary, a replica and a Sentinel, stopped after the test."""
+    setup = SentinelSetup(tmp_path)
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()
+
+
+@pytest.fixture
+async def backend(sentinel_setup: SentinelSetup) -> AsyncIterator[RedisBackend]:
+    made = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=sentinel_setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        socket_timeout_s=TIMEOUT_S,
+    )
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+async def acquire_until_served(backend: RedisBackend, ttl_s: float = 30.0) -> Lease:
+    """Acquire, retrying while the backend fails closed (a failover under way), within a bound."""
+    deadline = time.monotonic() + FAILOVER_BOUND_S
+    while True:
+        try:
+            got = await backend.acquire(SCOPE, [SPEC], ttl_s=ttl_s)
+        except GovernanceBackendError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        assert got.lease is not None, got.rejections
+        return got.lease
+
+
+def replicated(setup: SentinelSetup) -> None:
+    """Wait until the replica has everything the primary wrote (a failover without lag)."""
+    with setup.primary.client() as client:
+        assert client.execute_command("WAIT", 1, 5000) == 1
+
+
+async def in_flight(backend: RedisBackend) -> int:
+    snap = await backend.snapshot(SCOPE)
+    return snap.sources[0].in_flight if snap.sources else 0
+
+
+async def test_the_backend_finds_the_primary_through_the_sentinel(
+    sentinel_setup: SentinelSetup, backend: RedisBackend
+) -> None:
+    """Calls run on the primary the Sentinel names; the replica receives them."""
+    lease = await acquire_until_served(backend)
+    await backend.release(lease, SUCCESS)
+    assert await in_flight(backend) == 0
+    assert backend._wire.route(SCOPE).endpoint.port == sentinel_setup.primary.port
+
+
+async def test_a_killed_primary_is_replaced_and_releases_of_the_gap_are_not_lost(
+    sentinel_setup: SentinelSetup, backend: RedisBackend
+) -> None:
+    """Leases granted, the primary killed, released during the gap: the new primary frees them
+    (retried releases), long before their ten-minute TTL."""
+    leases = [await acquire_until_served(backend, LONG_TTL_S) for _ in range(SPEC.max_concurrency)]
+    replicated(sentinel_setup)
+    old_port = sentinel_setup.primary.port
+    sentinel_setup.primary.kill()
+    for lease in leases:
+        with contextlib.suppress(GovernanceBackendError):  # failed now; written again later
+            await backend.release(lease, SUCCESS)
+    new_primary = await asyncio.to_thread(sentinel_setup.wait_for_failover, old_port)
+    deadline = time.monotonic() + FAILOVER_BOUND_S
+    while time.monotonic() < deadline:
+        try:
+            if await in_flight(backend) == 0:
+                break
+        except GovernanceBackendError:
+            pass
+        await asyncio.sleep(0.2)
+    assert await in_flight(backend) == 0
+    assert backend._wire.route(SCOPE).endpoint.port == new_primary.port
+    lease = await acquire_until_served(backend)
+    await backend.release(lease, SUCCESS)
+
+
+async def test_a_frozen_primary_is_abandoned_after_the_socket_timeout(
+    sentinel_setup: SentinelSetup, backend: RedisBackend
+) -> None:
+    """Frozen without a reset: the first call after the failover fails within the socket
+    timeout, and the next ones reach the new primary, not after the 60 s silence bound."""
+    lease = await acquire_until_served(backend)
+    await backend.release(lease, SUCCESS)
+    replicated(sentinel_setup)
+    old_port = sentinel_setup.primary.port
+    sentinel_setup.primary.pause()
+    try:
+        new_primary = await asyncio.to_thread(sentinel_setup.wait_for_failover, old_port)
+        started = time.monotonic()
+        lease = await acquire_until_served(backend)
+        took = time.monotonic() - started
+        await backend.release(lease, SUCCESS)
+        assert backend._wire.route(SCOPE).endpoint.port == new_primary.port
+        assert took < 30.0  # a socket timeout and a Sentinel round; far below the 60 s bound
+    finally:
+        sentinel_setup.primary.resume()
+
+
+async def test_a_demoted_primary_that_comes_back_is_left_for_the_new_one(
+    sentinel_setup: SentinelSetup, backend: RedisBackend
+) -> None:
+    """The old primary thawed after the failover answers as a replica (READONLY): the backend
+    goes to the primary the Sentinel names instead."""
+    lease = await acquire_until_served(backend)
+    await backend.release(lease, SUCCESS)
+    replicated(sentinel_setup)
+    old_port = sentinel_setup.primary.port
+    sentinel_setup.primary.pause()
+    try:
+        new_primary = await asyncio.to_thread(sentinel_setup.wait_for_failover, old_port)
+    finally:
+        sentinel_setup.primary.resume()
+    # Sentinel's announcement, or the old primary's READONLY once demoted, moves the backend.
+    deadline = time.monotonic() + FAILOVER_BOUND_S
+    while backend._wire.route(SCOPE).endpoint.port != new_primary.port:
+        assert time.monotonic() < deadline, "still on the old primary"
+        lease = await acquire_until_served(backend)
+        await backend.release(lease, SUCCESS)
+        await asyncio.sleep(0.05)
+    lease = await acquire_until_served(backend)
+    await backend.release(lease, SUCCESS)
+    assert await in_flight(backend) == 0
+
+
+async def test_no_sentinel_answering_fails_closed(tmp_path: Path) -> None:
+    """Sentinels that are all down: the call fails closed, naming the operation."""
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=["127.0.0.1:1"],
+        sentinel_master="mymaster",
+        socket_timeout_s=TIMEOUT_S,
+    )
+    try:
+        with pytest.raises(GovernanceBackendError, match="no Sentinel named the primary"):
+            await backend.acquire(SCOPE, [SPEC], ttl_s=30)
+    finally:
+        await backend.aclose()
