@@ -1015,3 +1015,22 @@ async def test_the_half_open_probe_slot_follows_its_renewals(backend_env: Backen
     assert await env.backend.renew(probe)
     env.clock.advance(4.0)
     assert (await _refused(env, FLAKY)).reason == "probe_in_flight"
+
+
+async def test_a_renewed_probe_of_a_source_never_paused_keeps_its_slot(
+    backend_env: BackendEnv,
+) -> None:
+    """The half-open probe's renewal holds its slot on a source that was never paused either.
+
+    Such a source has no pause probe at all (not even an empty one): the renewal
+    must look at the breaker's probe alone.
+    """
+    env = backend_env
+    await _trip(env)
+    env.clock.advance(FLAKY.cooldown_s)
+    probe = await _grant(env, FLAKY, ttl=5.0)
+    assert probe.probe
+    env.clock.advance(4.0)
+    assert await env.backend.renew(probe)
+    env.clock.advance(4.0)
+    assert (await _refused(env, FLAKY)).reason == "probe_in_flight"
