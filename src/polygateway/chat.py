@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, overload
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, overload
 from polygateway.errors import StreamInterrupted
 from polygateway.middleware.attempt import AttemptContext, Served
 from polygateway.middleware.lifecycle import GovernedClient, InFlight
-from polygateway.models import AttemptRecord, ChatChunk, ChatResponse, positional_builder
+from polygateway.models import AttemptRecord, ChatChunk, ChatResponse
 from polygateway.transport.anthropic import (
     MessagesStreamReader,
     messages_request,
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from polygateway.config import SourceConfig
+    from polygateway.middleware.retry import Call
 
 __all__ = ["ChatClient", "ChatStream"]
 
@@ -66,24 +67,19 @@ Messages = Sequence[Mapping[str, Any]]
 
 _M = TypeVar("_M", bound="BaseModel")
 
-_new_response = positional_builder(ChatResponse)
-"""``ChatResponse`` without the frozen dataclass's per-field ``__setattr__`` (one per call)."""
-
 
 def _response(parsed: ParsedChat, served: Served[Any]) -> ChatResponse[Any]:
     """The answer of a served call, plain or assembled from a stream; ``parsed`` unset."""
-    # ChatResponse's fields in order: text, source, finish_reason, tool_calls, usage,
-    # attempts, raw, choices, parsed.
-    return _new_response(
-        parsed.text,
-        served.source,
-        parsed.finish_reason,
-        parsed.tool_calls,
-        parsed.usage,
-        served.attempts,
-        parsed.raw,
-        parsed.choices,
-        None,
+    return ChatResponse(
+        text=parsed.text,
+        source=served.source,
+        finish_reason=parsed.finish_reason,
+        tool_calls=parsed.tool_calls,
+        usage=parsed.usage,
+        attempts=served.attempts,
+        raw=parsed.raw,
+        choices=parsed.choices,
+        parsed=None,
     )
 
 
@@ -234,9 +230,7 @@ class ChatClient(GovernedClient):
             return parsed
 
         try:
-            # call.running() entered and left by hand: no two coroutines per call.
-            call.enter()
-            try:
+            async with call.running():
                 served = await self._mw.run(
                     attempt,
                     cost_tokens=_cost(checked, params),
@@ -244,10 +238,6 @@ class ChatClient(GovernedClient):
                     deadline_s=deadline_s,
                     op_name="chat.complete",
                 )
-            except BaseException as exc:
-                call.leave(type(exc))
-                raise
-            call.leave(None)
         finally:
             self._life.end(call)
         response = _response(served.value, served)
@@ -328,14 +318,14 @@ class ChatStream:
     """
 
     __slots__ = (
-        "_call",
         "_chunks",
         "_client",
-        "_cm",
         "_deadline_s",
         "_delivered",
         "_ended",
         "_fail_fast",
+        "_in_flight",
+        "_loop_call",
         "_messages",
         "_params",
         "_response",
@@ -364,8 +354,8 @@ class ChatStream:
         self._ended = False
         """Whether the stream reached its clean end."""
         self._response: ChatResponse[None] | None = None
-        self._call: InFlight | None = None
-        self._cm: AbstractAsyncContextManager[Served[_Opened]] | None = None
+        self._in_flight: InFlight | None = None
+        self._loop_call: Call | None = None
         self._served: Served[_Opened] | None = None
 
     def __repr__(self) -> str:
@@ -465,22 +455,44 @@ class ChatStream:
         self._ended = True
         return None
 
-    @asynccontextmanager
-    async def _session(self) -> AsyncIterator[Served[_Opened]]:
-        """The loop's session for this stream, closing the connection before the release."""
-        client = self._client
-        async with client._mw.session(
-            self._open_attempt,
-            cost_tokens=_cost(self._messages, self._params),
-            fail_fast=self._fail_fast,
-            deadline_s=self._deadline_s,
-            op_name="chat.stream",
-            streaming=True,
-        ) as served:
-            try:
-                yield served
-            finally:
-                await served.value.stack.aclose()
+    async def _enter(self) -> None:
+        """Begin the call and run the loop until a source answers (the permit is then held)."""
+        life = self._client._life
+        in_flight = self._in_flight = life.begin()
+        try:
+            async with in_flight.running():
+                loop_call = self._client._mw.begin(
+                    cost_tokens=_cost(self._messages, self._params),
+                    fail_fast=self._fail_fast,
+                    deadline_s=self._deadline_s,
+                    op_name="chat.stream",
+                    streaming=True,
+                )
+                self._served = await loop_call.serve(self._open_attempt)
+                self._loop_call = loop_call
+        except BaseException:
+            self._in_flight = None
+            life.end(in_flight)
+            raise
+
+    async def _close(self, exc: BaseException | None) -> None:
+        """Close the connection, then release the permit with how the stream ended (``exc``).
+
+        Runs once; later calls do nothing. A stream cut at the call's deadline
+        raises ``AllSourcesExhausted(reason="deadline")`` from here.
+        """
+        loop_call, self._loop_call = self._loop_call, None
+        served = self._served
+        try:
+            if loop_call is not None and served is not None:
+                try:
+                    await served.value.stack.aclose()
+                finally:
+                    await loop_call.finish(served, exc)
+        finally:
+            in_flight, self._in_flight = self._in_flight, None
+            if in_flight is not None:
+                self._client._life.end(in_flight)
 
     def _interrupted(self, exc: TransientError) -> StreamInterrupted:
         source = self._served.source if self._served is not None else ""
@@ -491,92 +503,55 @@ class ChatStream:
             chunks_delivered=self._delivered,
         )
 
-    # --- bare iteration ----------------------------------------------------------
+    # --- iteration, bare or inside ``async with`` ----------------------------------
 
     def __aiter__(self) -> AsyncIterator[ChatChunk]:
-        if self._cm is not None:
-            return self._iterate_entered()
+        if self._loop_call is not None:
+            return self._iterate(bare=False)
         self._start()
         # An async generator: if the consumer breaks early and drops it, the event
-        # loop's asyncgen finalizer runs its finally, which releases the permit.
-        return self._iterate_bare()
+        # loop's asyncgen finalizer runs its clean-up, which releases the permit.
+        return self._iterate(bare=True)
 
-    async def _iterate_bare(self) -> AsyncGenerator[ChatChunk, None]:
-        life = self._client._life
-        call = self._call = life.begin()
-        try:
-            async with call.running():
-                cm = self._session()
-                served = await cm.__aenter__()
+    async def _iterate(self, *, bare: bool) -> AsyncGenerator[ChatChunk, None]:
+        """The chunks to the stream's end; a bare ``async for`` also opens and closes it.
+
+        Inside ``async with`` a consumer that stops early leaves the stream
+        open for the context's exit to close; a bare one closes it at once.
+        """
+        if bare:
+            await self._enter()
+        in_flight, served = self._in_flight, self._served
+        if in_flight is None or served is None:
+            return
+        while self._loop_call is not None:
             try:
-                self._served = served
-                while True:
-                    async with call.running():
-                        chunk = await self._read(served)
-                    if chunk is None:
-                        break
-                    yield chunk
+                async with in_flight.running():
+                    chunk = await self._read(served)
             except TransientError as exc:
-                await cm.__aexit__(type(exc), exc, exc.__traceback__)
+                await self._close(exc)
                 raise self._interrupted(exc) from exc
             except BaseException as exc:
-                # Clean-up only (consumer gone, cancelled, client closed): release, re-raise.
-                await cm.__aexit__(type(exc), exc, exc.__traceback__)
+                # Clean-up only (cancelled, client closed): release, re-raise.
+                await self._close(exc)
                 raise
-            await cm.__aexit__(None, None, None)
-        finally:
-            life.end(call)
+            if chunk is None:
+                await self._close(None)
+                return
+            try:
+                yield chunk
+            except BaseException as exc:
+                # The bare consumer is gone (GeneratorExit) or threw in: release as it ended.
+                if bare:
+                    await self._close(exc)
+                raise
 
     # --- as a context manager ----------------------------------------------------
 
     async def __aenter__(self) -> ChatStream:
         self._start()
-        life = self._client._life
-        call = self._call = life.begin()
-        try:
-            async with call.running():
-                cm = self._session()
-                self._served = await cm.__aenter__()
-                self._cm = cm
-        except BaseException:
-            life.end(call)
-            raise
+        await self._enter()
         return self
-
-    async def _iterate_entered(self) -> AsyncGenerator[ChatChunk, None]:
-        served, call = self._served, self._call
-        if served is None or call is None:
-            return
-        while self._cm is not None:
-            try:
-                async with call.running():
-                    chunk = await self._read(served)
-            except TransientError as exc:
-                await self._exit(type(exc), exc, exc.__traceback__)
-                raise self._interrupted(exc) from exc
-            except BaseException as exc:
-                await self._exit(type(exc), exc, exc.__traceback__)
-                raise
-            if chunk is None:
-                await self._exit(None, None, None)
-                return
-            yield chunk
-
-    async def _exit(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leave the session once: release the permit with how the stream ended."""
-        cm, self._cm = self._cm, None
-        if cm is None:
-            return
-        try:
-            await cm.__aexit__(exc_type, exc, tb)
-        finally:
-            if self._call is not None:
-                self._client._life.end(self._call)
 
     async def __aexit__(
         self,
@@ -584,11 +559,11 @@ class ChatStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._exit(exc_type, exc, tb)
+        await self._close(exc)
 
     async def aclose(self) -> None:
         """Stop the stream and release its permit (as cancelled unless it had ended)."""
-        await self._exit(None, None, None)
+        await self._close(None)
 
     # --- the whole answer ----------------------------------------------------------
 
@@ -614,7 +589,7 @@ class ChatStream:
         """
         if self._response is not None:
             return self._response
-        if not self._ended and (not self._started or self._cm is not None):
+        if not self._ended and (not self._started or self._loop_call is not None):
             async for _ in self:
                 pass
         if not self._ended or self._served is None:

@@ -6,14 +6,10 @@ code, which must not be able to change what the gateway recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, make_dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal
 
 from typing_extensions import TypeVar
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 __all__ = [
     "AttemptRecord",
@@ -30,10 +26,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "Usage",
-    "positional_builder",
 ]
-
-_R = TypeVar("_R", bound="DataclassInstance")
 
 ParsedT = TypeVar("ParsedT", covariant=True, default=Any)
 """What ``ChatResponse.parsed`` holds: the call's ``response_model`` instance, ``None`` without one.
@@ -231,34 +224,3 @@ class LayoutResult:
     source: str
     attempts: tuple[AttemptRecord, ...] = ()
     raw: Any = field(default=None, repr=False)
-
-
-def positional_builder(cls: type[_R]) -> Callable[..., _R]:
-    """A constructor of the frozen, slotted dataclass ``cls`` for hot paths: every field, in order.
-
-    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
-    (about 90 ns a field; 1.2 us for an ``AttemptRecord``, made once per attempt).
-    The builder fills a mutable twin with the same slots and then gives the
-    instance ``cls`` as its class, which CPython allows between classes of one
-    slot layout: what it returns is a ``cls`` like any other, frozen, equal and
-    hashed as one built by ``cls(...)``. No default and no check is applied: the
-    caller passes every field, positionally.
-    """
-    names = tuple(f.name for f in fields(cls))
-    # A generic class (ChatResponse) has Generic as its base: the twin needs the same one,
-    # or CPython refuses the class assignment for a different layout.
-    bases = cls.__dict__.get("__orig_bases__", ())
-    twin = make_dataclass(
-        f"_{cls.__name__}Builder", names, bases=bases, slots=True, eq=False, repr=False
-    )
-    # A layout the assignment refuses fails here, at import, not on the first call.
-    probe = twin(*(None for _ in names))
-    probe.__class__ = cls
-
-    def build(*values: Any) -> _R:
-        obj: _R = twin(*values)
-        obj.__class__ = cls  # from here on, a cls in every respect
-        return obj
-
-    build.__doc__ = f"A {cls.__name__} from all its fields, positionally (see positional_builder)."
-    return build

@@ -34,6 +34,7 @@ from polygateway.backends.base import (
     SourceSnapshot,
     SourceSpec,
 )
+from polygateway.middleware.waiting import room_for
 from polygateway.testing import FakeClock
 
 
@@ -748,9 +749,9 @@ async def _never(_seconds: float) -> None:
 async def test_release_wakes_the_waiting_room_head(backend_env: BackendEnv) -> None:
     """Releasing a live lease wakes the head of its scope's room; a no-op release wakes nobody."""
     env = backend_env
-    room = env.backend.waiting_room(SCOPE)
-    assert env.backend.waiting_room(SCOPE) is room
-    assert env.backend.waiting_room("embed") is not room
+    room = room_for(env.backend, SCOPE)
+    assert room_for(env.backend, SCOPE) is room
+    assert room_for(env.backend, "embed") is not room
     head = room.enter()
     second = room.enter()
     lease = await _grant(env, A)

@@ -29,6 +29,7 @@ from polygateway.backends.base import Backend
 from polygateway.backends.memory import MemoryBackend
 from polygateway.backends.redis import RedisBackend
 from polygateway.chat import ChatClient
+from polygateway.middleware.waiting import room_for
 from polygateway.models import ChatResponse
 from polygateway.testing import (
     CountingBackend,
@@ -277,7 +278,7 @@ async def test_cancelling_half_of_two_thousand_calls_leaks_no_permit(
 
         # No permit is held: released by the cancelled calls themselves, not by lease expiry.
         assert await eventually(no_permit_held), await backend.snapshot("chat")
-        assert len(backend.waiting_room("chat")) == 0
+        assert len(room_for(backend, "chat")) == 0
 
         assert await eventually(upstream_idle)
         # The permits bounded the requests in flight, and the storm kept the scope (nearly) full.

@@ -25,6 +25,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
 from polygateway.errors import AllSourcesExhausted, GatewayError
+from polygateway.middleware.waiting import room_for
 from polygateway.models import ChatResponse
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 from polygateway.testing import gateway_settings
@@ -126,7 +127,7 @@ async def run_load(upstream: SimProcess, transport: str, calls: int, bound_s: fl
 
         # The server never saw more than the scope's permits at once. It did see real overlap:
         # the first calls of the burst ask the backend together (up to the loop's bound of
-        # concurrent acquires, the backend's max_inflight_ops) and hold permits while their
+        # concurrent acquires, MAX_ASKING) and hold permits while their
         # requests are in flight; 16 is well below either bound and far above no overlap.
         stats = await upstream.stats("a")
         assert stats["max_concurrent"] <= PERMITS, stats
@@ -138,7 +139,7 @@ async def run_load(upstream: SimProcess, transport: str, calls: int, bound_s: fl
         # Afterwards the backend holds no permit and nobody is left in the waiting room.
         snapshot = await backend.snapshot("chat")
         assert snapshot.in_flight == 0, snapshot
-        assert len(backend.waiting_room("chat")) == 0
+        assert len(room_for(backend, "chat")) == 0
     finally:
         # Closed even when an assertion failed: an open client would leak its pool.
         await chat.aclose()
@@ -187,7 +188,7 @@ async def test_waiters_reach_the_upstream_in_submission_order() -> None:
                 # Let call i reach the waiting room before call i + 1 is even created.
                 for _ in range(5):
                     await asyncio.sleep(0)
-            assert len(chat.backend.waiting_room("chat")) == waiters
+            assert len(room_for(chat.backend, "chat")) == waiters
             async with asyncio.timeout(30):
                 served = await asyncio.gather(first, *tasks)
     # The simulator numbers requests in arrival order: the id of answer i carries its rank.

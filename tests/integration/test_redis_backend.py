@@ -24,6 +24,7 @@ from redis.crc import key_slot
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, wire
 from polygateway.errors import ConfigError, GovernanceBackendError
+from polygateway.middleware.waiting import room_for
 
 SCOPE = "chat"
 ONE = SourceSpec(name="a", max_concurrency=1)
@@ -347,39 +348,6 @@ def test_a_bad_url_is_a_config_error_without_the_password() -> None:
     assert caught.value.field == "redis_url"
 
 
-# --- the pool bound -------------------------------------------------------------------------
-
-
-async def test_max_inflight_ops_is_the_size_of_the_pool_it_opens(backend: RedisBackend) -> None:
-    """A backend that opens its own pool reports that pool's size as its in-flight bound."""
-    assert backend.max_inflight_ops == 64
-
-
-async def test_max_inflight_ops_reads_an_injected_clients_pool(redis_url: str) -> None:
-    """With an injected client the bound is that client's pool size, whatever it is."""
-    pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=7)
-    client = aioredis.Redis(connection_pool=pool)
-    backend = RedisBackend(redis_url, client=client)
-    try:
-        assert backend.max_inflight_ops == 7
-    finally:
-        await backend.aclose()
-        await client.aclose()
-        await pool.disconnect()
-
-
-async def test_max_inflight_ops_is_none_when_the_client_does_not_say(redis_url: str) -> None:
-    """A client whose pool names no positive size leaves the bound unknown (None)."""
-    client = aioredis.Redis.from_url(redis_url)
-    client.connection_pool.max_connections = None  # type: ignore[assignment]  # an unknown pool
-    backend = RedisBackend(redis_url, client=client)
-    try:
-        assert backend.max_inflight_ops is None
-    finally:
-        await backend.aclose()
-        await client.aclose()
-
-
 # --- cancellation ---------------------------------------------------------------------------
 
 
@@ -458,7 +426,7 @@ async def test_cancelled_release_wakes_the_local_waiting_room(redis_url: str) ->
     """The release of a cancelled caller still wakes the head of the waiting room."""
     lease = await _lease_from_elsewhere(redis_url)
     backend = RedisBackend(redis_url)
-    room = backend.waiting_room(SCOPE)
+    room = room_for(backend, SCOPE)
     head = room.enter()
     task = asyncio.ensure_future(backend.release(lease, SUCCESS))
     await asyncio.sleep(0)

@@ -38,6 +38,7 @@ from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, limiter, wire
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines
 from polygateway.errors import GovernanceBackendError
+from polygateway.middleware.waiting import room_for
 
 SCOPE = "chat"
 MANY = SourceSpec(name="a", max_concurrency=1000)
@@ -249,7 +250,7 @@ async def test_a_release_written_behind_wakes_the_waiting_room_when_its_reply_co
 ) -> None:
     """The permit freed, as its reply says, wakes the head of this process's waiting room."""
     backend = RedisBackend(redis_url)
-    room = backend.waiting_room(SCOPE)
+    room = room_for(backend, SCOPE)
     try:
         lease = await _grant(backend)
         head = room.enter()
@@ -274,7 +275,7 @@ async def test_a_late_grant_given_back_before_a_connection_is_up_still_wakes_the
     finally:
         await granting.aclose()
     backend = RedisBackend(redis_url)  # no connection up yet: the release is queued
-    room = backend.waiting_room(SCOPE)
+    room = room_for(backend, SCOPE)
     head = room.enter()
     try:
         assert backend._release(lease, AttemptOutcome("cancelled"), waited=False) is None

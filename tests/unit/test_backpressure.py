@@ -22,6 +22,7 @@ from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted
+from polygateway.middleware.waiting import room_for
 from polygateway.models import AttemptRecord
 from polygateway.testing import (
     BoundedSleep,
@@ -363,7 +364,7 @@ async def test_cancellation_pierces_wait_loop() -> None:
     )
     task = asyncio.create_task(chat.complete(MESSAGES))
     await settle()
-    room = backend.waiting_room("chat")
+    room = room_for(backend, "chat")
     assert len(room) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -17,6 +17,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.config import GatewaySettings
 from polygateway.embedding import EmbeddingClient, plan_batches
 from polygateway.errors import AllSourcesExhausted, ConfigError, GatewayError, RequestRejected
+from polygateway.middleware.waiting import room_for
 from polygateway.models import EmbeddingResponse
 from polygateway.testing import (
     FakeClock,
@@ -435,7 +436,7 @@ async def test_cancel_releases_permit() -> None:
         await task
     assert (await r.backend.snapshot(SCOPE)).in_flight == 0
     assert r.transport.in_flight == 0
-    assert r.backend.waiting_room(SCOPE).empty
+    assert room_for(r.backend, SCOPE).empty
     assert r.recorder.outcomes() == ["cancelled", "cancelled"]
 
 

@@ -32,6 +32,7 @@ from polygateway import (
     RequestRejected,
 )
 from polygateway.backends.base import SourceSpec
+from polygateway.middleware.waiting import room_for
 from polygateway.testing import (
     FakeClock,
     FakeTimers,
@@ -395,7 +396,7 @@ async def test_cancelling_the_call_cancels_every_batch_and_leaks_no_permit(
         await task
     assert await r.permits() == 0
     assert r.transport.in_flight == 0
-    assert r.backend.waiting_room(SCOPE).empty
+    assert room_for(r.backend, SCOPE).empty
     assert sorted(r.recorder.outcomes()) == ["cancelled", "cancelled", "request_rejected"]
     assert len(reports) == 1  # a cancelled batch is not reported as finished
 

@@ -1,6 +1,5 @@
-"""Hot-path shortcuts that must stay indistinguishable from the plain code they replace:
-``positional_builder`` for frozen records, ``parse_json_body``'s UTF-8 fast path, and
-``complete()`` entering its call's running stretch by hand."""
+"""What the hot path builds is what callers know: plain frozen records, and
+``parse_json_body``'s UTF-8 fast path decoding as ``json.loads`` does."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import asyncio
 import codecs
 import dataclasses
 import json
-import pickle
 import random
 from typing import Any
 
@@ -18,65 +16,10 @@ from _closing import closing
 from polygateway.backends.base import AcquireResult, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.models import (
-    AttemptRecord,
-    ChatChunk,
-    ChatResponse,
-    Choice,
-    Usage,
-    positional_builder,
-)
+from polygateway.models import ChatChunk, Usage
 from polygateway.testing import FakeClock, FakeTransport, Gate, chat_completion, gateway_settings
 from polygateway.transport.http import TransientError, parse_json_body
 from polygateway.transport.openai import parse_chat_chunk, parse_chat_response
-
-RECORD_FIELDS = ("c1", "chat", "primary", 2, "success", 200, 0.25, None, 7, 3, 0.5, 0.0, None)
-
-
-class TestPositionalBuilder:
-    """A built record is a ``cls`` in every respect, frozen included."""
-
-    def test_built_record_equals_and_hashes_as_the_plain_one(self) -> None:
-        """Same type, equality, hash, repr and field values as ``AttemptRecord(...)``."""
-        built = positional_builder(AttemptRecord)(*RECORD_FIELDS)
-        plain = AttemptRecord(*RECORD_FIELDS)
-        assert type(built) is AttemptRecord
-        assert built == plain
-        assert hash(built) == hash(plain)
-        assert repr(built) == repr(plain)
-        assert dataclasses.astuple(built) == RECORD_FIELDS
-
-    def test_built_record_is_frozen(self) -> None:
-        """Assigning a field of a built record raises FrozenInstanceError."""
-        built = positional_builder(AttemptRecord)(*RECORD_FIELDS)
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            built.outcome = "cancelled"  # type: ignore[misc]  # the point: it is frozen
-        assert built.outcome == "success"
-
-    def test_built_record_replaces_and_pickles(self) -> None:
-        """dataclasses.replace and pickle treat a built record as any other."""
-        built = positional_builder(AttemptRecord)(*RECORD_FIELDS)
-        assert dataclasses.replace(built, attempt=3).attempt == 3
-        assert pickle.loads(pickle.dumps(built)) == built
-
-    def test_chat_response_fields_in_declared_order(self) -> None:
-        """The builder takes ChatResponse's fields positionally, in their declared order."""
-        usage = Usage(1, 2, 3)
-        choices = (Choice(0, "hi", (), "stop"),)
-        values = ("hi", "primary", "stop", (), usage, (), {"id": "x"}, choices, None)
-        built = positional_builder(ChatResponse)(*values)
-        assert built == ChatResponse(*values)
-        assert [getattr(built, f.name) for f in dataclasses.fields(ChatResponse)] == list(values)
-
-    def test_a_class_with_another_layout_is_refused_at_once(self) -> None:
-        """A frozen dataclass without slots cannot take the twin's layout: TypeError up front."""
-
-        @dataclasses.dataclass(frozen=True)
-        class Loose:
-            a: int
-
-        with pytest.raises(TypeError):
-            positional_builder(Loose)
 
 
 class TestParseJsonBody:
@@ -131,7 +74,7 @@ async def test_caller_cancelling_complete_gets_cancelled_error_and_frees_the_per
 
 
 class TestBuiltRecordsOnThePath:
-    """Records the hot path builds positionally are the frozen types callers know."""
+    """Records the hot path builds are the frozen types callers know."""
 
     async def test_memory_grant_is_a_frozen_lease_with_every_field(self) -> None:
         """A memory-backend grant returns an AcquireResult and a Lease equal to plain ones."""

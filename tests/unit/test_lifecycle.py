@@ -21,6 +21,7 @@ from polygateway.config import ScopeKind
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import ConfigError, GatewayError
 from polygateway.middleware.lifecycle import GovernedClient
+from polygateway.middleware.waiting import room_for
 from polygateway.ocr import OcrClient
 from polygateway.testing import (
     Delay,
@@ -145,7 +146,7 @@ class TestClose:
         await gate.wait_entered()
         waiting = asyncio.create_task(chat.complete(MESSAGES))
         await settle()
-        assert len(backend.waiting_room("chat")) == 1
+        assert len(room_for(backend, "chat")) == 1
         closing = asyncio.create_task(chat.aclose())
         await settle()
         await timers.advance(10.0)
@@ -153,7 +154,7 @@ class TestClose:
         for task in (first, waiting):
             with pytest.raises(GatewayError, match="client closed"):
                 await task
-        assert backend.waiting_room("chat").empty
+        assert room_for(backend, "chat").empty
         assert await in_flight(backend) == 0
 
     async def test_stream_between_chunks_fails_on_its_next_read(self) -> None:

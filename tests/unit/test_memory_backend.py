@@ -11,6 +11,7 @@ import pytest
 
 from polygateway.backends.base import AttemptOutcome, Backend, OutcomeKind, SourceSpec
 from polygateway.backends.memory import MemoryBackend
+from polygateway.middleware.waiting import room_for
 from polygateway.testing import FakeClock
 
 R = TypeVar("R")
@@ -70,8 +71,8 @@ async def test_waiting_room_is_lazy_and_one_per_scope() -> None:
     lease = (await backend.acquire("s", [SPEC], ttl_s=10)).lease
     assert lease is not None
     await backend.release(lease, AttemptOutcome("success"))
-    room = backend.waiting_room("s")
-    assert backend.waiting_room("s") is room
+    room = room_for(backend, "s")
+    assert room_for(backend, "s") is room
     assert len(room) == 0
 
 
@@ -79,7 +80,7 @@ async def test_release_notifies_only_when_a_permit_is_freed() -> None:
     """A release of an expired lease frees nothing, so it wakes nobody."""
     clock = FakeClock()
     backend = MemoryBackend(now=clock)
-    room = backend.waiting_room("s")
+    room = room_for(backend, "s")
     waiter = room.enter()
     lease = (await backend.acquire("s", [SPEC], ttl_s=1)).lease
     assert lease is not None

@@ -13,31 +13,27 @@ from typing import Any
 
 import pytest
 
-from polygateway.backends.base import AttemptOutcome, Lease
+from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import ConfigError, GatewayError, GovernanceBackendError
-from polygateway.middleware import attempt as attempt_module
 from polygateway.middleware import lifecycle as lifecycle_module
-from polygateway.middleware.attempt import (
-    AttemptContext,
-    Served,
-    keep_until_done,
-    release_quietly,
-)
+from polygateway.middleware.attempt import AttemptContext, Served, release_quietly
 from polygateway.middleware.classify import verdict_for
 from polygateway.middleware.lifecycle import InFlight, Lifecycle
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import LoggingEmitter, PrometheusEmitter, attempt_record
 from polygateway.models import AttemptRecord
 from polygateway.testing import (
+    CountingBackend,
     FakeClock,
     FakeTransport,
     TransientError,
     chat_completion,
     gateway_settings,
 )
+from polygateway.testing import recording as recording_module
 
 LEASE = Lease("chat", "primary", "7", 30.0, 0, False)
 
@@ -123,31 +119,55 @@ async def test_a_failed_renewal_is_logged_and_tried_again_at_the_next_chunk(
     assert not served.renew_due()
 
 
-async def test_an_orphaned_backend_operation_is_kept_until_done_and_its_failure_logged(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Held while it runs, dropped when done; a failure is logged, a cancellation is not."""
-
-    async def fail() -> None:
-        raise RuntimeError("boom")
-
-    async def succeed() -> None:
-        return None
-
-    failing = asyncio.ensure_future(fail())
-    fine = asyncio.ensure_future(succeed())
-    cancelled = asyncio.ensure_future(asyncio.Event().wait())
-    with caplog.at_level(logging.WARNING, logger="polygateway"):
-        for task in (failing, fine, cancelled):
-            keep_until_done(task)
-            assert task in attempt_module._BACKGROUND
-        cancelled.cancel()
-        await asyncio.wait((failing, fine, cancelled))
+async def test_a_gated_acquire_cancelled_runs_on_and_gives_its_late_lease_back() -> None:
+    """Cancelled at the gate: the acquire is held until done, then its grant goes back."""
+    clock = FakeClock()
+    inner = MemoryBackend(now=clock)
+    backend = CountingBackend(inner)
+    backend.hold_acquire = asyncio.Event()
+    spec = [SourceSpec("primary", max_concurrency=1)]
+    before = set(recording_module._HELD)  # left by other tests, if any
+    caller = asyncio.create_task(backend.acquire("chat", spec, ttl_s=60.0))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert len(recording_module._HELD - before) == 2  # the acquire and its give-back, kept
+    assert backend.calls.get("acquire") is None  # still at the gate
+    backend.hold_acquire.set()
+    for _ in range(5):
         await asyncio.sleep(0)
-    assert not {failing, fine, cancelled} & attempt_module._BACKGROUND
-    assert [r.getMessage() for r in caplog.records] == [
-        "backend operation failed after a cancellation: boom"
-    ]
+    assert not recording_module._HELD - before  # dropped once done
+    assert backend.calls == {"acquire": 1}  # the give-back is the inner backend's, uncounted
+    [source] = (await inner.snapshot("chat")).sources
+    assert source.in_flight == 0  # the late lease was given back
+    backend.hold_acquire = None
+    assert (await backend.acquire("chat", spec, ttl_s=60.0)).lease is not None
+
+
+async def test_a_gated_release_cancelled_still_frees_the_permit() -> None:
+    """Cancelled at the release gate: the release runs once the gate opens."""
+    clock = FakeClock()
+    inner = MemoryBackend(now=clock)
+    backend = CountingBackend(inner)
+    spec = [SourceSpec("primary", max_concurrency=1)]
+    lease = (await backend.acquire("chat", spec, ttl_s=60.0)).lease
+    assert lease is not None
+    backend.hold_release = asyncio.Event()
+    before = set(recording_module._HELD)  # left by other tests, if any
+    caller = asyncio.create_task(backend.release(lease, AttemptOutcome("success")))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert len(recording_module._HELD - before) == 1
+    assert (await inner.acquire("chat", spec, ttl_s=60.0)).lease is None  # still held
+    backend.hold_release.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not recording_module._HELD - before  # dropped once done
+    assert backend.calls == {"acquire": 1, "release": 1}
+    assert await inner.progress_age_s("chat") == 0.0  # released as the success it was
 
 
 async def test_a_release_the_backend_fails_is_logged_with_its_outcome_and_source(
@@ -174,12 +194,13 @@ async def test_a_release_the_backend_fails_is_logged_with_its_outcome_and_source
 # --- lifecycle --------------------------------------------------------------------------
 
 
-def test_a_call_cancelled_before_it_ran_fails_its_first_stretch_with_its_scope() -> None:
+async def test_a_call_cancelled_before_it_ran_fails_its_first_stretch_with_its_scope() -> None:
     """cancel() before any stretch is harmless; the next stretch fails "client closed"."""
     call = InFlight("embed")
     call.cancel()
     with pytest.raises(GatewayError) as caught:
-        call.enter()
+        async with call.running():
+            pass
     assert str(caught.value) == "client closed (scope='embed')"
     assert caught.value.scope == "embed"
 
@@ -190,12 +211,8 @@ async def test_a_call_cancelled_by_the_close_fails_with_its_scope() -> None:
     call = life.begin()
 
     async def body() -> None:
-        call.enter()
-        try:
+        async with call.running():
             await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            call.leave(asyncio.CancelledError)
-            raise
 
     task = asyncio.create_task(body())
     await asyncio.sleep(0)

@@ -22,6 +22,7 @@ from polygateway.errors import AllSourcesExhausted, GovernanceBackendError, Requ
 from polygateway.middleware.attempt import AttemptContext
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.retry import RetryMW, StallClock, backoff_delay
+from polygateway.middleware.waiting import room_for
 from polygateway.models import Usage
 from polygateway.testing import FakeClock, Recorder, TransientError
 
@@ -229,12 +230,12 @@ async def test_a_call_exactly_at_the_stall_window_is_not_past_it() -> None:
     """stalled_s == stall_window_s does not stall, even in a scope that never served."""
     clock = FakeClock()
     mw = _loop(clock, stall_window_s=300.0)
-    call = mw._admit.begin("call", 0, False, None, streaming=False)
-    stall_clock = StallClock(clock)
+    call = mw.begin()
     clock.advance(300.0)
-    assert not await mw._stalled(call, stall_clock)
+    assert not await call.stalled()
+    assert call._age is None  # within its window a call never asks the backend
     clock.advance(1.0)
-    assert await mw._stalled(call, stall_clock)
+    assert await call.stalled()
 
 
 async def test_progress_exactly_a_window_old_is_not_stale() -> None:
@@ -243,11 +244,55 @@ async def test_progress_exactly_a_window_old_is_not_stale() -> None:
     backend = MemoryBackend(now=clock)
     mw = _loop(clock, backend=backend, stall_window_s=300.0)
     await mw.run(_ok)
-    call = mw._admit.begin("call", 0, False, None, streaming=False)
-    stall_clock = StallClock(clock)
+    call = mw.begin()
     clock.advance(300.0)
-    stall_clock._entered_at -= 1.0  # this call has waited a little longer than the window
-    assert not await mw._stalled(call, stall_clock)
+    call.clock._entered_at -= 1.0  # this call has waited a little longer than the window
+    assert not await call.stalled()
+    assert call._age == 300.0
+
+
+async def test_the_stall_clock_bills_only_time_outside_attempts() -> None:
+    """attempting() and the begin/end pair both subtract the attempt's time; waiting counts."""
+    clock = FakeClock()
+    stall = StallClock(clock)
+    clock.advance(2.0)
+    async with stall.attempting():
+        clock.advance(5.0)
+    stall.begin_attempt()
+    clock.advance(3.0)
+    stall.end_attempt()
+    clock.advance(1.0)
+    assert stall.stalled_s() == pytest.approx(3.0)
+
+
+async def test_a_failed_attempt_is_productive_and_its_back_off_is_not() -> None:
+    """A 10 s attempt that fails, then a 0.25 s back-off: the next attempt has stalled 0.25 s."""
+    clock = FakeClock()
+    mw = _loop(clock, backoff_base_s=0.5)
+    stalled: list[float] = []
+
+    async def slow_then_ok(source: SourceConfig, ctx: AttemptContext) -> str:
+        stalled.append(ctx.stalled_s)
+        if len(stalled) == 1:
+            clock.advance(10.0)
+            raise TransientError("x", status_code=503)
+        return "ok"
+
+    await mw.run(slow_then_ok)
+    assert stalled == [0.0, pytest.approx(0.25)]
+
+
+async def test_a_served_attempt_stays_productive_until_its_finish() -> None:
+    """A body that runs 50 s after serve(): finish() ends the attempt, nothing is billed."""
+    clock = FakeClock()
+    mw = _loop(clock)
+    call = mw.begin()
+    served = await call.serve(_ok)
+    clock.advance(50.0)
+    served.complete()
+    await call.finish(served, None)
+    assert call.clock.stalled_s() == pytest.approx(0.0)
+    assert [r.outcome for r in call.records] == ["success"]
 
 
 # --- records ------------------------------------------------------------------------------
@@ -390,15 +435,14 @@ async def test_a_success_without_usage_keeps_the_tpm_reservation() -> None:
     assert (await backend.snapshot(SCOPE)).sources[0].tpm_tokens == pytest.approx(37.0)
 
 
-async def test_a_failing_release_on_a_shielded_backend_keeps_the_answer(
+async def test_a_failing_release_keeps_the_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A backend that is not cancel-safe and fails to release: logged, the answer returned."""
+    """A backend that fails to release: logged, the answer returned, failures still retried."""
     clock = FakeClock()
 
     class _BadRelease(MemoryBackend):
         __slots__ = ()
-        cancel_safe = False
 
         async def release(self, lease: Any, outcome: AttemptOutcome) -> None:
             raise GovernanceBackendError("release lost", operation="release", scope=SCOPE)
@@ -418,7 +462,7 @@ async def test_a_queued_session_that_fails_gives_up_its_place() -> None:
     backend = MemoryBackend(now=clock)
     mw = _loop(clock, _source(max_concurrency=1), backend=backend)
     await _hold(backend)
-    room = backend.waiting_room(SCOPE)
+    room = room_for(backend, SCOPE)
     room.enter()  # another call is queued first, so this one queues too
     with pytest.raises(AllSourcesExhausted) as caught:
         async with mw.session(_ok, deadline_s=1.0):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from polygateway.backends.waiting import WaitingRoom
+from polygateway.middleware.waiting import WaitingRoom
 from polygateway.testing import FakeClock
 
 

@@ -19,6 +19,7 @@ from _permit_thief import PermitThief
 from polygateway.backends.memory import MemoryBackend
 from polygateway.config import GatewaySettings
 from polygateway.errors import AllSourcesExhausted, ConfigError, GatewayError, RequestRejected
+from polygateway.middleware.waiting import room_for
 from polygateway.models import LayoutBlock
 from polygateway.ocr import OcrClient, describe_content
 from polygateway.testing import (
@@ -552,7 +553,7 @@ async def test_cancel_during_backoff_releases_permit() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert (await backend.snapshot(SCOPE)).in_flight == 0
-    assert backend.waiting_room(SCOPE).empty
+    assert room_for(backend, SCOPE).empty
     assert transport.in_flight == 0
     assert recorder.outcomes() == ["transient"]
 

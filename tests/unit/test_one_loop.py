@@ -16,7 +16,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
 from polygateway.embedding import EmbeddingClient
-from polygateway.middleware import admission, retry
+from polygateway.middleware import retry
 from polygateway.middleware.lifecycle import GovernedClient
 from polygateway.middleware.retry import RetryMW
 from polygateway.ocr import OcrClient
@@ -29,7 +29,7 @@ LOOP_MARKERS = {
     "acquires permits": re.compile(r"backend\.acquire\("),
     "builds a StallClock": re.compile(r"\bStallClock\("),
     "computes a back-off": re.compile(r"\bbackoff_delay\("),
-    "waits when nothing is runnable": re.compile(r"\b_on_no_runnable\("),
+    "waits in the scope's queue": re.compile(r"\broom\.wait\("),
 }
 
 
@@ -89,12 +89,11 @@ def test_client_modules_hold_no_loop_of_their_own(module: Any) -> None:
 
 
 def test_only_retry_py_holds_the_loop() -> None:
-    """Across the whole package, only middleware/retry.py (and its admission half) runs a loop."""
+    """Across the whole package, only middleware/retry.py runs a loop."""
     retry_path = Path(retry.__file__).resolve()
-    admission_path = Path(admission.__file__).resolve()
     offenders: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.resolve() in (retry_path, admission_path):
+        if path.resolve() == retry_path:
             continue
         if "backends" in path.relative_to(PACKAGE).parts:
             continue  # backends implement acquire; they do not call it in a loop
@@ -104,12 +103,5 @@ def test_only_retry_py_holds_the_loop() -> None:
             offenders[str(path.relative_to(PACKAGE))] = hits
     assert offenders == {}
     retry_text = retry_path.read_text(encoding="utf-8")
-    admission_text = admission_path.read_text(encoding="utf-8")
-    # The loop itself (stall clock, back-off, waiting) is in retry.py; the acquire it
-    # asks for a permit with is in its admission half, and only there.
-    assert [w for w, p in LOOP_MARKERS.items() if p.search(retry_text)] == [
-        "builds a StallClock",
-        "computes a back-off",
-        "waits when nothing is runnable",
-    ]
-    assert [w for w, p in LOOP_MARKERS.items() if p.search(admission_text)] == ["acquires permits"]
+    # The loop itself (stall clock, back-off, the acquire, waiting) is in retry.py only.
+    assert [w for w, p in LOOP_MARKERS.items() if p.search(retry_text)] == list(LOOP_MARKERS)

@@ -26,6 +26,7 @@ from polygateway.middleware.retry import (
     backoff_delay,
     verdict_for,
 )
+from polygateway.middleware.waiting import MAX_ASKING, room_for
 from polygateway.testing import (
     BoundedSleep,
     CountingBackend,
@@ -550,7 +551,7 @@ class TestWaiting:
         await hold_permit(backend)
         tasks = [asyncio.create_task(chat.complete(MESSAGES)) for _ in range(waiters)]
         await settle()
-        assert len(backend.waiting_room("chat")) == waiters
+        assert len(room_for(backend, "chat")) == waiters
         before = backend.calls.get("acquire", 0)
         for _ in range(int(window_s / 0.25)):
             await timers.advance(0.25, turns=3)
@@ -598,20 +599,14 @@ class TestWaiting:
 
 
 class GatedBackend(MemoryBackend):
-    """A memory backend with a given ``max_inflight_ops`` that holds every acquire at a gate."""
+    """A memory backend that holds every acquire at a gate and counts those in flight."""
 
-    def __init__(self, *, now: FakeClock, bound: int | None) -> None:
+    def __init__(self, *, now: FakeClock) -> None:
         super().__init__(now=now)
-        self.bound = bound
         self.gate = asyncio.Event()
         self.asking = 0
         self.most_asking = 0
         self.acquires = 0
-
-    @property
-    def max_inflight_ops(self) -> int | None:
-        """The bound this test gives it."""
-        return self.bound
 
     async def acquire(
         self, scope: str, candidates: Any, *, cost_tokens: int = 0, ttl_s: float
@@ -628,55 +623,71 @@ class GatedBackend(MemoryBackend):
 
 
 class TestAskingBound:
-    """A scope runs at most the backend's ``max_inflight_ops`` acquires at once per process."""
+    """A scope runs at most ``MAX_ASKING`` acquires at once per process; later calls queue."""
 
     @staticmethod
-    async def _burst(bound: int | None, calls: int) -> tuple[GatedBackend, int, list[str]]:
+    async def _burst(
+        calls: int, *, max_concurrency: int = 100
+    ) -> tuple[GatedBackend, int, list[str], FakeTransport]:
         """``calls`` at once on a held gate: the backend, how many queued, the texts served."""
         clock = FakeClock()
         timers = FakeTimers(clock)
-        backend = GatedBackend(now=clock, bound=bound)
-        chat, _, _ = make_chat(
+        backend = GatedBackend(now=clock)
+        chat, transport, _ = make_chat(
             clock,
-            default=chat_completion(),
-            sources=({"name": "primary", "max_concurrency": 100},),
+            # Each answer takes a second: the permits stay held while the others queue.
+            default=Delay(1.0, chat_completion()),
+            sources=({"name": "primary", "max_concurrency": max_concurrency},),
             backend=backend,
             sleep=timers.sleep,
+            transport_sleep=timers.sleep,
         )
-        tasks = [asyncio.create_task(chat.complete(MESSAGES)) for _ in range(calls)]
+        tasks = [
+            asyncio.create_task(chat.complete([{"role": "user", "content": str(i)}]))
+            for i in range(calls)
+        ]
         await settle()
-        queued = len(backend.waiting_room("chat"))
+        queued = len(room_for(backend, "chat"))
         backend.gate.set()
+        for _ in range(10 * calls):  # bounded: each second of fake time serves two or more
+            await timers.advance(0.5)
+            if all(t.done() for t in tasks):
+                break
         texts = [r.text for r in await asyncio.gather(*tasks)]
-        return backend, queued, texts
+        return backend, queued, texts, transport
 
-    async def test_bounded_backend_has_at_most_its_bound_of_acquires_in_flight(self) -> None:
-        """max_inflight_ops=2: a burst of 5 has 2 acquires in flight at most, and all are served."""
-        backend, queued, texts = await self._burst(2, 5)
-        assert backend.most_asking == 2
-        assert queued == 4  # the second call asks as the head of the queue; three wait behind it
-        assert texts == ["ok"] * 5
-        assert backend.acquires == 5
+    async def test_a_burst_past_the_bound_queues_behind_the_head(self) -> None:
+        """MAX_ASKING - 1 calls ask at once, the next asks as the head, the rest wait behind it."""
+        extra = 6
+        backend, queued, texts, _ = await self._burst(MAX_ASKING + extra)
+        assert backend.most_asking == MAX_ASKING
+        assert queued == extra + 1  # the head asks from the queue; the others wait behind it
+        assert texts == ["ok"] * (MAX_ASKING + extra)
+        assert backend.acquires == MAX_ASKING + extra
 
-    async def test_bound_of_one_asks_one_at_a_time(self) -> None:
-        """max_inflight_ops=1: every call of a burst asks alone, through the head of the queue."""
-        backend, _, texts = await self._burst(1, 4)
-        assert backend.most_asking == 1
-        assert texts == ["ok"] * 4
-
-    async def test_unbounded_backend_lets_a_burst_ask_at_once(self) -> None:
-        """max_inflight_ops=None: a burst of 64 has 64 acquires in flight at once, nobody queues."""
-        backend, queued, texts = await self._burst(None, 64)
-        assert backend.most_asking == 64
+    async def test_a_burst_within_the_bound_asks_at_once(self) -> None:
+        """Fewer calls than the bound: every one asks at once, nobody queues."""
+        backend, queued, texts, _ = await self._burst(MAX_ASKING - 1)
+        assert backend.most_asking == MAX_ASKING - 1
         assert queued == 0
-        assert texts == ["ok"] * 64
+        assert texts == ["ok"] * (MAX_ASKING - 1)
 
-    def test_memory_and_counting_backends_say_unbounded(self) -> None:
-        """Memory has no pool (None); the counting wrapper reports its inner backend's figure."""
-        memory = MemoryBackend()
-        assert memory.max_inflight_ops is None
-        assert CountingBackend(memory).max_inflight_ops is None
-        assert CountingBackend(GatedBackend(now=FakeClock(), bound=7)).max_inflight_ops == 7
+    async def test_waiters_are_served_in_arrival_order_past_the_bound(self) -> None:
+        """100 calls on 2 permits reach the upstream in the order they were made.
+
+        Calls refused after asking at once take their place by arrival, ahead
+        of the later calls that queued while their acquires were in flight.
+        """
+        calls = 100
+        _, _, texts, transport = await self._burst(calls, max_concurrency=2)
+        assert texts == ["ok"] * calls
+        order = [int(_sent_text(r)) for r in transport.requests]
+        assert order == list(range(calls))
+
+
+def _sent_text(request: Any) -> str:
+    """The user message a chat request carried."""
+    return str(request.json["messages"][0]["content"])
 
 
 # --- the backend failing ---------------------------------------------------------------------
@@ -754,7 +765,7 @@ class TestBackendFailures:
         await hold_permit(backend)
         tasks = [asyncio.create_task(chat.complete(MESSAGES)) for _ in range(4)]
         await settle()
-        assert len(backend.waiting_room("chat")) == 4
+        assert len(room_for(backend, "chat")) == 4
         backend.down = True
         asked = backend.acquires
         started = clock()
@@ -765,11 +776,11 @@ class TestBackendFailures:
             assert isinstance(task.exception(), GovernanceBackendError)
         assert backend.acquires == asked + 1  # only the head asked; the others failed with it
         assert clock() - started <= 1.0
-        assert backend.waiting_room("chat").empty
+        assert room_for(backend, "chat").empty
         assert transport.requests == []
 
-    async def test_cancel_safe_backend_runs_in_the_callers_task(self) -> None:
-        """A cancel-safe backend is awaited directly: no task per acquire and release."""
+    async def test_the_backend_runs_in_the_callers_task(self) -> None:
+        """Backends are cancellation-safe: the loop awaits them directly, no task per operation."""
         clock = FakeClock()
         seen: list[asyncio.Task[Any] | None] = []
 
@@ -788,24 +799,6 @@ class TestBackendFailures:
         caller = asyncio.create_task(chat.complete(MESSAGES))
         await caller
         assert seen == [caller, caller]
-
-    async def test_backend_that_is_not_cancel_safe_is_shielded_in_tasks_of_its_own(self) -> None:
-        """A backend without cancel_safe runs each operation in a shielded task of its own."""
-        clock = FakeClock()
-        seen: list[asyncio.Task[Any] | None] = []
-
-        class Spy(CountingBackend):
-            __slots__ = ()
-
-            async def acquire(self, *args: Any, **kwargs: Any) -> Any:
-                seen.append(asyncio.current_task())
-                return await super().acquire(*args, **kwargs)
-
-        chat, _, _ = make_chat(clock, [chat_completion()], backend=Spy(MemoryBackend(now=clock)))
-        caller = asyncio.create_task(chat.complete(MESSAGES))
-        await caller
-        assert len(seen) == 1
-        assert seen[0] is not caller
 
 
 # --- cancellation at every await ----------------------------------------------------------
@@ -861,7 +854,7 @@ class TestCancellation:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await in_flight(backend) == 0
-        assert backend.waiting_room("chat").empty
+        assert room_for(backend, "chat").empty
 
     async def test_cancel_during_waiting_frees_the_queue_place(self) -> None:
         """Cancelled while queued behind another waiter: it leaves the FIFO, the head stays."""
@@ -880,7 +873,7 @@ class TestCancellation:
         await settle()
         behind = asyncio.create_task(chat.complete(MESSAGES))
         await settle()
-        room = backend.waiting_room("chat")
+        room = room_for(backend, "chat")
         assert len(room) == 2
         behind.cancel()
         with pytest.raises(asyncio.CancelledError):

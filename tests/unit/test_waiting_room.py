@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
 
-from polygateway.backends.waiting import WaitingRoom
-from polygateway.testing import FakeClock
+from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.memory import MemoryBackend
+from polygateway.config import SourceConfig
+from polygateway.middleware.policy import LoopPolicy
+from polygateway.middleware.retry import RetryMW
+from polygateway.middleware.waiting import MAX_ASKING, WaitingRoom, room_for
+from polygateway.testing import FakeClock, TransientError
 
 
 async def _never(_: float) -> None:
@@ -182,3 +188,177 @@ async def test_real_sleep_wait_cancelled_passes_through_and_cancels_the_handle(
     assert handle.cancelled()
     room.notify()  # a wake-up after the wait is kept for the next one, not lost
     assert head._pending
+
+
+# --- arrival order, one room per scope, the bound on acquires in flight ------------------
+
+
+def test_a_refused_earlier_arrival_queues_ahead_of_later_calls() -> None:
+    """enter(ticket) places a call by its arrival: behind earlier waiters, ahead of later ones."""
+    room = WaitingRoom()
+    first = room.enter()  # waiting already
+    early = room.ticket()  # arrives and asks at once
+    later = room.enter()  # arrives while that acquire is in flight, and queues
+    last = room.enter()
+    refused = room.enter(early)  # the acquire was refused: it queues by its arrival
+    assert (first.ticket, refused.ticket) == (0, early)
+    order = []
+    for _ in range(4):
+        head = next(w for w in (first, refused, later, last) if room.is_head(w))
+        order.append(head)
+        room.leave(head)
+    assert order == [first, refused, later, last]
+    assert room.empty
+
+
+def test_enter_without_a_ticket_takes_the_tail() -> None:
+    """A call entering without a ticket takes one now: behind every ticket handed out before."""
+    room = WaitingRoom()
+    taken = room.ticket()
+    waiter = room.enter()
+    assert waiter.ticket == taken + 1
+    assert room.is_head(room.enter(taken))
+
+
+def _source(**fields: Any) -> SourceConfig:
+    return SourceConfig(name="a", protocol="openai", base_url="http://upstream.test/v1", **fields)
+
+
+def _loop(clock: FakeClock, backend: MemoryBackend) -> RetryMW:
+    return RetryMW(
+        scope="chat",
+        sources=(_source(max_concurrency=1),),
+        policy=LoopPolicy(poll_interval_s=1.0),
+        backend=backend,
+        now=clock,
+        sleep=clock.sleep,
+        rng=random.Random(7),
+    )
+
+
+async def test_a_call_queues_by_the_ticket_it_took_when_it_began() -> None:
+    """An earlier call that was refused goes ahead of a later call already queued."""
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    mw = _loop(clock, backend)
+    held = await backend.acquire("chat", [SourceSpec("a", max_concurrency=1)], ttl_s=1e6)
+    assert held.lease is not None
+    room = room_for(backend, "chat")
+    first, early, later = mw.begin(), mw.begin(), mw.begin()
+    assert await early.pick() is None  # nobody waits: it asks at once, refused
+    assert early._waiter is None  # not queued yet
+    assert await later.pick() is None
+    await later.wait()  # queues first, head for now
+    assert room.is_head(later._waiter)  # type: ignore[arg-type]
+    await early.wait()  # queues by its arrival: ahead of ``later``
+    assert room.is_head(early._waiter)  # type: ignore[arg-type]
+    assert await first.pick() is None  # the earliest of all: head, so it asks
+    assert room.is_head(first._waiter)  # type: ignore[arg-type]
+    assert len(room) == 3
+    first.leave()
+    early.leave()
+    assert room.is_head(later._waiter)  # type: ignore[arg-type]
+
+
+async def test_after_a_failure_a_call_queues_behind_calls_that_arrived_meanwhile() -> None:
+    """A failed attempt sends the call to the tail of the arrivals, not back to its old place."""
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    mw = _loop(clock, backend)
+    failing = mw.begin()
+    lease = await failing.pick()
+    assert lease is not None
+    meanwhile = mw.begin()  # arrives while the attempt runs
+    assert await meanwhile.pick() is None
+    await meanwhile.wait()  # queues, head
+
+    async def fail(source: SourceConfig, ctx: Any) -> str:
+        raise TransientError("x", status_code=503)
+
+    failed = await failing.attempt(lease, fail)
+    await failing.after_failure(failed)  # type: ignore[arg-type]
+    assert await failing.pick() is None  # behind ``meanwhile``: does not ask
+    room = room_for(backend, "chat")
+    assert not room.is_head(failing._waiter)  # type: ignore[arg-type]
+    assert room.is_head(meanwhile._waiter)  # type: ignore[arg-type]
+
+
+async def test_room_for_is_one_room_per_backend_and_scope_woken_by_its_releases() -> None:
+    """The same room for the same (backend, scope); a release on the backend wakes its head."""
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    room = room_for(backend, "chat")
+    assert room_for(backend, "chat") is room  # subscribed once, not twice
+    other_scope = room_for(backend, "embed")
+    other_backend = room_for(MemoryBackend(now=clock), "chat")
+    assert other_scope is not room
+    assert other_backend is not room
+    head, behind = room.enter(), room.enter()
+    elsewhere = other_scope.enter()
+
+    spec = [SourceSpec("a", max_concurrency=2)]
+    lease = (await backend.acquire("chat", spec, ttl_s=60.0)).lease
+    assert lease is not None
+    await backend.release(lease, AttemptOutcome("success"))
+    assert room.wakeups == 1
+    assert head._pending
+    assert not behind._pending
+    assert other_scope.wakeups == 0
+    assert not elsewhere._pending
+    await asyncio.wait_for(room.wait(head, 60.0, _never), 1.0)  # the wake-up was kept
+
+    embed = (await backend.acquire("embed", spec, ttl_s=60.0)).lease
+    assert embed is not None
+    await backend.release(embed, AttemptOutcome("cancelled"))
+    assert other_scope.wakeups == 1
+    assert room.wakeups == 1
+
+
+def test_may_ask_at_once_stops_one_short_of_the_bound_and_when_someone_waits() -> None:
+    """Nobody waiting and at most MAX_ASKING - 2 acquires in flight: ask; otherwise queue."""
+    assert MAX_ASKING == 64
+    room = WaitingRoom()
+    assert room.may_ask_at_once
+    room.asking = MAX_ASKING - 2
+    assert room.may_ask_at_once
+    room.asking = MAX_ASKING - 1
+    assert not room.may_ask_at_once
+    room.asking = 0
+    waiter = room.enter()
+    assert not room.may_ask_at_once
+    room.leave(waiter)
+    assert room.may_ask_at_once
+
+
+async def test_past_the_bound_a_new_call_queues_and_asks_as_head() -> None:
+    """MAX_ASKING - 1 acquires in flight: the call queues; as the head it asks, then leaves."""
+    clock = FakeClock()
+    gate = asyncio.Event()
+
+    class _Slow(MemoryBackend):
+        __slots__ = ()
+
+        async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await super().acquire(*args, **kwargs)
+
+    backend = _Slow(now=clock)
+    mw = _loop(clock, backend)
+    room = room_for(backend, "chat")
+    room.asking = MAX_ASKING - 1
+    call = mw.begin()
+    picking = asyncio.create_task(call.pick())
+    await asyncio.sleep(0)
+    assert len(room) == 1  # queued ...
+    assert room.is_head(call._waiter)  # type: ignore[arg-type]
+    assert room.asking == MAX_ASKING  # ... and asking, as the head
+    gate.set()
+    assert await picking is not None
+    assert room.asking == MAX_ASKING - 1
+    assert call._waiter is None
+    assert room.empty  # served: it left the queue
+    # A fail_fast call never queues, however many acquires are in flight.
+    quick = mw.begin(fail_fast=True)
+    assert await quick.pick() is None  # refused (the one permit is held), not queued
+    assert quick._waiter is None
+    assert room.empty

@@ -12,15 +12,12 @@ caller's monotonic clock and the backend's clock are never mixed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 # Re-exported: these live in governance (the lower layer) and are named here too.
 from polygateway.governance.source_state import OutcomeKind, RejectReason, SourceSnapshot
-
-if TYPE_CHECKING:
-    from polygateway.backends.waiting import WaitingRoom
 
 __all__ = [
     "AcquireResult",
@@ -30,6 +27,8 @@ __all__ = [
     "OutcomeKind",
     "RejectReason",
     "Rejection",
+    "ReleaseListener",
+    "ReleaseListeners",
     "ScopeSnapshot",
     "SourceSnapshot",
     "SourceSpec",
@@ -152,34 +151,49 @@ NEVER = math.inf
 """``progress_age_s`` of a scope that has never served."""
 
 
+ReleaseListener = Callable[[], None]
+"""Told that a permit of a scope was freed; runs synchronously and must not raise."""
+
+
+class ReleaseListeners:
+    """Who wants to hear of freed permits, per scope: the part of waking waiters a backend owns.
+
+    The loop's waiting room (``middleware/waiting.py``) registers one listener
+    per scope; a backend calls ``released(scope)`` each time it frees a permit
+    of that scope. Nothing else of the loop's queueing lives in a backend.
+    """
+
+    __slots__ = ("_by_scope",)
+
+    def __init__(self) -> None:
+        self._by_scope: dict[str, list[ReleaseListener]] = {}
+
+    def add(self, scope: str, listener: ReleaseListener) -> None:
+        """Call ``listener`` on every later release of a permit of ``scope``."""
+        self._by_scope.setdefault(scope, []).append(listener)
+
+    def released(self, scope: str) -> None:
+        """A permit of ``scope`` was freed: tell its listeners."""
+        listeners = self._by_scope.get(scope)
+        if listeners:
+            for listener in listeners:
+                listener()
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Shared governance state. Every method is one atomic operation.
 
-    ``cancel_safe``: ``True`` when ``acquire`` and ``release`` finish what they
-    started even if their caller is cancelled (a cancelled ``acquire`` gives
-    back any lease it grants; a cancelled ``release`` still frees the permit).
-    The loop then awaits them directly; otherwise it runs each in a shielded
-    task of its own, which costs a task per operation.
+    Cancellation-safe: ``acquire`` and ``release`` finish what they started
+    even when their caller is cancelled while they run (a cancelled
+    ``acquire`` gives back any lease it grants; a cancelled ``release`` still
+    frees the permit). The loop awaits them directly, so a backend that must
+    suspend mid-operation shields that work itself.
 
-    ``max_inflight_ops``: how many acquires of a scope the loop runs at once
-    per process, or ``None`` when nothing bounds them.
+    A backend object is hashable and weak-referenceable (a slotted class
+    lists ``__weakref__``): the loop keeps its waiting rooms per backend
+    object, for as long as the backend lives.
     """
-
-    @property
-    def cancel_safe(self) -> bool:
-        """Whether acquire and release finish what they started despite a cancelled caller."""
-        ...
-
-    @property
-    def max_inflight_ops(self) -> int | None:
-        """How many operations this backend takes at once in this process; ``None``: unbounded.
-
-        The loop asks at most this many acquires at once per scope and
-        process; later calls queue in the scope's waiting room, so a burst
-        reaches a shared backend as a stream rather than all at once.
-        """
-        ...
 
     async def acquire(
         self,
@@ -201,8 +215,8 @@ class Backend(Protocol):
         """Free the permit and record the outcome; an expired or unknown lease is a no-op.
 
         Records: breaker transition, AIMD step, pacer deadline, tpm
-        reconciliation, and progress on success. Wakes the head of the local
-        waiting room of the lease's scope.
+        reconciliation, and progress on success. A permit freed is announced
+        to the scope's release listeners (``on_release``).
         """
         ...
 
@@ -218,8 +232,12 @@ class Backend(Protocol):
         """The scope's live state."""
         ...
 
-    def waiting_room(self, scope: str) -> WaitingRoom:
-        """This process's FIFO of calls waiting for a permit of ``scope``."""
+    def on_release(self, scope: str, listener: ReleaseListener) -> None:
+        """Call ``listener`` each time this backend frees a permit of ``scope``.
+
+        At least every release made through this backend object; a backend
+        shared by a fleet may also report releases made elsewhere.
+        """
         ...
 
     async def aclose(self) -> None:

@@ -4,7 +4,8 @@ Every operation is atomic because it never awaits: the ``async def`` methods
 do all their work synchronously between two event-loop turns, so no other
 task can see a half-applied decision. The policy itself lives in
 ``governance/source_state.py``; this module only keeps the state per scope
-and source, hands out lease ids, records progress and wakes waiting rooms.
+and source, hands out lease ids, records progress and announces freed permits
+to the scope's release listeners (the loop's waiting room).
 Time is the injected monotonic clock (a ``FakeClock`` in tests).
 """
 
@@ -21,20 +22,15 @@ from polygateway.backends.base import (
     AttemptOutcome,
     Lease,
     Rejection,
+    ReleaseListener,
+    ReleaseListeners,
     ScopeSnapshot,
     SourceSpec,
 )
-from polygateway.backends.waiting import WaitingRoom
 from polygateway.governance import source_state
 from polygateway.governance.source_state import Admission, SourceState
-from polygateway.models import positional_builder
 
 __all__ = ["MemoryBackend"]
-
-_new_lease = positional_builder(Lease)
-"""A ``Lease`` from every field, positionally: one per grant."""
-_new_result = positional_builder(AcquireResult)
-"""An ``AcquireResult`` from both fields: one per acquire that grants."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,26 +86,19 @@ class _Scope:
 class MemoryBackend:
     """Governance state for one process; implements ``backends.base.Backend``."""
 
-    __slots__ = ("_ids", "_now", "_rooms", "_scopes")
-
-    # No operation ever suspends, so a cancellation cannot cut one short.
-    cancel_safe = True
+    # No operation ever suspends, so a cancellation cannot cut one short (cancellation-safe).
+    __slots__ = ("__weakref__", "_ids", "_listeners", "_now", "_scopes")
 
     def __init__(self, *, now: Callable[[], float] | None = None) -> None:
         self._now: Callable[[], float] = (
             now if now is not None else time.monotonic
         )  # edge: default clock
         self._scopes: dict[str, _Scope] = {}
-        self._rooms: dict[str, WaitingRoom] = {}
+        self._listeners = ReleaseListeners()
         self._ids = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"MemoryBackend(scopes={sorted(self._scopes)!r})"
-
-    @property
-    def max_inflight_ops(self) -> int | None:
-        """``None``: every operation runs at once, without a pool to queue in."""
-        return None
 
     def _scope(self, scope: str) -> _Scope:
         found = self._scopes.get(scope)
@@ -160,17 +149,15 @@ class MemoryBackend:
                     probe=probe,
                     pace_probe=verdict.pace_probe,
                 )
-                # Every field, in order (scope, source, lease_id, ttl_s, tokens, probe) and
-                # (lease, rejections), without the frozen records' per-field setattr.
-                lease = _new_lease(scope, name, lease_id, ttl_s, cost_tokens, probe)
-                return _new_result(lease, tuple(rejections) if rejections else ())
+                lease = Lease(scope, name, lease_id, ttl_s, cost_tokens, probe)
+                return AcquireResult(lease, tuple(rejections) if rejections else ())
             if rejections is None:
                 rejections = []
             rejections.append(Rejection(name, verdict.reason, verdict.reopen_in_s))
         return AcquireResult(None, tuple(rejections) if rejections else ())
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        """Free the permit, record the outcome, wake the waiting room; a dead lease is a no-op."""
+        """Free the permit, record the outcome, tell the listeners; a dead lease is a no-op."""
         sc = self._scopes.get(lease.scope)
         src = sc.sources.get(lease.source) if sc is not None else None
         if sc is None or src is None:
@@ -190,9 +177,7 @@ class MemoryBackend:
             return
         if outcome.kind == "success":
             sc.progress_at = now
-        room = self._rooms.get(lease.scope)
-        if room is not None:
-            room.notify()
+        self._listeners.released(lease.scope)
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a live lease by its TTL from now; ``False`` when it is unknown or expired."""
@@ -222,12 +207,9 @@ class MemoryBackend:
         )
         return ScopeSnapshot(scope=scope, progress_age_s=age, sources=sources)
 
-    def waiting_room(self, scope: str) -> WaitingRoom:
-        """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""
-        room = self._rooms.get(scope)
-        if room is None:
-            room = self._rooms[scope] = WaitingRoom()
-        return room
+    def on_release(self, scope: str, listener: ReleaseListener) -> None:
+        """Call ``listener`` on every permit of ``scope`` this backend frees."""
+        self._listeners.add(scope, listener)
 
     async def aclose(self) -> None:
         """Nothing to release: the state lives and dies with the process."""

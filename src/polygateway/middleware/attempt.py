@@ -4,16 +4,15 @@
 to the call's deadline) and collects what the attempt reports (usage, TTFT).
 ``Served`` is the attempt that served a call; inside ``RetryMW.session`` its
 permit is still held, so a stream can renew its lease and report a clean end.
-``shielded`` runs a backend operation to its end even when the caller is
-cancelled meanwhile: cancellation must never leak a permit.
+``release_quietly`` frees a permit whatever befalls the caller: backends are
+cancellation-safe (``backends/base.py``), and a failing backend is logged.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from polygateway.backends.base import AttemptOutcome, Backend, Lease
 from polygateway.errors import GovernanceBackendError
@@ -27,10 +26,7 @@ __all__ = [
     "AttemptContext",
     "AttemptFn",
     "Served",
-    "keep_until_done",
-    "release_failed",
     "release_quietly",
-    "shielded",
 ]
 
 T = TypeVar("T")
@@ -186,62 +182,23 @@ class Served(Generic[T]):
         return True
 
 
-_BACKGROUND: set[asyncio.Future[Any]] = set()
-"""Backend operations still running after their caller was cancelled."""
-
-
-def keep_until_done(task: asyncio.Future[Any]) -> None:
-    """Hold a reference until an orphaned task ends, and log a failure nobody else will see."""
-    _BACKGROUND.add(task)
-
-    def done(t: asyncio.Future[Any]) -> None:
-        _BACKGROUND.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            _log.warning("backend operation failed after a cancellation: %s", t.exception())
-
-    task.add_done_callback(done)
-
-
-async def shielded(coro: Coroutine[Any, Any, T]) -> T:
-    """Await a backend operation that a cancellation of the caller cannot cut short.
-
-    On cancellation the operation runs on to its end in the background and
-    the caller's ``CancelledError`` passes through untouched.
-    """
-    task = asyncio.ensure_future(coro)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        keep_until_done(task)
-        raise
-
-
 async def release_quietly(
     backend: Backend, lease: Lease, outcome: AttemptOutcome, text: Callable[[BaseException], str]
 ) -> None:
-    """Free the permit, shielded from cancellation; a backend failure is logged, not raised.
+    """Free the permit; a backend failure is logged, not raised.
 
     The upstream has answered by now: losing the answer to a backend
     hiccup would be worse than a permit the lease's expiry frees anyway.
     ``text`` gives the failure's message without the scope's credentials.
+    A cancellation of the caller passes through; the backend, being
+    cancellation-safe, frees the permit all the same.
     """
     try:
-        release = backend.release(lease, outcome)
-        await (release if backend.cancel_safe else shielded(release))
+        await backend.release(lease, outcome)
     except GovernanceBackendError as exc:
-        release_failed(lease, outcome, exc, text)
-
-
-def release_failed(
-    lease: Lease,
-    outcome: AttemptOutcome,
-    exc: GovernanceBackendError,
-    text: Callable[[BaseException], str],
-) -> None:
-    """Log a release the backend failed: the lease's expiry frees the permit, nothing is raised."""
-    _log.warning(
-        "release of a %s lease at %s failed (its expiry frees the permit): %s",
-        outcome.kind,
-        lease.source,
-        text(exc),
-    )
+        _log.warning(
+            "release of a %s lease at %s failed (its expiry frees the permit): %s",
+            outcome.kind,
+            lease.source,
+            text(exc),
+        )

@@ -82,8 +82,7 @@ class InFlight:
         """
         return self
 
-    def enter(self) -> None:
-        """Begin a stretch in the current task: ``__aenter__`` without its coroutine."""
+    async def __aenter__(self) -> None:
         if self.closing:
             raise GatewayError("client closed", scope=self.scope)
         task = asyncio.current_task()
@@ -91,8 +90,12 @@ class InFlight:
             self._task = task
             self._baseline = task.cancelling()
 
-    def leave(self, exc_type: type[BaseException] | None) -> None:
-        """End the stretch as ``__aexit__`` does; the caller re-raises what ended it."""
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         task, self._task = self._task, None
         if (
             exc_type is asyncio.CancelledError
@@ -102,17 +105,6 @@ class InFlight:
         ):
             # Our own cancellation (the close ran out of grace), not the caller's.
             raise GatewayError("client closed while the call was in flight", scope=self.scope)
-
-    async def __aenter__(self) -> None:
-        self.enter()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.leave(exc_type)
 
 
 class Lifecycle:

@@ -1,56 +1,58 @@
 """The one governance loop every client runs its calls through (research-wiki/ARCHITECTURE.md §2).
 
-One call, whatever the client::
+``RetryMW`` holds what is fixed for a scope: its sources in selection order,
+their timeouts and lease TTLs, the backend, the process's waiting room of the
+scope, the telemetry emitter. Each call gets a ``Call`` of its own, which
+owns everything that changes while the call runs (its ``StallClock``, its
+deadline, its attempts, its place in the queue) and reads as the loop reads::
 
-    clock = StallClock(now)                          one per call, never an attribute
-    loop:
-        exempt_429 and stall rule            -> AllSourcesExhausted("stalled")
-        no time left before the deadline     -> AllSourcesExhausted("deadline")
-        admission (admission.py): selection order + one backend.acquire, or queue
-        nothing runnable -> _on_no_runnable: fail_fast -> "no_runnable";
-                            stall rule -> "stalled"; else wait in the scope's FIFO
-        clock.attempting():                  productive time: request, release, telemetry
-            _attempt(...)                    (for a stream, until the stream closes)
-        success -> return; request_rejected -> RequestRejected at once
-        timeout cut by the caller's deadline -> released cancelled, "deadline" at once
-        exempt 429 -> not charged; else fails += 1 -> "retry_exhausted" at max_attempts
-        back-off sleep, then back to the tail of the waiting room
+    call = Call(...)                                  one per call, with its StallClock
+    serve:
+        loop:
+            chat only: call.stalled()            -> AllSourcesExhausted("stalled")
+            call.deadline.over()                 -> AllSourcesExhausted("deadline")
+            lease = call.pick()                     selection order + one backend.acquire
+            nothing runnable -> call.wait():     fail_fast -> "no_runnable";
+                                                 call.stalled() -> "stalled";
+                                                 else wait our turn in the scope's queue
+            call.attempt(lease)                     productive time on the StallClock:
+                                                    request, and on failure release + record
+            success -> served, permit held;  else call.after_failure():
+                request_rejected -> RequestRejected at once
+                timeout cut by the deadline -> "deadline" at once
+                exempt 429 -> not charged; else fails += 1 -> "retry_exhausted" at max_attempts
+                back-off, then back into the queue in arrival order
+    finish(served, how the body ended):          release + record, end the attempt
+
+``run`` (request/response) and ``session`` (a stream: the body runs with the
+permit held and the attempt still open) are two thin wrappers over one call.
 
 The stall budget (research-wiki/designs/stall-budget.md) bills only
 non-productive time: a real attempt is governed by ``max_attempts``, so it is
 subtracted from the call's elapsed time. Embedding and OCR run the same loop
-with ``exempt_429=False``: every failure is charged and the main-loop stall
-check is off (the design page's §3).
-
-A stream is one attempt that outlives the loop: ``session()`` hands the open
-attempt to its body with the permit still held and ``attempting()`` still
-open, and releases when the body ends (see ``Served``).
-
-``deadline_s`` is a hard bound: attempts' timeouts are clipped to the time
-left, a stream is cut at it, and a timeout the deadline caused is released as
-cancelled (``classify.DEADLINE_CUT``), not charged to the source.
+with ``exempt_429=False``: every failure is charged and the top-of-loop stall
+check is off. ``deadline_s`` is a hard bound (``middleware/deadline.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
-from polygateway.backends.base import AttemptOutcome, Backend, Lease
-from polygateway.errors import GovernanceBackendError, RequestRejected
-from polygateway.middleware.admission import DEADLINE_EPSILON_S, Admitter, CallState, Sleep
-from polygateway.middleware.attempt import (
-    AttemptContext,
-    AttemptFn,
-    Served,
-    release_failed,
-    release_quietly,
+from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
+from polygateway.errors import (
+    AllSourcesExhausted,
+    ExhaustedReason,
+    GovernanceBackendError,
+    RequestRejected,
 )
+from polygateway.governance.selection import SelectionOrder, untried_first
+from polygateway.middleware.attempt import AttemptContext, AttemptFn, Served, release_quietly
 from polygateway.middleware.classify import (
     DEADLINE_CUT,
     FAILURE_TABLE,
@@ -59,21 +61,24 @@ from polygateway.middleware.classify import (
     clamped_hint,
     verdict_for,
 )
+from polygateway.middleware.deadline import Deadline, Timeouts, check_deadline_s
 from polygateway.middleware.policy import LoopPolicy
 from polygateway.middleware.telemetry import Emitter, NullEmitter, attempt_record
-from polygateway.models import positional_builder
-from polygateway.transport.hints import ServerHint
+from polygateway.middleware.waiting import Sleep, Waiter, room_for
 from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
 
 if TYPE_CHECKING:
-    from polygateway.backends.waiting import WaitingRoom
+    from contextlib import AbstractAsyncContextManager
+
     from polygateway.config import SourceConfig
+    from polygateway.models import AttemptRecord
 
 __all__ = [
     "FAILURE_TABLE",
     "AttemptContext",
     "AttemptFn",
+    "Call",
     "FailureRule",
     "LoopPolicy",
     "RetryMW",
@@ -90,8 +95,13 @@ _log = logging.getLogger("polygateway.retry")
 
 _CANCELLED: Final = AttemptOutcome("cancelled")
 
-_new_outcome = positional_builder(AttemptOutcome)
-"""``AttemptOutcome`` without the frozen dataclass's per-field ``__setattr__``."""
+_STALL_TIMER_SLACK_S: Final = 1e-3
+"""A waiter's stall timer fires just past the window, so the strict ``>`` of the rule holds."""
+
+_REOPEN_SLACK_S: Final = 1e-3
+"""The head wakes just after a source reopens, so the backend's ``now < not_before`` is over."""
+
+_Candidate = tuple["SourceConfig", SourceSpec]
 
 
 class StallClock:
@@ -104,51 +114,54 @@ class StallClock:
     ``max_attempts``, so their time is subtracted. Billing both budgets for
     the same seconds let one slow attempt end a call as stalled.
 
-    One instance per call. Never make it an attribute: concurrent calls
-    sharing one would pollute each other's accounts.
+    One instance per call, owned by the call's ``Call``. Never make it an
+    attribute of anything shared: concurrent calls sharing one would pollute
+    each other's accounts.
     """
 
-    __slots__ = ("_entered_at", "_now", "_productive_s")
+    __slots__ = ("_attempt_began", "_entered_at", "_now", "_productive_s")
 
     def __init__(self, now: Callable[[], float]) -> None:
         self._now = now
         self._entered_at = now()
         self._productive_s = 0.0
+        self._attempt_began = 0.0
 
     def stalled_s(self) -> float:
         """Seconds of non-productive waiting so far: elapsed minus time spent in attempts."""
         return self._now() - self._entered_at - self._productive_s
 
-    def attempting(self) -> _Span:
-        """Wrap one real attempt; its duration counts as productive (the ``_attempt`` boundary).
+    def attempting(self) -> _Attempting:
+        """Wrap one real attempt: an async context manager whose duration counts as productive.
 
-        An async context manager; the loop also opens and closes it by hand,
-        because a stream's attempt outlives the loop's own frame.
+        Arithmetic only, in ``finally``: nothing is swallowed, ``CancelledError``
+        passes through untouched.
         """
-        return _Span(self)
+        return _Attempting(self)
+
+    def begin_attempt(self) -> None:
+        """An attempt begins now (``attempting()`` without the context manager).
+
+        The loop uses the pair because a stream's attempt ends when the stream
+        closes, after the loop's own frame has returned the open stream.
+        """
+        self._attempt_began = self._now()
+
+    def end_attempt(self) -> None:
+        """The attempt begun last has ended: add its duration to the productive time."""
+        self._productive_s += self._now() - self._attempt_began
 
 
-class _Span:
-    """One attempt's productive stretch of a ``StallClock``: a class, not a generator (per call)."""
+class _Attempting:
+    """``StallClock.attempting()``: ``begin_attempt`` on entry, ``end_attempt`` on exit."""
 
-    __slots__ = ("_clock", "_started")
+    __slots__ = ("_clock",)
 
     def __init__(self, clock: StallClock) -> None:
         self._clock = clock
-        self._started = 0.0
-
-    def open(self) -> _Span:
-        """The attempt begins now."""
-        self._started = self._clock._now()
-        return self
-
-    def close(self) -> None:
-        """The attempt has ended: add its duration to the productive time."""
-        clock = self._clock
-        clock._productive_s += clock._now() - self._started
 
     async def __aenter__(self) -> None:
-        self.open()
+        self._clock.begin_attempt()
 
     async def __aexit__(
         self,
@@ -156,8 +169,7 @@ class _Span:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # Arithmetic only: nothing is swallowed, CancelledError passes through untouched.
-        self.close()
+        self._clock.end_attempt()
 
 
 def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -177,7 +189,7 @@ def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Rand
 
 @dataclass(frozen=True, slots=True)
 class _Failed:
-    """A failed attempt, already released and emitted: what the loop does next depends on it."""
+    """A failed attempt, already released and recorded: what the loop does next depends on it."""
 
     source: str
     verdict: Verdict
@@ -187,25 +199,27 @@ class _Failed:
 class RetryMW:
     """The governance loop for one scope; shared by the chat, embedding and OCR clients.
 
-    ``run`` serves a request/response call; ``session`` serves a call whose
-    attempt outlives the loop (a stream). Both are the same loop (``_serve``).
+    Holds only what is fixed for the scope; each call's state is its ``Call``
+    (``begin``). ``run`` serves a request/response call; ``session`` serves a
+    call whose attempt outlives the loop (a stream).
     """
 
     __slots__ = (
-        "_admit",
         "_backend",
         "_by_name",
         "_emits",
         "_emitter",
+        "_free_ttl",
         "_names",
         "_now",
+        "_order",
         "_policy",
         "_rng",
         "_room",
         "_scope",
         "_secrets",
         "_sleep",
-        "_sources",
+        "_timeouts",
     )
 
     def __init__(
@@ -220,8 +234,8 @@ class RetryMW:
         rng: random.Random,
         emitter: Emitter | None = None,
     ) -> None:
+        sources = tuple(sources)
         self._scope = scope
-        self._sources = tuple(sources)
         self._policy = policy
         self._backend = backend
         self._now = now
@@ -230,23 +244,44 @@ class RetryMW:
         self._emitter: Emitter = emitter if emitter is not None else NullEmitter()
         # Records are built for the call's attempts anyway; only a real emitter is called.
         self._emits = type(self._emitter) is not NullEmitter
-        self._names = tuple(s.name for s in self._sources)
-        self._by_name = {s.name: s for s in self._sources}
+        self._names = tuple(s.name for s in sources)
+        self._by_name = {s.name: s for s in sources}
         # Defence in depth: transports scrub their messages already, but nothing
         # that reaches a record, a log or an error may carry a source's credentials.
         self._secrets = tuple(
-            sorted({v for s in self._sources for v in secrets_in(source_headers(s))}, key=len)[::-1]
+            sorted({v for s in sources for v in secrets_in(source_headers(s))}, key=len)[::-1]
         )
-        # One FIFO per scope and process, the backend's: looked up once, not per call.
-        self._room = backend.waiting_room(scope)
-        self._admit = Admitter(
-            scope=scope,
-            sources=self._sources,
-            policy=policy,
-            backend=backend,
-            now=now,
-            sleep=sleep,
-            rng=rng,
+        # The process's queue of the scope's waiting calls, shared by every client of it.
+        self._room = room_for(backend, scope)
+        specs = [
+            SourceSpec(
+                name=s.name,
+                max_concurrency=s.max_concurrency,
+                rpm=s.rpm,
+                rpm_burst=s.rpm_burst,
+                tpm=s.tpm,
+                tpm_burst=s.tpm_burst,
+                breaker_failures=policy.breaker_failures,
+                cooldown_s=policy.breaker_cooldown_s,
+                cooldown_max_s=policy.breaker_cooldown_max_s,
+            )
+            for s in sources
+        ]
+        self._order: SelectionOrder[_Candidate] = SelectionOrder(
+            tuple(zip(sources, specs, strict=True)),
+            priority=lambda c: c[0].priority,
+            weight=lambda c: c[0].weight,
+        )
+        self._timeouts: Mapping[str, Timeouts] = {
+            s.name: (float(s.timeout_s), float(s.ttft_timeout_s), float(s.stream_idle_timeout_s))
+            for s in sources
+        }
+        # Without a deadline nothing clips the timeouts, and every call's candidates are
+        # all the scope's sources: the TTL is one figure per kind of call.
+        every = list(self._timeouts.values())
+        self._free_ttl = (
+            self._longest(every, streaming=False),
+            self._longest(every, streaming=True),
         )
 
     def __repr__(self) -> str:
@@ -272,6 +307,20 @@ class RetryMW:
         """The numbers this loop runs by."""
         return self._policy
 
+    # --- the two ways to run a call ----------------------------------------------
+
+    def begin(
+        self,
+        *,
+        cost_tokens: int = 0,
+        fail_fast: bool = False,
+        deadline_s: float | None = None,
+        op_name: str = "call",
+        streaming: bool = False,
+    ) -> Call:
+        """A new call on this scope; ``RequestRejected`` for a deadline that is not a number."""
+        return Call(self, op_name, cost_tokens, fail_fast, deadline_s, streaming)
+
     async def run(
         self,
         attempt_fn: AttemptFn[T],
@@ -281,22 +330,11 @@ class RetryMW:
         deadline_s: float | None = None,
         op_name: str = "call",
     ) -> Served[T]:
-        """Serve one request/response call; the permit is released before this returns.
-
-        ``session`` with an empty body, without a context manager object per call.
-        """
-        call = self._admit.begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=False)
-        clock = StallClock(self._now)  # one per call, never an attribute
-        room = self._room
-        try:
-            served, span = await self._serve(call, clock, room, attempt_fn)
-            served.complete()
-            try:
-                await self._finish(call, served, None)
-            finally:
-                span.close()
-        finally:
-            self._leave(call, room)
+        """Serve one request/response call; the permit is released before this returns."""
+        call = Call(self, op_name, cost_tokens, fail_fast, deadline_s, False)
+        served = await call.serve(attempt_fn)
+        served.complete()
+        await call.finish(served, None)
         return served
 
     def session(
@@ -311,227 +349,377 @@ class RetryMW:
     ) -> AbstractAsyncContextManager[Served[T]]:
         """Run the loop until an attempt succeeds, then hand it to the body with the permit held.
 
-        The attempt (and ``attempting()``) lasts until the body ends, so a
-        stream's attempt spans request to close. A body that raises releases
-        with the matching outcome and re-raises; one that ends without
+        The attempt (productive on the stall clock) lasts until the body ends,
+        so a stream's attempt spans request to close. A body that raises
+        releases with the matching outcome and re-raises; one that ends without
         ``complete()`` releases as cancelled. A body cut by the call's deadline
         (a timeout once no time is left) releases as cancelled and ends the
         call with ``AllSourcesExhausted(reason="deadline")`` instead.
         """
-        return _Session(
-            self,
-            attempt_fn,
-            (op_name, cost_tokens, fail_fast, deadline_s, streaming),
+        return _Session(self, attempt_fn, (op_name, cost_tokens, fail_fast, deadline_s, streaming))
+
+    # --- what is fixed for the scope ---------------------------------------------
+
+    def _candidates(self, tried: set[str]) -> Sequence[_Candidate]:
+        """The sources in selection order, those a call has not tried yet first."""
+        candidates = self._order.order(self._rng)
+        if tried:
+            candidates = untried_first(candidates, tried, name=_candidate_name)
+        return candidates
+
+    def _lease_ttl(
+        self, deadline: Deadline, candidates: Sequence[_Candidate], *, streaming: bool
+    ) -> float:
+        """The TTL of the lease a call asks for now: fixed without a deadline, else clipped."""
+        if not deadline.bounded:
+            return self._free_ttl[streaming]
+        every = [deadline.clip(self._timeouts[source.name]) for source, _ in candidates]
+        return self._longest(every, streaming=streaming)
+
+    def _longest(self, timeouts: Sequence[Timeouts], *, streaming: bool) -> float:
+        """Lease TTL: the longest effective attempt among the candidates, plus the grace.
+
+        A stream holds its lease until it closes and renews it every TTL/3
+        when a chunk arrives; TTFT plus twice the idle timeout outlasts the
+        longest gap between two renewals the transport allows.
+        """
+        longest = 0.0
+        for timeout_s, ttft_s, idle_s in timeouts:
+            longest = max(longest, ttft_s + 2.0 * idle_s if streaming else timeout_s)
+        return longest + self._policy.lease_grace_s
+
+    async def _snapshot_reopen(self) -> float | None:
+        """Seconds until the earliest source reopens by time, from a snapshot of the backend."""
+        try:
+            snap = await self._backend.snapshot(self._scope)
+        except GovernanceBackendError as exc:
+            _log.warning("snapshot for retry_after_s failed: %s", exc)
+            return None
+        times: list[float] = []
+        for _, spec in self._order.sources:
+            s = snap.source(spec.name)
+            if s is None:
+                continue
+            if s.breaker == "open" and s.reopen_in_s is not None:
+                times.append(s.reopen_in_s)
+            if s.paced_for_s:
+                times.append(s.paced_for_s)
+            rpm = spec.rpm
+            if rpm and s.rpm_tokens is not None and s.rpm_tokens < 1:
+                times.append((1.0 - s.rpm_tokens) * 60.0 / rpm)
+        return min(times) if times else None
+
+    def _text(self, error: BaseException) -> str:
+        """An error's message with every credential of the scope's sources scrubbed."""
+        return scrub(str(error), self._secrets)
+
+
+def _candidate_name(candidate: _Candidate) -> str:
+    """The source name of a candidate, for ``untried_first``."""
+    return candidate[0].name
+
+
+class Call:
+    """One call's run of its scope's loop: the state that changes while it runs.
+
+    Made per call (``RetryMW.begin``) and never shared: it owns the call's
+    ``StallClock``, its ``Deadline``, its count of charged failures and
+    consecutive 429s, the sources it tried, its attempt records and its
+    place in the scope's queue. Its methods are the steps of the loop, in the
+    words of research-wiki/ARCHITECTURE.md §2: ``pick``, ``wait``,
+    ``attempt``, ``after_failure``, ``stalled``, ``exhausted``; ``serve``
+    runs them until an attempt succeeds and ``finish`` ends that attempt.
+    """
+
+    __slots__ = (
+        "_age",
+        "_hint_at",
+        "_hint_s",
+        "_last",
+        "_last_at",
+        "_mw",
+        "_pick_started_at",
+        "_refused",
+        "_ticket",
+        "_tried",
+        "_waiter",
+        "call_id",
+        "clock",
+        "consecutive_429",
+        "cost_tokens",
+        "deadline",
+        "fail_fast",
+        "fails",
+        "op_name",
+        "records",
+        "streaming",
+    )
+
+    def __init__(
+        self,
+        mw: RetryMW,
+        op_name: str,
+        cost_tokens: int,
+        fail_fast: bool,
+        deadline_s: float | None,
+        streaming: bool,
+    ) -> None:
+        if deadline_s is not None and not check_deadline_s(deadline_s):
+            raise RequestRejected(
+                f"{op_name}: deadline_s must be a finite, non-negative number of seconds, "
+                f"not {deadline_s!r}",
+                scope=mw._scope,
+                sources=mw._names,
+            )
+        self._mw = mw
+        self.op_name = op_name
+        self.cost_tokens = cost_tokens
+        self.fail_fast = fail_fast
+        self.streaming = streaming
+        self.call_id = os.urandom(8).hex()
+        self.clock = StallClock(mw._now)  # the call's own: never shared
+        self.deadline = Deadline.after(deadline_s, mw._now)
+        self.fails = 0
+        self.consecutive_429 = 0
+        self.records: list[AttemptRecord] = []
+        self._tried: set[str] = set()
+        self._refused: set[str] = set()  # sources that answered 401/403/404
+        self._pick_started_at = mw._now()  # when the search for a permit began
+        self._ticket = mw._room.ticket()  # the call's place in the arrival order
+        self._waiter: Waiter | None = None
+        self._last: AcquireResult | None = None  # the latest acquire, for retry_after_s
+        self._last_at = 0.0
+        self._age: float | None = None  # the progress age read in this iteration, if any
+        self._hint_s: float | None = None  # the upstream's latest back-off (clamped), if any
+        self._hint_at = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"Call({self.op_name!r}, scope={self._mw._scope!r}, attempts={len(self.records)}, "
+            f"fails={self.fails})"
         )
 
-    # --- the steps of the loop -------------------------------------------------
+    # --- the loop ----------------------------------------------------------------
 
-    async def _serve(
-        self, call: CallState, clock: StallClock, room: WaitingRoom, attempt_fn: AttemptFn[T]
-    ) -> tuple[Served[T], _Span]:
-        """The loop: until an attempt succeeds, returned with its permit held and its span open.
+    async def serve(self, attempt_fn: AttemptFn[T]) -> Served[T]:
+        """Run the loop until an attempt succeeds; it returns with its permit still held.
 
-        The span (``clock.attempting()``) is opened here by hand and closed by
-        the caller after the release: for a stream it outlives this method.
+        The attempt stays open on the stall clock until ``finish``. Whatever
+        ends the call here (its final error, a cancellation) gives up its
+        place in the queue.
         """
-        admit = self._admit
-        now = self._now
         # Chat only: 429s are not charged, so the stall rule is what bounds a saturated scope.
-        stall = self._policy.stall_window_s if self._policy.exempt_429 else None
-        while True:
-            call.age = None
-            # The local measure first (clock.stalled_s() read inline, once per iteration):
-            # a call that has not waited long needs no await.
-            if (
-                stall is not None
-                and now() - clock._entered_at - clock._productive_s > stall
-                and await self._stalled(call, clock)
-            ):
-                raise await self._admit.exhausted(call, "stalled")
-            deadline_at = call.deadline_at
-            if deadline_at is not None and deadline_at - now() <= DEADLINE_EPSILON_S:
-                raise await self._admit.exhausted(call, "deadline")
-            lease = await admit.pick(call, room)
-            if lease is None:
-                await self._on_no_runnable(call, room, clock)
-                continue
-            span = _Span(clock).open()  # clock.attempting().open(), one call fewer
+        stall_first = self._mw._policy.exempt_429
+        try:
+            while True:
+                self._age = None
+                if stall_first and await self.stalled():
+                    raise await self.exhausted("stalled")
+                if self.deadline.over():
+                    raise await self.exhausted("deadline")
+                lease = await self.pick()
+                if lease is None:
+                    await self.wait()
+                    continue
+                result = await self.attempt(lease, attempt_fn)
+                if isinstance(result, Served):
+                    return result
+                await self.after_failure(result)
+        except BaseException:
+            self.leave()
+            raise
+
+    async def finish(self, served: Served[Any], exc: BaseException | None) -> None:
+        """The served attempt's body has ended (``exc``: how): release, record, end the attempt.
+
+        Raises ``AllSourcesExhausted(reason="deadline")`` from ``exc`` when the
+        body was cut by the call's deadline; any other ``exc`` is the caller's
+        to re-raise.
+        """
+        try:
             try:
-                result = await self._attempt(call, clock, lease, attempt_fn)
-            except BaseException:
-                span.close()
-                raise
-            if isinstance(result, Served):
-                return result, span
-            span.close()
-            await self._after_failure(call, result)
+                cut = await self._release_served(served, exc)
+            finally:
+                self.clock.end_attempt()
+            if cut:
+                # Cut at the call's deadline: the call ends as the loop ends any call
+                # whose time is up, with the stream's attempt among its records.
+                raise await self.exhausted("deadline") from exc
+        finally:
+            self.leave()
 
-    @staticmethod
-    def _leave(call: CallState, room: WaitingRoom) -> None:
-        """The call is over: give up its place in the queue, if it holds one."""
-        if call.waiter is not None:
-            room.leave(call.waiter)
-            call.waiter = None
+    def leave(self) -> None:
+        """Give up the call's place in the queue, if it holds one."""
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            self._mw._room.leave(waiter)
 
-    async def _stalled(self, call: CallState, clock: StallClock) -> bool:
-        """The stall rule: this call's non-productive time AND the scope's progress age exceed it.
+    # --- the steps ---------------------------------------------------------------
 
-        The local measure comes first, so a call that has not waited long
-        never asks the backend; the age is read at most once per iteration.
-        ``inf`` (never served) counts as exceeded (research-wiki/designs/stall-budget.md,
-        "Never served counts as stale").
+    async def pick(self) -> Lease | None:
+        """A lease on the best runnable source, or ``None`` (not our turn, or nothing runnable).
+
+        One ``acquire`` over every source in selection order, this call's
+        untried ones first: a busy or closed tier spills over to the next at
+        no extra cost. With nobody waiting (and room for another acquire) a
+        call asks at once; otherwise it takes its place in the queue and only
+        the head asks. ``fail_fast`` calls never queue: they ask once.
         """
-        stall = self._policy.stall_window_s
-        if clock.stalled_s() <= stall:
-            return False
-        if call.age is None:
-            call.age = await self._backend.progress_age_s(self._scope)
-        return call.age > stall
+        mw = self._mw
+        room = mw._room
+        waiter = self._waiter
+        if waiter is None and not self.fail_fast and not room.may_ask_at_once:
+            waiter = self._waiter = room.enter(self._ticket)
+        if waiter is not None and not room.is_head(waiter):
+            return None
+        candidates = mw._candidates(self._tried)
+        ttl_s = mw._lease_ttl(self.deadline, candidates, streaming=self.streaming)
+        room.asking += 1
+        try:
+            result = await mw._backend.acquire(
+                mw._scope,
+                [spec for _, spec in candidates],
+                cost_tokens=self.cost_tokens,
+                ttl_s=ttl_s,
+            )
+        except GovernanceBackendError as exc:
+            # Fail closed together: the calls queued behind this one would each
+            # wait out the backend's timeout in turn otherwise.
+            room.fail_all(exc, but=waiter)
+            raise
+        finally:
+            room.asking -= 1
+        self._last = result
+        lease = result.lease
+        if lease is None:
+            self._last_at = mw._now()  # retry_after_s is aged from here
+            return None
+        self.leave()
+        return lease
 
-    async def _on_no_runnable(self, call: CallState, room: WaitingRoom, clock: StallClock) -> None:
-        """Nothing runnable: fail fast, apply the stall rule, or wait our turn in the FIFO."""
-        if call.fail_fast:
+    async def wait(self) -> None:
+        """Nothing runnable: fail fast, apply the stall rule, or wait our turn in the queue.
+
+        The head polls every ``[0.5p, 1.0p]`` of ``poll_interval_s`` (jitter
+        against herds), is woken early by a release, and wakes when the
+        earliest source that refused it reopens by time (a pause's end, a
+        breaker's cool-down, a rate window) if that comes sooner. A call behind
+        the head sleeps until promoted or until the stall rule could next hold
+        for it (one timer, no polling).
+        """
+        if self.fail_fast:
             # Never the stall rule: the caller asked not to wait at all.
-            raise await self._admit.exhausted(call, "no_runnable")
-        if await self._stalled(call, clock):
-            raise await self._admit.exhausted(call, "stalled")
-        await self._admit.wait_turn(call, room, clock.stalled_s(), self._names)
+            raise await self.exhausted("no_runnable")
+        if await self.stalled():
+            raise await self.exhausted("stalled")
+        mw = self._mw
+        room = mw._room
+        waiter = self._waiter
+        if waiter is None:
+            waiter = self._waiter = room.enter(self._ticket)
+        if room.is_head(waiter):
+            poll = mw._policy.poll_interval_s
+            timeout = mw._rng.uniform(0.5 * poll, poll)
+            reopen = self._reopen_in()
+            if reopen is not None and reopen + _REOPEN_SLACK_S < timeout:
+                timeout = reopen + _REOPEN_SLACK_S
+        else:
+            timeout = self._stall_timer_s()
+        await room.wait(waiter, self.deadline.bound(timeout), mw._sleep)
+        failure = waiter.failure
+        if failure is not None:
+            raise GovernanceBackendError(
+                f"the backend failed for a call ahead of this one in the queue: {failure}",
+                operation=getattr(failure, "operation", "acquire"),
+                scope=mw._scope,
+                sources=mw._names,
+            ) from failure
 
-    async def _attempt(
-        self, call: CallState, clock: StallClock, lease: Lease, attempt_fn: AttemptFn[T]
-    ) -> Served[T] | _Failed:
-        """One real request on a held permit; a failure is released and emitted here.
+    async def attempt(self, lease: Lease, attempt_fn: AttemptFn[T]) -> Served[T] | _Failed:
+        """One real request on a held permit, productive time on the stall clock.
 
-        Success comes back as ``Served`` with the permit still held: ``_finish``
-        releases it when the session's body ends.
+        Success comes back as ``Served``, the permit held and the attempt
+        open (``finish`` ends both). A failure is released and recorded here,
+        inside the attempt, so telemetry counts as productive.
         """
-        source = self._by_name[lease.source]
-        call.tried.add(source.name)
-        admit = self._admit
-        left = admit.time_left(call)
-        timeout_s, ttft_s, idle_s = admit.clip(source, left)
-        started = self._now()
+        mw = self._mw
+        source = mw._by_name[lease.source]
+        self._tried.add(source.name)
+        deadline = self.deadline
+        timeout_s, ttft_s, idle_s = deadline.clip(mw._timeouts[source.name])
+        clock = self.clock
+        clock.begin_attempt()
+        started = mw._now()
         ctx = AttemptContext(
-            call.call_id,
-            len(call.records) + 1,  # attempt
-            lease,
-            timeout_s,
-            ttft_s,
-            idle_s,
-            started,  # started_at
-            max(0.0, started - call.pick_started_at),  # permit_wait_s
-            clock.stalled_s(),
-            left,  # deadline_in_s
+            call_id=self.call_id,
+            attempt=len(self.records) + 1,
+            lease=lease,
+            timeout_s=timeout_s,
+            ttft_timeout_s=ttft_s,
+            idle_timeout_s=idle_s,
+            started_at=started,
+            permit_wait_s=max(0.0, started - self._pick_started_at),
+            stalled_s=clock.stalled_s(),
+            deadline_in_s=deadline.left_or_none(),
         )
         try:
             value = await attempt_fn(source, ctx)
         except TransientError as error:
-            if error.timeout and admit.cut_by_deadline(call, ctx.timeout_s, source.name):
-                verdict = DEADLINE_CUT
-            else:
-                verdict = self._verdict(call, error, source.name)
             try:
-                await self._release(lease, verdict.outcome)
+                if error.timeout and self._cut(ctx):
+                    verdict = DEADLINE_CUT
+                else:
+                    verdict = self._verdict(error, source.name)
+                try:
+                    await release_quietly(mw._backend, lease, verdict.outcome, mw._text)
+                finally:
+                    # Recorded even if the caller is cancelled during the release: one
+                    # record per attempt, whatever instant the cancellation lands at.
+                    self._record(ctx, verdict.outcome.kind, error.status_code, mw._text(error))
             finally:
-                # Emitted even if the caller is cancelled during the release: one record
-                # per attempt, whatever instant the cancellation lands at.
-                self._emit(call, ctx, verdict.outcome.kind, error.status_code, self._text(error))
+                clock.end_attempt()
             return _Failed(source.name, verdict, error)
         except BaseException:
             # Cancellation, the caller's timeout, or a bug in the attempt function:
             # the permit goes back at once, then the exception passes on untouched.
             try:
-                await self._release(lease, _CANCELLED)
-            finally:
-                self._emit(call, ctx, "cancelled", None, "cancelled")
-            raise
-        return Served(value, ctx, call.records, self._backend, self._now)
-
-    def _verdict(self, call: CallState, error: TransientError, source: str) -> Verdict:
-        """The table's verdict on a failure, its back-off clamped to the stall window and kept."""
-        stall = self._policy.stall_window_s
-        hint = error.retry_after_s
-        if hint is not None and hint > stall:
-            _log.warning(
-                "%s asked to be left alone for %.0f s; paused for the stall window "
-                "(%.0f s) instead",
-                source,
-                hint,
-                stall,
-            )
-        verdict = verdict_for(error, exempt_429=self._policy.exempt_429, max_pause_s=stall)
-        self._admit.remember_hint(call, verdict.outcome.retry_after_s)
-        return verdict
-
-    def _success_pause(self, call: CallState, hint: ServerHint) -> float | None:
-        """How long a success announced its source's window spent (clamped), or ``None``."""
-        return clamped_hint(hint.exhausted_for_s(call.cost_tokens), self._policy.stall_window_s)
-
-    async def _finish(
-        self, call: CallState, served: Served[Any], exc: BaseException | None
-    ) -> bool:
-        """Release the serving attempt's permit according to how its body ended; emit its record.
-
-        Returns whether the body was cut by the call's deadline.
-        """
-        ctx = served.ctx
-        status: int | None = None
-        error: str | None = None
-        cut = False
-        if isinstance(exc, TransientError):
-            cut = exc.timeout and self._admit.cut_by_deadline(call, ctx.timeout_s, ctx.source)
-            verdict = DEADLINE_CUT if cut else self._verdict(call, exc, ctx.source)
-            outcome = verdict.outcome
-            status, error = exc.status_code, self._text(exc)
-        elif exc is None and served.completed:
-            used = ctx.usage.total_tokens if ctx.usage is not None else 0
-            hint = ctx.hint
-            pause = None if hint is None else self._success_pause(call, hint)
-            # Every field, in order (kind, aimd_decrease, retry_after_s, tokens_used): one per call.
-            outcome = _new_outcome("success", False, pause, used or None)
-        else:
-            outcome = _CANCELLED
-            error = "cancelled"
-        backend = self._backend
-        try:
-            if backend.cancel_safe:
-                # release_quietly's common case without its coroutine: once per call.
                 try:
-                    await backend.release(ctx.lease, outcome)
-                except GovernanceBackendError as exc:
-                    release_failed(ctx.lease, outcome, exc, self._text)
-            else:
-                await release_quietly(backend, ctx.lease, outcome, self._text)
-        finally:
-            # A cancellation during the release must not lose the served attempt's record.
-            self._emit(call, ctx, outcome.kind, status, error)
-        return cut
+                    await release_quietly(mw._backend, lease, _CANCELLED, mw._text)
+                finally:
+                    self._record(ctx, "cancelled", None, "cancelled")
+            finally:
+                clock.end_attempt()
+            raise
+        return Served(value, ctx, self.records, mw._backend, mw._now)
 
-    async def _after_failure(self, call: CallState, failed: _Failed) -> None:
+    async def after_failure(self, failed: _Failed) -> None:
         """Apply the table's verdict to the loop: raise, charge, then back off."""
+        mw = self._mw
+        policy = mw._policy
         verdict, error = failed.verdict, failed.error
         if verdict is DEADLINE_CUT:
             # No time is left: another attempt could only time out at once.
-            raise await self._admit.exhausted(call, "deadline")
+            raise await self.exhausted("deadline")
         if verdict.raises:
             raise RequestRejected(
-                f"{call.op_name}: {failed.source} rejected the request: {self._text(error)}",
-                scope=self._scope,
+                f"{self.op_name}: {failed.source} rejected the request: {mw._text(error)}",
+                scope=mw._scope,
                 sources=(failed.source,),
                 status_code=error.status_code,
             )
         if verdict.outcome.kind == "source_misconfigured":
-            call.refused.add(failed.source)
+            self._refused.add(failed.source)
         if verdict.charged:
-            call.fails += 1
-            call.consecutive_429 = 0
+            self.fails += 1
+            self.consecutive_429 = 0
             # Every source refused this call's credentials or model (401/403/404) and
             # is tripped long: waiting out its cool-down cannot serve the call.
-            if call.fails >= self._policy.max_attempts or call.refused.issuperset(self._names):
-                raise await self._admit.exhausted(call, "retry_exhausted")
-            step = call.fails
+            if self.fails >= policy.max_attempts or self._refused.issuperset(mw._names):
+                raise await self.exhausted("retry_exhausted")
+            step = self.fails
         else:
-            call.consecutive_429 += 1
+            self.consecutive_429 += 1
             hinted = error.retry_after_s
             if hinted is not None and hinted > 0.0:
                 # An exempt 429 that named its back-off: the source is paused for exactly
@@ -539,61 +727,192 @@ class RetryMW:
                 # at once: to another source, or into the queue until the reopen, where
                 # its wait is non-productive and bills the stall clock. (A hint of 0 asks
                 # for nothing: the call's own back-off keeps it from spinning.)
-                call.pick_started_at = self._now()
+                self._look_again()
                 return
             # An exempt 429 without a hint: free of charge, but a saturated scope still
             # backs off exponentially, which is what lets the stall rule bound it.
-            step = call.consecutive_429
+            step = self.consecutive_429
         delay = backoff_delay(
-            step,
-            base_s=self._policy.backoff_base_s,
-            cap_s=self._policy.backoff_cap_s,
-            rng=self._rng,
+            step, base_s=policy.backoff_base_s, cap_s=policy.backoff_cap_s, rng=mw._rng
         )
-        left = self._admit.time_left(call)
-        if left is not None:
-            delay = min(delay, max(left, 0.0))
-        # Outside attempting(): back-off is non-productive and bills the stall clock.
-        await self._sleep(delay)
-        call.pick_started_at = self._now()
+        # Outside any attempt: back-off is non-productive and bills the stall clock.
+        await mw._sleep(self.deadline.bound(delay))
+        self._look_again()
 
-    def _text(self, error: BaseException) -> str:
-        """An error's message with every credential of the scope's sources scrubbed."""
-        return scrub(str(error), self._secrets)
+    # --- the stall rule (research-wiki/designs/stall-budget.md) --------------------
 
-    async def _release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        """Free the permit whatever befalls the caller; a backend failure is only logged."""
-        await release_quietly(self._backend, lease, outcome, self._text)
+    async def stalled(self) -> bool:
+        """The stall rule: this call's non-productive time AND the scope's progress age exceed it.
 
-    def _emit(
+        The local measure comes first, so a call that has not waited long
+        never asks the backend; the age is read at most once per iteration
+        of the loop. ``inf`` (never served) counts as exceeded
+        (research-wiki/designs/stall-budget.md, "Never served counts as stale").
+        A backend failure reading the age fails the call closed.
+        """
+        mw = self._mw
+        window = mw._policy.stall_window_s
+        if self.clock.stalled_s() <= window:
+            return False
+        if self._age is None:
+            self._age = await mw._backend.progress_age_s(mw._scope)
+        return self._age > window
+
+    def _stall_timer_s(self) -> float:
+        """How long a call behind the head sleeps before the stall rule could first hold for it.
+
+        Until its own window is spent; once it is, until the scope's progress
+        would go stale if nobody served meanwhile (at least one poll interval).
+        """
+        policy = self._mw._policy
+        window = policy.stall_window_s
+        local_left = window - self.clock.stalled_s()
+        if local_left >= 0.0:
+            return local_left + _STALL_TIMER_SLACK_S
+        age = self._age if self._age is not None else 0.0
+        return max(window - age + _STALL_TIMER_SLACK_S, policy.poll_interval_s)
+
+    # --- the end of a call ---------------------------------------------------------
+
+    async def exhausted(self, reason: ExhaustedReason) -> AllSourcesExhausted:
+        """The error that ends a call, with the time until the earliest source reopens."""
+        mw = self._mw
+        message = f"{self.op_name}: all sources exhausted: {_EXPLAINED[reason]}"
+        last = self.records[-1] if self.records else None
+        if last is not None and last.error:
+            # Already scrubbed of credentials when the record was made.
+            message += f"; last: {last.source}: {last.error}"
+        return AllSourcesExhausted(
+            message,
+            reason=reason,
+            scope=mw._scope,
+            sources=mw._names,
+            retry_after_s=await self._retry_after(),
+            attempts=tuple(self.records),
+        )
+
+    async def _retry_after(self) -> float | None:
+        """Seconds until a source may serve again, or ``None`` when nothing says.
+
+        From this call's last refused acquire when it was refused by time
+        (aged by the time since), else from a snapshot of the backend. When
+        neither names a time still to come and an upstream named a back-off
+        during the call: what is left of it, or the whole hint once it has run
+        out (a source that keeps refusing asks again for as long).
+        """
+        last = self._last
+        if last is None or last.lease is not None:
+            reopen = await self._mw._snapshot_reopen()
+        else:
+            reopen = self._reopen_in()
+        hint_s = self._hint_s
+        if (reopen is None or reopen <= 0.0) and hint_s is not None:
+            left = hint_s - (self._mw._now() - self._hint_at)
+            reopen = left if left > 0.0 else hint_s
+        return reopen
+
+    # --- helpers -----------------------------------------------------------------
+
+    def _look_again(self) -> None:
+        """After a failure: the search for a permit starts again, at the tail of the arrivals."""
+        self._pick_started_at = self._mw._now()
+        self._ticket = self._mw._room.ticket()
+
+    def _reopen_in(self) -> float | None:
+        """Seconds until a source that refused the call's last acquire reopens, or ``None``."""
+        last = self._last
+        if last is None or last.lease is not None:
+            return None
+        reopen = last.retry_after_s
+        return None if reopen is None else max(0.0, reopen - (self._mw._now() - self._last_at))
+
+    def _cut(self, ctx: AttemptContext) -> bool:
+        """Whether an attempt's timeout was the call's deadline rather than its source's."""
+        own_timeout_s = self._mw._timeouts[ctx.source][0]
+        return self.deadline.cut(ctx.timeout_s, own_timeout_s, streaming=self.streaming)
+
+    def _verdict(self, error: TransientError, source: str) -> Verdict:
+        """The table's verdict on a failure, its back-off clamped to the stall window and kept."""
+        mw = self._mw
+        window = mw._policy.stall_window_s
+        hint = error.retry_after_s
+        if hint is not None and hint > window:
+            _log.warning(
+                "%s asked to be left alone for %.0f s; paused for the stall window "
+                "(%.0f s) instead",
+                source,
+                hint,
+                window,
+            )
+        verdict = verdict_for(error, exempt_429=mw._policy.exempt_429, max_pause_s=window)
+        kept = verdict.outcome.retry_after_s
+        if kept is not None:
+            # For the call's final error (retry_after_s).
+            self._hint_s = kept
+            self._hint_at = mw._now()
+        return verdict
+
+    async def _release_served(self, served: Served[Any], exc: BaseException | None) -> bool:
+        """Release the serving attempt's permit according to how its body ended; record it.
+
+        Returns whether the body was cut by the call's deadline.
+        """
+        mw = self._mw
+        ctx = served.ctx
+        status: int | None = None
+        error: str | None = None
+        cut = False
+        if isinstance(exc, TransientError):
+            cut = exc.timeout and self._cut(ctx)
+            verdict = DEADLINE_CUT if cut else self._verdict(exc, ctx.source)
+            outcome = verdict.outcome
+            status, error = exc.status_code, mw._text(exc)
+        elif exc is None and served.completed:
+            used = ctx.usage.total_tokens if ctx.usage is not None else 0
+            hint = ctx.hint
+            # A success that announced its source's window spent pauses the source.
+            pause = (
+                None
+                if hint is None
+                else clamped_hint(hint.exhausted_for_s(self.cost_tokens), mw._policy.stall_window_s)
+            )
+            outcome = AttemptOutcome("success", retry_after_s=pause, tokens_used=used or None)
+        else:
+            outcome = _CANCELLED
+            error = "cancelled"
+        try:
+            await release_quietly(mw._backend, ctx.lease, outcome, mw._text)
+        finally:
+            # A cancellation during the release must not lose the served attempt's record.
+            self._record(ctx, outcome.kind, status, error)
+        return cut
+
+    def _record(
         self,
-        call: CallState,
         ctx: AttemptContext,
         outcome: str,
         status_code: int | None,
         error: str | None,
     ) -> None:
         """Keep one attempt's record on the call and hand it to telemetry, inside the attempt."""
+        mw = self._mw
         record = attempt_record(
             ctx,
-            scope=self._scope,
+            scope=mw._scope,
             outcome=outcome,
             status_code=status_code,
             error=error,
-            ended_at=self._now(),
+            ended_at=mw._now(),
         )
-        call.records.append(record)
-        if self._emits:
-            self._emitter.emit_attempt(record)
+        self.records.append(record)
+        if mw._emits:
+            mw._emitter.emit_attempt(record)
 
 
 class _Session(Generic[T]):
-    """What ``RetryMW.session`` returns: the loop runs on entry, the release on exit.
+    """What ``RetryMW.session`` returns: the call's loop on entry, its ``finish`` on exit."""
 
-    A class rather than a generator-based context manager: one is made per call.
-    """
-
-    __slots__ = ("_args", "_attempt_fn", "_call", "_mw", "_room", "_served", "_span")
+    __slots__ = ("_args", "_attempt_fn", "_call", "_mw", "_served")
 
     def __init__(
         self,
@@ -604,23 +923,12 @@ class _Session(Generic[T]):
         self._mw = mw
         self._attempt_fn = attempt_fn
         self._args = args
-        self._call: CallState | None = None
-        self._room: WaitingRoom | None = None
+        self._call: Call | None = None
         self._served: Served[T] | None = None
-        self._span: _Span | None = None
 
     async def __aenter__(self) -> Served[T]:
-        mw = self._mw
-        op_name, cost_tokens, fail_fast, deadline_s, streaming = self._args
-        call = mw._admit.begin(op_name, cost_tokens, fail_fast, deadline_s, streaming=streaming)
-        clock = StallClock(mw._now)  # one per call, never an attribute
-        room = mw._room
-        try:
-            served, span = await mw._serve(call, clock, room, self._attempt_fn)
-        except BaseException:
-            mw._leave(call, room)
-            raise
-        self._call, self._room, self._served, self._span = call, room, served, span
+        call = self._call = Call(self._mw, *self._args)
+        served = self._served = await call.serve(self._attempt_fn)
         return served
 
     async def __aexit__(
@@ -629,21 +937,17 @@ class _Session(Generic[T]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        call, room, served, span = self._call, self._room, self._served, self._span
-        if call is None or room is None or served is None or span is None:
-            return
-        self._call = self._room = self._served = self._span = None
-        mw = self._mw
-        try:
-            try:
-                # The body's exception (stream cut, consumer gone, cancellation) passes
-                # on after the release, which records how the body ended.
-                cut = await mw._finish(call, served, exc)
-            finally:
-                span.close()
-            if cut:
-                # Cut at the call's deadline: the call ends as the loop ends any call
-                # whose time is up, with the stream's attempt among its records.
-                raise await mw._admit.exhausted(call, "deadline") from exc
-        finally:
-            RetryMW._leave(call, room)
+        call, served = self._call, self._served
+        self._call = self._served = None
+        if call is not None and served is not None:
+            # The body's exception (stream cut, consumer gone, cancellation) passes
+            # on after the release, which records how the body ended.
+            await call.finish(served, exc)
+
+
+_EXPLAINED: Final[Mapping[ExhaustedReason, str]] = {
+    "retry_exhausted": "every charged attempt failed",
+    "stalled": "this call waited past the stall window and the scope made no progress",
+    "no_runnable": "no source could take the call at once (fail_fast)",
+    "deadline": "the call's deadline passed",
+}

@@ -23,12 +23,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from polygateway.errors import ConfigError
 from polygateway.middleware.attempt import AttemptContext
-from polygateway.models import AttemptRecord, positional_builder
+from polygateway.models import AttemptRecord
 
 __all__ = ["Emitter", "LoggingEmitter", "NullEmitter", "PrometheusEmitter", "attempt_record"]
-
-_new_record = positional_builder(AttemptRecord)
-"""``AttemptRecord`` without the frozen dataclass's per-field ``__setattr__``."""
 
 
 def attempt_record(
@@ -42,21 +39,20 @@ def attempt_record(
 ) -> AttemptRecord:
     """The record of one attempt, from what its context collected; ``error`` already scrubbed."""
     usage = ctx.usage
-    # Every field, positionally in AttemptRecord's order: one record per attempt.
-    return _new_record(
-        ctx.call_id,
-        scope,
-        ctx.lease.source,
-        ctx.attempt,
-        outcome,
-        status_code,
-        max(0.0, ended_at - ctx.started_at),  # latency_s
-        ctx.ttft_s,
-        usage.prompt_tokens if usage is not None else 0,
-        usage.completion_tokens if usage is not None else 0,
-        ctx.permit_wait_s,
-        ctx.stalled_s,
-        error,
+    return AttemptRecord(
+        call_id=ctx.call_id,
+        scope=scope,
+        source=ctx.lease.source,
+        attempt=ctx.attempt,
+        outcome=outcome,
+        status_code=status_code,
+        latency_s=max(0.0, ended_at - ctx.started_at),
+        ttft_s=ctx.ttft_s,
+        prompt_tokens=usage.prompt_tokens if usage is not None else 0,
+        completion_tokens=usage.completion_tokens if usage is not None else 0,
+        permit_wait_s=ctx.permit_wait_s,
+        stalled_s=ctx.stalled_s,
+        error=error,
     )
 
 

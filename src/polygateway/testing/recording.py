@@ -3,20 +3,51 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from polygateway.backends.base import (
     AcquireResult,
     AttemptOutcome,
     Backend,
     Lease,
+    ReleaseListener,
     ScopeSnapshot,
     SourceSpec,
 )
-from polygateway.backends.waiting import WaitingRoom
 from polygateway.models import AttemptRecord
 
 __all__ = ["CountingBackend", "Recorder"]
+
+T = TypeVar("T")
+_HELD: set[asyncio.Future[Any]] = set()
+"""Gated operations whose caller was cancelled, kept alive until they finish."""
+
+
+def _keep(future: asyncio.Future[Any]) -> None:
+    _HELD.add(future)
+    future.add_done_callback(_HELD.discard)
+
+
+async def _to_the_end(
+    operation: Coroutine[object, object, T],
+    abandoned: Callable[[asyncio.Future[T]], Coroutine[object, object, None]] | None = None,
+) -> T:
+    """Run ``operation`` in a task of its own that a cancelled caller does not cut short.
+
+    What makes a backend that suspends mid-operation cancellation-safe, as the
+    ``Backend`` protocol requires: the caller's ``CancelledError`` passes
+    through, the operation finishes without it, and ``abandoned`` (given the
+    operation's task) undoes what nobody will use, such as a late grant.
+    """
+    task = asyncio.ensure_future(operation)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _keep(task)
+        if abandoned is not None:
+            _keep(asyncio.ensure_future(abandoned(task)))
+        raise
 
 
 class Recorder:
@@ -39,17 +70,14 @@ class Recorder:
 class CountingBackend:
     """A ``Backend`` wrapper that counts each operation and can hold ``acquire`` at a gate.
 
-    ``calls["acquire"]`` etc. count backend operations (``waiting_room`` is
+    ``calls["acquire"]`` etc. count backend operations (``on_release`` is
     local and not counted); ``ops`` is their total. While ``hold_acquire``
     (or ``hold_release``) is an event that is not set, every ``acquire``
-    (``release``) waits for it before it runs.
+    (``release``) waits for it before it runs; a caller cancelled meanwhile
+    leaves the operation to run on when the gate opens (cancellation-safe).
     """
 
-    __slots__ = ("calls", "hold_acquire", "hold_release", "inner")
-
-    # A held gate suspends the operation without any shield of its own: the
-    # loop must protect it, as it would any backend that is not cancel-safe.
-    cancel_safe = False
+    __slots__ = ("__weakref__", "calls", "hold_acquire", "hold_release", "inner")
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -65,11 +93,6 @@ class CountingBackend:
         """Backend operations so far."""
         return sum(self.calls.values())
 
-    @property
-    def max_inflight_ops(self) -> int | None:
-        """The inner backend's figure: counting adds no pool of its own."""
-        return self.inner.max_inflight_ops
-
     async def acquire(
         self,
         scope: str,
@@ -79,17 +102,37 @@ class CountingBackend:
         ttl_s: float,
     ) -> AcquireResult:
         """Count, wait at the gate if one is closed, then delegate."""
-        if self.hold_acquire is not None:
-            await self.hold_acquire.wait()
-        self._count("acquire")
-        return await self.inner.acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+        gate = self.hold_acquire
+        if gate is None:
+            self._count("acquire")
+            return await self.inner.acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+
+        async def gated() -> AcquireResult:
+            await gate.wait()
+            self._count("acquire")
+            return await self.inner.acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+
+        async def give_back(acquiring: asyncio.Future[AcquireResult]) -> None:
+            lease = (await acquiring).lease
+            if lease is not None:
+                await self.inner.release(lease, AttemptOutcome("cancelled"))
+
+        return await _to_the_end(gated(), give_back)
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Count, wait at the gate if one is closed, then delegate."""
-        if self.hold_release is not None:
-            await self.hold_release.wait()
-        self._count("release")
-        await self.inner.release(lease, outcome)
+        gate = self.hold_release
+        if gate is None:
+            self._count("release")
+            await self.inner.release(lease, outcome)
+            return
+
+        async def gated() -> None:
+            await gate.wait()
+            self._count("release")
+            await self.inner.release(lease, outcome)
+
+        await _to_the_end(gated())
 
     async def renew(self, lease: Lease) -> bool:
         """Count and delegate."""
@@ -106,9 +149,9 @@ class CountingBackend:
         self._count("snapshot")
         return await self.inner.snapshot(scope)
 
-    def waiting_room(self, scope: str) -> WaitingRoom:
-        """The inner backend's room (local state, not an operation)."""
-        return self.inner.waiting_room(scope)
+    def on_release(self, scope: str, listener: ReleaseListener) -> None:
+        """The inner backend announces the releases (local state, not an operation)."""
+        self.inner.on_release(scope, listener)
 
     async def aclose(self) -> None:
         """Delegate."""

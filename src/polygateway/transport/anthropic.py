@@ -39,7 +39,6 @@ from polygateway.models import (
     ToolCall,
     ToolCallDelta,
     Usage,
-    positional_builder,
 )
 from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.openai import ParsedChat
@@ -123,9 +122,6 @@ _TOOL_CHOICES: Final[Mapping[str, dict[str, str]]] = {
 
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 _JSON = "application/json"
-
-_new_chunk = positional_builder(ChatChunk)
-"""``ChatChunk`` from every field, positionally (text, tool_calls, finish_reason, source, usage)."""
 
 
 # --- The request ---------------------------------------------------------------------------
@@ -610,22 +606,22 @@ class MessagesStreamReader:
             raise provider_error(event.get("error"))
         elif type(kind) is not str:
             raise malformed_body("event.type is not a string")
-        return _new_chunk("", (), None, source, None)
+        return ChatChunk("", (), None, source, None)
 
     def _block_delta(self, event: dict[str, Any], source: str) -> ChatChunk:
         delta = req_obj(event.get("delta"), "content_block_delta.delta")
         kind = delta.get("type")
         if kind == "text_delta":
             text = req_str(delta.get("text"), "content_block_delta.delta.text")
-            return _new_chunk(text, (), None, source, None)
+            return ChatChunk(text, (), None, source, None)
         if kind == "input_json_delta":
             index = _block_index(event, "content_block_delta")
             call = self._tools.get(index)
             if call is None:
                 raise malformed_body(f"input_json_delta for block {index}, not a tool_use block")
             partial = req_str(delta.get("partial_json"), "content_block_delta.delta.partial_json")
-            return _new_chunk("", (ToolCallDelta(call, arguments=partial),), None, source, None)
-        return _new_chunk("", (), None, source, None)
+            return ChatChunk("", (ToolCallDelta(call, arguments=partial),), None, source, None)
+        return ChatChunk("", (), None, source, None)
 
     def _block_start(self, event: dict[str, Any], source: str) -> ChatChunk:
         block = req_obj(event.get("content_block"), "content_block_start.content_block")
@@ -639,9 +635,9 @@ class MessagesStreamReader:
                 name=req_str(block.get("name"), "content_block.name"),
                 arguments="",
             )
-            return _new_chunk("", (delta,), None, source, None)
+            return ChatChunk("", (delta,), None, source, None)
         text = opt_str(block.get("text"), "content_block.text") if kind == "text" else None
-        return _new_chunk(text or "", (), None, source, None)
+        return ChatChunk(text or "", (), None, source, None)
 
     def _message_delta(self, event: dict[str, Any], source: str) -> ChatChunk:
         delta = req_obj(event.get("delta") or {}, "message_delta.delta")
@@ -666,4 +662,4 @@ class MessagesStreamReader:
             prompt = self._input + self._cache_write + self._cache_read
             completion = opt_int(counts.get("output_tokens"), "message_delta.usage.output_tokens")
             usage = Usage(prompt, completion, prompt + completion)
-        return _new_chunk("", (), finish, source, usage)
+        return ChatChunk("", (), finish, source, usage)

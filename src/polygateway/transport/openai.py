@@ -22,7 +22,6 @@ from polygateway.models import (
     ToolCall,
     ToolCallDelta,
     Usage,
-    positional_builder,
 )
 from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
@@ -64,13 +63,6 @@ would reserve thousands of tokens the provider never charges.
 
 _CHARS_PER_TOKEN = 4
 _RESERVED = frozenset({"model", "messages", "input", "stream", "extra_body"})
-
-_new_usage = positional_builder(Usage)
-"""``Usage`` from its three counts, without the frozen dataclass's per-field ``__setattr__``."""
-_new_chunk = positional_builder(ChatChunk)
-"""``ChatChunk`` from every field, positionally, likewise."""
-_new_choice = positional_builder(Choice)
-"""``Choice`` from every field, positionally (index, text, tool_calls, finish_reason)."""
 
 
 @dataclass(slots=True)
@@ -257,7 +249,7 @@ def _plain_usage(value: Any) -> Usage | None:
         or total < 0
     ):
         return None
-    return _new_usage(prompt, completion, total or prompt + completion)
+    return Usage(prompt, completion, total or prompt + completion)
 
 
 def parse_chat_response(body: Any) -> ParsedChat:
@@ -267,7 +259,8 @@ def parse_chat_response(body: Any) -> ParsedChat:
     here. Every check is exact (``type(x) is dict``), so whatever it accepts
     the generic walk (``_walk_chat_response``) reads to the same result;
     anything else, odd or wrong or ``n > 1``, goes to the walk, which accepts
-    the variations or names the fault.
+    the variations or names the fault. A speed trick kept for the target
+    "memory backend on aiohttp, c1: <= 1.3x raw aiohttp" (research-wiki/designs/speed-tricks.md).
     """
     if type(body) is not dict or body.get("error") is not None:
         return _walk_chat_response(body)
@@ -294,7 +287,7 @@ def parse_chat_response(body: Any) -> ParsedChat:
     if usage is None:
         return _walk_chat_response(body)
     text = content or ""
-    return ParsedChat(text, finish, (), usage, body, (_new_choice(index, text, (), finish),))
+    return ParsedChat(text, finish, (), usage, body, (Choice(index, text, (), finish),))
 
 
 def _walk_chat_response(body: Any) -> ParsedChat:
@@ -389,7 +382,7 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     ):
         return _walk_chat_chunk(event, source)
     # Every field, in order (text, tool_calls, finish_reason, source, usage): one per chunk.
-    return _new_chunk(content or "", (), finish, source, usage)
+    return ChatChunk(content or "", (), finish, source, usage)
 
 
 def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:

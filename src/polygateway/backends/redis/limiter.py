@@ -83,6 +83,8 @@ from polygateway.backends.base import (
     Lease,
     Rejection,
     RejectReason,
+    ReleaseListener,
+    ReleaseListeners,
     ScopeSnapshot,
     SourceSnapshot,
     SourceSpec,
@@ -94,7 +96,6 @@ from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.sentinel import SentinelPrimary
 from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
-from polygateway.backends.waiting import WaitingRoom
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.config.settings import RedisMode, redis_topology_problem, sentinel_address
 from polygateway.errors import ConfigError, GovernanceBackendError
@@ -134,15 +135,6 @@ connection, what was pending fails (a permit it holds frees itself at lease
 expiry, as after a crash), and the next operation reconnects.
 """
 
-_MAX_INFLIGHT_OPS = 64
-"""Concurrent operations per process that the loop allows a scope (``max_inflight_ops``).
-
-The wire pipelines any number on its one connection; the loop keeps a
-process's concurrent acquires per scope below this, so a burst of calls
-reaches Redis as a stream of acquires, not all at once (only the head of a
-waiting room asks while calls wait). With an injected client: its pool size.
-"""
-
 _RELEASE_RETRY_FIRST_S = 0.05
 """The first pause before a failed release is written again; it doubles up to the socket timeout."""
 
@@ -173,20 +165,12 @@ def _script(text: str) -> Script:
     return Script(text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest())
 
 
-def _pool_size(client: aioredis.Redis) -> int | None:
-    """The connection pool's ``max_connections``, or ``None`` when the client does not say."""
-    size = getattr(getattr(client, "connection_pool", None), "max_connections", None)
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    return None
-
-
 class RedisBackend:
     """Governance state shared by every process that points at one Redis; implements ``Backend``.
 
-    ``cancel_safe``: a caller's cancellation never reaches its operation, which
-    goes on without it, and a late grant of an abandoned acquire is given back
-    (see "Late replies").
+    Cancellation-safe: a caller's cancellation never reaches its operation,
+    which goes on without it, and a late grant of an abandoned acquire is given
+    back (see "Late replies").
 
     Args:
         url: ``redis://[[user]:password@]host:port/db`` (or ``rediss://``,
@@ -198,8 +182,8 @@ class RedisBackend:
         now: tests only: a clock passed to every script instead of the server's TIME.
         client: an existing ``redis.asyncio.Redis`` whose pool's settings the
             backend's own connection is made with (address, connect timeout, TLS,
-            credentials, database; ``Endpoint.of_client``) and whose pool size is
-            ``max_inflight_ops``; the backend never uses the client itself, its
+            credentials, database; ``Endpoint.of_client``); the backend never
+            uses the client itself, its
             owner closes it, and ``url`` then only names it in messages.
         mode: ``"standalone"``; ``"cluster"`` (``url`` names any node, the
             others are discovered); ``"sentinel"`` (``url`` carries only the
@@ -209,11 +193,11 @@ class RedisBackend:
     """
 
     __slots__ = (
+        "__weakref__",
         "_deadlines",
-        "_max_inflight_ops",
+        "_listeners",
         "_now",
         "_retries",
-        "_rooms",
         "_scope_keys",
         "_scripts",
         "_secrets",
@@ -224,8 +208,6 @@ class RedisBackend:
         "_url",
         "_wire",
     )
-
-    cancel_safe = True
 
     def __init__(
         self,
@@ -265,7 +247,6 @@ class RedisBackend:
             raise ConfigError(
                 f"{what} {self._url}: {self._scrub(str(exc))}", field="redis_url"
             ) from exc
-        self._max_inflight_ops = _MAX_INFLIGHT_OPS if client is None else _pool_size(client)
 
         self._timeout_s = socket_timeout_s
         self._deadlines = Deadlines(socket_timeout_s)
@@ -295,7 +276,7 @@ class RedisBackend:
         else:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)
         self._retries: set[asyncio.TimerHandle] = set()
-        self._rooms: dict[str, WaitingRoom] = {}
+        self._listeners = ReleaseListeners()
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
         self._scope_keys: dict[str, tuple[Arg, Arg]] = {}
@@ -303,14 +284,6 @@ class RedisBackend:
 
     def __repr__(self) -> str:
         return f"RedisBackend(url={self._url!r})"
-
-    @property
-    def max_inflight_ops(self) -> int | None:
-        """Concurrent acquires the loop allows a scope in this process (``_MAX_INFLIGHT_OPS``).
-
-        ``None`` when an injected client's pool size is unknown.
-        """
-        return self._max_inflight_ops
 
     # -- the one boundary where redis exceptions are translated ---------------------------
 
@@ -570,11 +543,9 @@ class RedisBackend:
         )
 
         def freed(reply: Any) -> None:
-            # Whether or not anyone waits: a permit freed wakes this process's waiting room.
+            # Whether or not anyone waits: a permit freed is announced to the scope's listeners.
             if codec.is_one(reply):
-                room = self._rooms.get(scope)
-                if room is not None:
-                    room.notify()
+                self._listeners.released(scope)
 
         # Written at once on an open connection: nobody waits. Else queued: the caller waits.
         def failed(operation: str, scope: str, exc: BaseException) -> None:
@@ -670,12 +641,9 @@ class RedisBackend:
 
         return await self._eval("snapshot", scope, bulks(keys), (now_arg,), parse)
 
-    def waiting_room(self, scope: str) -> WaitingRoom:
-        """This process's FIFO of calls waiting for a permit of ``scope``, created on first use."""
-        room = self._rooms.get(scope)
-        if room is None:
-            room = self._rooms[scope] = WaitingRoom()
-        return room
+    def on_release(self, scope: str, listener: ReleaseListener) -> None:
+        """Call ``listener`` on every permit of ``scope`` this backend object frees."""
+        self._listeners.add(scope, listener)
 
     async def aclose(self) -> None:
         """Read the replies still due (releases written behind, work left behind), then close.

@@ -7,7 +7,9 @@ ACQUIRE carries about 25, nine per candidate, the same on every call), the
 client's observability hooks and retry wrapper, ``BlockingConnectionPool``'s
 condition, timeout and health probe per borrowed connection, an
 ``asyncio.wait_for`` (a Task in Python 3.11) around every socket write, and
-its stream reader. So the connection is ours from the socket up, made
+its stream reader. Without it the target "Redis backend, c1: CPU per call
+<= 2x raw aiohttp" misses (research-wiki/designs/speed-tricks.md). So the
+connection is ours from the socket up, made
 through public interfaces only: ``loop.create_connection`` (with the
 ``Endpoint``'s TLS context for ``rediss://``) or ``create_unix_connection``,
 with ``Link``, an ``asyncio.Protocol`` of this module, as its protocol.
