@@ -24,8 +24,10 @@ from polygateway.errors import (
     ResponseParseError,
     StreamInterrupted,
 )
+from polygateway.middleware.telemetry import Emitter, LoggingEmitter, PrometheusEmitter
 from polygateway.models import (
     AttemptRecord,
+    CallRecord,
     ChatChunk,
     ChatResponse,
     Choice,
@@ -48,6 +50,7 @@ logging.getLogger("polygateway").addHandler(logging.NullHandler())
 __all__ = [
     "AllSourcesExhausted",
     "AttemptRecord",
+    "CallRecord",
     "ChatChunk",
     "ChatClient",
     "ChatResponse",
@@ -56,15 +59,18 @@ __all__ = [
     "EmbeddingClient",
     "EmbeddingProgress",
     "EmbeddingResponse",
+    "Emitter",
     "GatewayError",
     "GatewaySettings",
     "GatewayUnavailableError",
     "GovernanceBackendError",
     "LayoutBlock",
     "LayoutResult",
+    "LoggingEmitter",
     "MemoryBackend",
     "OcrClient",
     "PartialEmbeddingResponse",
+    "PrometheusEmitter",
     "RedisBackend",
     "RequestRejected",
     "ResponseParseError",

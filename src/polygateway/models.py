@@ -13,6 +13,8 @@ from typing_extensions import TypeVar
 
 __all__ = [
     "AttemptRecord",
+    "CallOutcome",
+    "CallRecord",
     "ChatChunk",
     "ChatResponse",
     "Choice",
@@ -70,6 +72,51 @@ class AttemptRecord:
     permit_wait_s: float = 0.0
     stalled_s: float = 0.0
     error: str | None = None
+
+
+CallOutcome = Literal[
+    "served",
+    "retry_exhausted",
+    "stalled",
+    "no_runnable",
+    "deadline",
+    "rejected",
+    "interrupted",
+    "cancelled",
+    "backend_error",
+    "error",
+]
+"""How a call through the loop ended: ``served``, the ``reason`` of ``AllSourcesExhausted``,
+``rejected`` (``RequestRejected``), ``interrupted`` (a stream cut after chunks reached the
+caller), ``cancelled`` (the caller or the client's close), ``backend_error``
+(``GovernanceBackendError``), or ``error`` (anything else)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One call through the governance loop, from its start to its end, whatever the end.
+
+    Emitted once per call (``Emitter.emit_call``), also for calls that never
+    reached a source (``no_runnable``, ``stalled``, ``deadline`` before any
+    attempt). ``operation`` is the client's operation (``chat.complete``,
+    ``chat.stream``, ``embed``, ``ocr.recognize_text``, ...); an embedding
+    call runs one loop call per batch, so it yields one record per batch.
+    ``waited_s`` is time spent waiting: in the scope's queue, in back-offs and
+    pauses; ``stalled_s`` is the non-productive time the stall rule counts.
+    Tokens add up every attempt's usage.
+    """
+
+    call_id: str
+    scope: str
+    operation: str
+    outcome: CallOutcome
+    attempts: int
+    source: str | None
+    duration_s: float
+    waited_s: float
+    stalled_s: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,14 +31,18 @@ def test_all_is_sorted_and_pinned() -> None:
     assert polygateway.__all__ == sorted(polygateway.__all__)
     assert set(polygateway.__all__) == CONTRACT | {
         "AttemptRecord",
+        "CallRecord",
         "ChatChunk",
         "ChatResponse",
         "Choice",
         "EmbeddingProgress",
         "EmbeddingResponse",
+        "Emitter",
         "LayoutBlock",
         "LayoutResult",
+        "LoggingEmitter",
         "PartialEmbeddingResponse",
+        "PrometheusEmitter",
         "ScopeConfig",
         "SourceConfig",
         "TextResult",

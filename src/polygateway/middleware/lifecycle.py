@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar, Self, TypedDict, Unpack
 from polygateway.backends.factory import shared_backend
 from polygateway.errors import ConfigError, GatewayError
 from polygateway.middleware.retry import LoopPolicy, RetryMW
-from polygateway.middleware.telemetry import Emitter
+from polygateway.middleware.telemetry import AttemptEmitter, emitters_of
 from polygateway.transport.factory import make_transport
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ class ClientParts(TypedDict, total=False):
     now: Callable[[], float] | None
     sleep: Sleep | None
     rng: random.Random | None
-    emitter: Emitter | None
+    emitter: AttemptEmitter | None
+    emitters: Sequence[AttemptEmitter] | None
 
 
 class InFlight:
@@ -200,7 +201,8 @@ class GovernedClient:
         now: Callable[[], float] | None = None,
         sleep: Sleep | None = None,
         rng: random.Random | None = None,
-        emitter: Emitter | None = None,
+        emitter: AttemptEmitter | None = None,
+        emitters: Sequence[AttemptEmitter] | None = None,
     ) -> None:
         scope = scope if scope is not None else self.DEFAULT_SCOPE
         config = settings.scope(scope)
@@ -222,6 +224,8 @@ class GovernedClient:
         self._transport = (
             transport if transport is not None else _default_transport(settings, config.sources)
         )
+        # ``emitter`` and ``emitters`` together: every record goes to each of them.
+        telemetry = emitters_of(emitter, emitters)
         self._mw = RetryMW(
             scope=scope,
             sources=config.sources,
@@ -230,9 +234,9 @@ class GovernedClient:
             now=self._now,
             sleep=self._sleep,
             rng=self._rng,
-            emitter=emitter,
+            emitter=telemetry,
         )
-        self._emitter = emitter
+        self._emitter = telemetry
         self._life = Lifecycle(scope=scope, close_grace_s=settings.close_grace_s, sleep=self._sleep)
         self._setup()
 

@@ -36,6 +36,7 @@ check is off. ``deadline_s`` is a hard bound (``middleware/deadline.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -63,8 +64,14 @@ from polygateway.middleware.classify import (
 )
 from polygateway.middleware.deadline import Deadline, Timeouts, check_deadline_s
 from polygateway.middleware.policy import LoopPolicy
-from polygateway.middleware.telemetry import Emitter, NullEmitter, attempt_record
+from polygateway.middleware.telemetry import (
+    AttemptEmitter,
+    Emitters,
+    attempt_record,
+    emitters_of,
+)
 from polygateway.middleware.waiting import Sleep, Waiter, room_for
+from polygateway.models import CallRecord
 from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
 
@@ -72,7 +79,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
     from polygateway.config import SourceConfig
-    from polygateway.models import AttemptRecord
+    from polygateway.models import AttemptRecord, CallOutcome
 
 __all__ = [
     "FAILURE_TABLE",
@@ -207,7 +214,6 @@ class RetryMW:
     __slots__ = (
         "_backend",
         "_by_name",
-        "_emits",
         "_emitter",
         "_free_ttl",
         "_names",
@@ -232,7 +238,7 @@ class RetryMW:
         now: Callable[[], float],
         sleep: Sleep,
         rng: random.Random,
-        emitter: Emitter | None = None,
+        emitter: AttemptEmitter | None = None,
     ) -> None:
         sources = tuple(sources)
         self._scope = scope
@@ -241,9 +247,10 @@ class RetryMW:
         self._now = now
         self._sleep = sleep
         self._rng = rng
-        self._emitter: Emitter = emitter if emitter is not None else NullEmitter()
-        # Records are built for the call's attempts anyway; only a real emitter is called.
-        self._emits = type(self._emitter) is not NullEmitter
+        # Records are built for the call's attempts anyway; emitters are called only if any.
+        self._emitter: Emitters | None = (
+            emitter if isinstance(emitter, Emitters) else emitters_of(emitter, None)
+        )
         self._names = tuple(s.name for s in sources)
         self._by_name = {s.name: s for s in sources}
         # Defence in depth: transports scrub their messages already, but nothing
@@ -440,8 +447,10 @@ class Call:
         "_mw",
         "_pick_started_at",
         "_refused",
+        "_started_at",
         "_ticket",
         "_tried",
+        "_waited_s",
         "_waiter",
         "call_id",
         "clock",
@@ -484,7 +493,8 @@ class Call:
         self.records: list[AttemptRecord] = []
         self._tried: set[str] = set()
         self._refused: set[str] = set()  # sources that answered 401/403/404
-        self._pick_started_at = mw._now()  # when the search for a permit began
+        self._started_at = self._pick_started_at = mw._now()  # the search for a permit began
+        self._waited_s = 0.0  # in the queue and in back-offs
         self._ticket = mw._room.ticket()  # the call's place in the arrival order
         self._waiter: Waiter | None = None
         self._last: AcquireResult | None = None  # the latest acquire, for retry_after_s
@@ -525,8 +535,9 @@ class Call:
                 if isinstance(result, Served):
                     return result
                 await self.after_failure(result)
-        except BaseException:
+        except BaseException as exc:
             self.leave()
+            self._ended(_outcome_of(exc), None)
             raise
 
     async def finish(self, served: Served[Any], exc: BaseException | None) -> None:
@@ -536,6 +547,7 @@ class Call:
         body was cut by the call's deadline; any other ``exc`` is the caller's
         to re-raise.
         """
+        cut = False
         try:
             try:
                 cut = await self._release_served(served, exc)
@@ -547,6 +559,15 @@ class Call:
                 raise await self.exhausted("deadline") from exc
         finally:
             self.leave()
+            if cut:
+                outcome: CallOutcome = "deadline"
+            elif exc is None:
+                outcome = "served" if served.completed else "cancelled"
+            elif isinstance(exc, TransientError):
+                outcome = "interrupted"
+            else:
+                outcome = _outcome_of(exc)
+            self._ended(outcome, served.source)
 
     def leave(self) -> None:
         """Give up the call's place in the queue, if it holds one."""
@@ -626,7 +647,11 @@ class Call:
                 timeout = reopen + _REOPEN_SLACK_S
         else:
             timeout = self._stall_timer_s()
-        await room.wait(waiter, self.deadline.bound(timeout), mw._sleep)
+        began = mw._now()
+        try:
+            await room.wait(waiter, self.deadline.bound(timeout), mw._sleep)
+        finally:
+            self._waited_s += mw._now() - began
         failure = waiter.failure
         if failure is not None:
             raise GovernanceBackendError(
@@ -736,7 +761,11 @@ class Call:
             step, base_s=policy.backoff_base_s, cap_s=policy.backoff_cap_s, rng=mw._rng
         )
         # Outside any attempt: back-off is non-productive and bills the stall clock.
-        await mw._sleep(self.deadline.bound(delay))
+        began = mw._now()
+        try:
+            await mw._sleep(self.deadline.bound(delay))
+        finally:
+            self._waited_s += mw._now() - began
         self._look_again()
 
     # --- the stall rule (research-wiki/designs/stall-budget.md) --------------------
@@ -905,8 +934,32 @@ class Call:
             ended_at=mw._now(),
         )
         self.records.append(record)
-        if mw._emits:
-            mw._emitter.emit_attempt(record)
+        emitter = mw._emitter
+        if emitter is not None:
+            emitter.emit_attempt(record)
+
+    def _ended(self, outcome: CallOutcome, source: str | None) -> None:
+        """The call is over: hand its record to telemetry (every call, however it ended)."""
+        mw = self._mw
+        emitter = mw._emitter
+        if emitter is None:
+            return
+        records = self.records
+        emitter.emit_call(
+            CallRecord(
+                call_id=self.call_id,
+                scope=mw._scope,
+                operation=self.op_name,
+                outcome=outcome,
+                attempts=len(records),
+                source=source,
+                duration_s=mw._now() - self._started_at,
+                waited_s=self._waited_s,
+                stalled_s=self.clock.stalled_s(),
+                prompt_tokens=sum(r.prompt_tokens for r in records),
+                completion_tokens=sum(r.completion_tokens for r in records),
+            )
+        )
 
 
 class _Session(Generic[T]):
@@ -943,6 +996,19 @@ class _Session(Generic[T]):
             # The body's exception (stream cut, consumer gone, cancellation) passes
             # on after the release, which records how the body ended.
             await call.finish(served, exc)
+
+
+def _outcome_of(exc: BaseException) -> CallOutcome:
+    """How a call that ended with ``exc`` ended, for its record."""
+    if isinstance(exc, AllSourcesExhausted):
+        return exc.reason
+    if isinstance(exc, RequestRejected):
+        return "rejected"
+    if isinstance(exc, GovernanceBackendError):
+        return "backend_error"
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return "error"
 
 
 _EXPLAINED: Final[Mapping[ExhaustedReason, str]] = {

@@ -1,9 +1,11 @@
-"""Where attempt records go: an ``Emitter`` protocol and three built-in emitters.
+"""Where telemetry records go: an ``Emitter`` protocol, built-in emitters, and a fan-out.
 
-Every real attempt emits one frozen ``AttemptRecord`` (research-wiki/ARCHITECTURE.md §6)
-from inside ``StallClock.attempting()``, so the time telemetry takes counts
-as productive and can never push a call over its stall window. Emitters run
-on the hot path: they must be quick and must not raise.
+Every real attempt emits one frozen ``AttemptRecord`` from inside the
+attempt, so the time telemetry takes counts as productive and can never
+push a call over its stall window; every call through the loop emits one
+``CallRecord`` when it ends, however it ends (research-wiki/ARCHITECTURE.md
+§6). Emitters run on the hot path: they must be quick. One that raises is
+logged and skipped (``Emitters``); it never fails a call.
 
 - ``NullEmitter``: the default; drops records.
 - ``LoggingEmitter``: one structured log line per attempt on the
@@ -18,14 +20,25 @@ from __future__ import annotations
 import importlib
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Protocol, runtime_checkable
 
 from polygateway.errors import ConfigError
 from polygateway.middleware.attempt import AttemptContext
-from polygateway.models import AttemptRecord
+from polygateway.models import AttemptRecord, CallRecord
 
-__all__ = ["Emitter", "LoggingEmitter", "NullEmitter", "PrometheusEmitter", "attempt_record"]
+__all__ = [
+    "AttemptEmitter",
+    "Emitter",
+    "Emitters",
+    "LoggingEmitter",
+    "NullEmitter",
+    "PrometheusEmitter",
+    "attempt_record",
+]
+
+_log = logging.getLogger("polygateway.telemetry")
 
 
 def attempt_record(
@@ -57,11 +70,24 @@ def attempt_record(
 
 
 @runtime_checkable
-class Emitter(Protocol):
-    """Receives one record per attempt; called inside the attempt, so it must be quick."""
+class AttemptEmitter(Protocol):
+    """An emitter of attempt records only, as emitters were before call records existed."""
 
     def emit_attempt(self, record: AttemptRecord) -> None:
-        """Take one attempt's record."""
+        """Take one attempt's record (called inside the attempt)."""
+        ...
+
+
+@runtime_checkable
+class Emitter(Protocol):
+    """Receives one record per attempt and one per call; called on the hot path, so quick."""
+
+    def emit_attempt(self, record: AttemptRecord) -> None:
+        """Take one attempt's record (called inside the attempt)."""
+        ...
+
+    def emit_call(self, record: CallRecord) -> None:
+        """Take one call's record (called as the call ends)."""
         ...
 
 
@@ -73,9 +99,69 @@ class NullEmitter:
     def emit_attempt(self, record: AttemptRecord) -> None:
         """Do nothing."""
 
+    def emit_call(self, record: CallRecord) -> None:
+        """Do nothing."""
+
+
+class Emitters:
+    """Several emitters as one: each record goes to each, in order; a failing one is logged.
+
+    An emitter that raises is skipped for that record and logged (a warning
+    the first time, at debug level after that), so telemetry never fails a
+    call and a broken emitter does not flood the log. An emitter written
+    before ``emit_call`` existed (``emit_attempt`` only) gets attempt records.
+    """
+
+    __slots__ = ("_attempts", "_calls", "_failed", "emitters")
+
+    def __init__(self, emitters: Sequence[AttemptEmitter]) -> None:
+        self.emitters = tuple(emitters)
+        self._attempts = tuple(e.emit_attempt for e in self.emitters)
+        self._calls = tuple(e.emit_call for e in self.emitters if isinstance(e, Emitter))
+        self._failed: set[int] = set()
+
+    def __repr__(self) -> str:
+        return f"Emitters({list(self.emitters)!r})"
+
+    def emit_attempt(self, record: AttemptRecord) -> None:
+        """Hand the attempt's record to every emitter."""
+        for emit in self._attempts:
+            try:
+                emit(record)
+            except Exception as exc:  # an emitter must never fail a call
+                self._failure(emit, exc)
+
+    def emit_call(self, record: CallRecord) -> None:
+        """Hand the call's record to every emitter that takes call records."""
+        for emit in self._calls:
+            try:
+                emit(record)
+            except Exception as exc:  # an emitter must never fail a call
+                self._failure(emit, exc)
+
+    def _failure(self, emit: Any, exc: Exception) -> None:
+        owner = getattr(emit, "__self__", emit)
+        first = id(owner) not in self._failed
+        self._failed.add(id(owner))
+        _log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "telemetry emitter %s failed (skipped, the call goes on): %r",
+            type(owner).__name__,
+            exc,
+        )
+
+
+def emitters_of(
+    emitter: AttemptEmitter | None, emitters: Sequence[AttemptEmitter] | None
+) -> Emitters | None:
+    """The emitters a client was given (``emitter=`` and ``emitters=``), or ``None`` for none."""
+    every = [*([] if emitter is None else [emitter]), *(emitters or ())]
+    every = [e for e in every if type(e) is not NullEmitter]
+    return Emitters(every) if every else None
+
 
 class LoggingEmitter:
-    """One structured log line per attempt: DEBUG for successes, WARNING for failures.
+    """One structured log line per attempt and per call: DEBUG when served, WARNING otherwise.
 
     The record's fields travel in ``extra={"polygateway": {...}}`` for
     structured handlers; the message itself is a short human line.
@@ -114,8 +200,29 @@ class LoggingEmitter:
             extra={"polygateway": asdict(record)},
         )
 
+    def emit_call(self, record: CallRecord) -> None:
+        """Log the call's end, skipping the formatting when the level is off."""
+        level = self._success_level if record.outcome == "served" else self._failure_level
+        if not self._logger.isEnabledFor(level):
+            return
+        self._logger.log(
+            level,
+            "call %s scope=%s op=%s outcome=%s attempts=%d source=%s duration=%.3fs "
+            "waited=%.3fs stalled=%.3fs",
+            record.call_id,
+            record.scope,
+            record.operation,
+            record.outcome,
+            record.attempts,
+            record.source or "-",
+            record.duration_s,
+            record.waited_s,
+            record.stalled_s,
+            extra={"polygateway": asdict(record)},
+        )
 
-_METRICS: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
+
+_METRICS: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 """Metrics already registered per registry: a registry refuses the same name twice."""
 
 
@@ -123,11 +230,13 @@ class PrometheusEmitter:
     """Prometheus counters of attempts and histograms of latency and TTFT.
 
     Metrics (prefix ``polygateway_``): ``attempts_total{scope,source,outcome}``,
-    ``attempt_latency_seconds{scope,source}`` and ``stream_ttft_seconds{scope,source}``.
+    ``attempt_latency_seconds{scope,source}``, ``stream_ttft_seconds{scope,source}``,
+    ``calls_total{scope,operation,outcome}`` (every call, also those that never
+    reached a source) and ``call_duration_seconds{scope,operation}``.
     Several emitters on one registry share the same metrics.
     """
 
-    __slots__ = ("_attempts", "_latency", "_ttft")
+    __slots__ = ("_attempts", "_call_duration", "_calls", "_latency", "_ttft")
 
     def __init__(self, registry: Any = None) -> None:
         try:
@@ -159,9 +268,21 @@ class PrometheusEmitter:
                     ("scope", "source"),
                     registry=registry,
                 ),
+                prometheus.Counter(
+                    "polygateway_calls",
+                    "Calls through the governance loop, by scope, operation and outcome.",
+                    ("scope", "operation", "outcome"),
+                    registry=registry,
+                ),
+                prometheus.Histogram(
+                    "polygateway_call_duration_seconds",
+                    "Duration of each call, start to end, waiting included.",
+                    ("scope", "operation"),
+                    registry=registry,
+                ),
             )
             _METRICS[registry] = metrics
-        self._attempts, self._latency, self._ttft = metrics
+        self._attempts, self._latency, self._ttft, self._calls, self._call_duration = metrics
 
     def emit_attempt(self, record: AttemptRecord) -> None:
         """Count the attempt and observe its latency (and TTFT for streams)."""
@@ -169,3 +290,8 @@ class PrometheusEmitter:
         self._latency.labels(record.scope, record.source).observe(record.latency_s)
         if record.ttft_s is not None:
             self._ttft.labels(record.scope, record.source).observe(record.ttft_s)
+
+    def emit_call(self, record: CallRecord) -> None:
+        """Count the call by its outcome and observe its duration."""
+        self._calls.labels(record.scope, record.operation, record.outcome).inc()
+        self._call_duration.labels(record.scope, record.operation).observe(record.duration_s)

@@ -15,7 +15,7 @@ from polygateway.backends.base import (
     ScopeSnapshot,
     SourceSpec,
 )
-from polygateway.models import AttemptRecord
+from polygateway.models import AttemptRecord, CallRecord
 
 __all__ = ["CountingBackend", "Recorder"]
 
@@ -51,20 +51,29 @@ async def _to_the_end(
 
 
 class Recorder:
-    """An emitter that keeps every attempt record, for assertions."""
+    """An emitter that keeps every attempt record and every call record, for assertions."""
 
-    __slots__ = ("records",)
+    __slots__ = ("calls", "records")
 
     def __init__(self) -> None:
         self.records: list[AttemptRecord] = []
+        self.calls: list[CallRecord] = []
 
     def emit_attempt(self, record: AttemptRecord) -> None:
-        """Keep the record."""
+        """Keep the attempt's record."""
         self.records.append(record)
 
+    def emit_call(self, record: CallRecord) -> None:
+        """Keep the call's record."""
+        self.calls.append(record)
+
     def outcomes(self) -> list[str]:
-        """The outcome of each record, in order."""
+        """The outcome of each attempt record, in order."""
         return [r.outcome for r in self.records]
+
+    def call_outcomes(self) -> list[str]:
+        """The outcome of each call record, in order."""
+        return [r.outcome for r in self.calls]
 
 
 class CountingBackend:

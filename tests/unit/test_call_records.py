@@ -1,0 +1,246 @@
+"""Telemetry per call: one ``CallRecord`` for every call through the loop, however it ends,
+several emitters at once, and an emitter that raises never failing a call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import pytest
+from _closing import closing
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from polygateway.backends.base import AttemptOutcome
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.errors import AllSourcesExhausted, RequestRejected
+from polygateway.middleware.telemetry import Emitters, PrometheusEmitter
+from polygateway.models import AttemptRecord, CallRecord
+from polygateway.testing import (
+    BoundedSleep,
+    Delay,
+    FakeClock,
+    FakeTransport,
+    Gate,
+    Recorder,
+    StreamScript,
+    TransientError,
+    chat_chunk_events,
+    chat_completion,
+    gateway_settings,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def make_chat(
+    clock: FakeClock,
+    script: Any,
+    *,
+    backend: MemoryBackend | None = None,
+    max_concurrency: int = 4,
+    **parts: Any,
+) -> tuple[ChatClient, MemoryBackend]:
+    """A one-source chat client on a fake clock (breaker opens after 1 failure)."""
+    backend = backend if backend is not None else MemoryBackend(now=clock)
+    client = closing(
+        ChatClient(
+            gateway_settings(
+                {"name": "primary", "max_concurrency": max_concurrency},
+                breaker_failures=1,
+                max_attempts=1,
+            ),
+            backend=backend,
+            transport=FakeTransport(script, clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=200),
+            rng=random.Random(3),
+            **parts,
+        )
+    )
+    return client, backend
+
+
+async def test_a_served_call_yields_one_record_with_its_tokens_and_source() -> None:
+    """A call served at once: outcome served, one attempt, its source, its usage, no waiting."""
+    clock = FakeClock()
+    recorder = Recorder()
+    chat, _ = make_chat(
+        clock,
+        [Delay(2.0, chat_completion("hi", prompt_tokens=7, completion_tokens=3))],
+        emitter=recorder,
+    )
+    await chat.complete(MESSAGES)
+    [call] = recorder.calls
+    assert call.outcome == "served"
+    assert call.operation == "chat.complete"
+    assert (call.scope, call.source, call.attempts) == ("chat", "primary", 1)
+    assert (call.prompt_tokens, call.completion_tokens) == (7, 3)
+    assert call.duration_s == pytest.approx(2.0)
+    assert call.waited_s == 0.0
+    assert call.stalled_s == pytest.approx(0.0)
+    assert recorder.records[0].call_id == call.call_id
+
+
+async def test_an_open_breaker_leaves_one_retry_exhausted_and_the_rest_no_runnable() -> None:
+    """50 fail_fast calls on a broken source: the first fails, 49 never reach it, all recorded."""
+    clock = FakeClock()
+    recorder = Recorder()
+    chat, _ = make_chat(clock, [TransientError(status_code=500)], emitter=recorder)
+    outcomes = []
+    for _ in range(50):
+        with pytest.raises(AllSourcesExhausted) as caught:
+            await chat.complete(MESSAGES, fail_fast=True)
+        outcomes.append(caught.value.reason)
+    assert recorder.call_outcomes() == outcomes
+    assert outcomes.count("retry_exhausted") == 1
+    assert outcomes.count("no_runnable") == 49
+    assert [c.attempts for c in recorder.calls] == [1] + [0] * 49
+    assert all(c.source is None for c in recorder.calls)
+    assert len(recorder.records) == 1  # one attempt record: the only call that reached it
+
+
+async def test_the_breaker_scenario_through_a_prometheus_scrape() -> None:
+    """Scraped and parsed back: calls_total counts 1 retry_exhausted and 49 no_runnable."""
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    chat, _ = make_chat(
+        clock, [TransientError(status_code=500)], emitter=PrometheusEmitter(registry)
+    )
+    for _ in range(50):
+        with pytest.raises(AllSourcesExhausted):
+            await chat.complete(MESSAGES, fail_fast=True)
+    calls: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        if family.name == "polygateway_calls":
+            for sample in family.samples:
+                if sample.name == "polygateway_calls_total":
+                    calls[sample.labels["outcome"]] = sample.value
+    assert calls == {"retry_exhausted": 1.0, "no_runnable": 49.0}
+
+
+async def test_a_rejected_request_is_recorded_as_rejected() -> None:
+    """A 400 ends the call at once: outcome rejected, its attempt counted."""
+    clock = FakeClock()
+    recorder = Recorder()
+    chat, _ = make_chat(clock, [TransientError(status_code=400)], emitter=recorder)
+    with pytest.raises(RequestRejected):
+        await chat.complete(MESSAGES)
+    assert recorder.call_outcomes() == ["rejected"]
+    assert recorder.calls[0].attempts == 1
+
+
+async def test_a_cancelled_call_is_recorded_as_cancelled() -> None:
+    """The caller's cancellation mid-attempt ends the call with a cancelled record."""
+    clock = FakeClock()
+    recorder = Recorder()
+    gate = Gate()
+    chat, _ = make_chat(clock, [gate], emitter=recorder)
+    task = asyncio.create_task(chat.complete(MESSAGES))
+    await gate.wait_entered()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert recorder.call_outcomes() == ["cancelled"]
+
+
+async def test_a_stream_read_to_its_end_is_served_and_one_closed_early_is_cancelled() -> None:
+    """A stream's record comes at its end: served after a clean end, cancelled when left."""
+    clock = FakeClock()
+    recorder = Recorder()
+    script = [StreamScript(chat_chunk_events(["a", "b"])) for _ in range(2)]
+    chat, _ = make_chat(clock, script, emitter=recorder)
+    async with chat.stream(MESSAGES) as stream:
+        assert [c.text async for c in stream]
+    async with chat.stream(MESSAGES) as stream:
+        async for _ in stream:
+            break
+    assert recorder.call_outcomes() == ["served", "cancelled"]
+    assert [c.operation for c in recorder.calls] == ["chat.stream", "chat.stream"]
+
+
+async def test_waiting_in_the_queue_is_recorded_as_waited() -> None:
+    """A call that waits for the only permit records the wait, as waited and stalled time."""
+    clock = FakeClock()
+    recorder = Recorder()
+    backend = MemoryBackend(now=clock)
+    chat, _ = make_chat(
+        clock, [chat_completion()], backend=backend, max_concurrency=1, emitter=recorder
+    )
+    held = await backend.acquire(
+        "chat",
+        [chat._mw._order.sources[0][1]],  # the scope's own spec: one permit
+        ttl_s=60.0,
+    )
+    assert held.lease is not None
+    task = asyncio.create_task(chat.complete(MESSAGES))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    clock.advance(3.0)
+    await backend.release(held.lease, AttemptOutcome("success"))
+    await task
+    [call] = recorder.calls
+    assert call.outcome == "served"
+    assert call.waited_s >= 3.0
+    assert call.stalled_s >= 3.0
+
+
+class _Broken:
+    """An emitter that raises on everything."""
+
+    def emit_attempt(self, record: AttemptRecord) -> None:
+        raise RuntimeError("attempt sink down")
+
+    def emit_call(self, record: CallRecord) -> None:
+        raise RuntimeError("call sink down")
+
+
+async def test_a_failing_emitter_is_logged_once_and_never_fails_a_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broken emitter beside a good one: both calls served and recorded, one warning."""
+    clock = FakeClock()
+    recorder = Recorder()
+    chat, _ = make_chat(
+        clock, [chat_completion("a"), chat_completion("b")], emitters=[_Broken(), recorder]
+    )
+    with caplog.at_level(logging.DEBUG, logger="polygateway.telemetry"):
+        assert (await chat.complete(MESSAGES)).text == "a"
+        assert (await chat.complete(MESSAGES)).text == "b"
+    assert recorder.call_outcomes() == ["served", "served"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "_Broken" in warnings[0].getMessage()
+
+
+async def test_emitter_and_emitters_all_receive_every_record() -> None:
+    """``emitter=`` and ``emitters=[...]`` together: each gets every attempt and call record."""
+    clock = FakeClock()
+    first, second, third = Recorder(), Recorder(), Recorder()
+    chat, _ = make_chat(clock, [chat_completion()], emitter=first, emitters=[second, third])
+    await chat.complete(MESSAGES)
+    for recorder in (first, second, third):
+        assert recorder.call_outcomes() == ["served"]
+        assert recorder.outcomes() == ["success"]
+
+
+def test_an_attempt_only_emitter_gets_attempt_records() -> None:
+    """An emitter without ``emit_call`` (written before call records) still gets attempts."""
+
+    class AttemptsOnly:
+        def __init__(self) -> None:
+            self.seen: list[AttemptRecord] = []
+
+        def emit_attempt(self, record: AttemptRecord) -> None:
+            self.seen.append(record)
+
+    sink = AttemptsOnly()
+    group = Emitters([sink])
+    record = AttemptRecord("c", "chat", "primary", 1, "success", None, 0.1)
+    group.emit_attempt(record)
+    group.emit_call(CallRecord("c", "chat", "chat.complete", "served", 1, "primary", 0.1, 0, 0))
+    assert sink.seen == [record]
