@@ -244,3 +244,27 @@ def test_an_attempt_only_emitter_gets_attempt_records() -> None:
     group.emit_attempt(record)
     group.emit_call(CallRecord("c", "chat", "chat.complete", "served", 1, "primary", 0.1, 0, 0))
     assert sink.seen == [record]
+
+
+async def test_a_binding_emitter_learns_each_client_it_is_passed_to() -> None:
+    """``bind`` is called once per client with its kind, scope, sources, backend and queue."""
+    from polygateway.middleware.telemetry import ClientInfo
+
+    class Binding(Recorder):
+        __slots__ = ("bound",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bound: list[ClientInfo] = []
+
+        def bind(self, client: ClientInfo) -> None:
+            self.bound.append(client)
+
+    clock = FakeClock()
+    sink = Binding()
+    _chat, backend = make_chat(clock, [], emitters=[sink])
+    [info] = sink.bound
+    assert (info.kind, info.scope) == ("chat", "chat")
+    assert [s.name for s in info.sources] == ["primary"]
+    assert info.backend is backend
+    assert info.waiting() == 0

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, ClassVar, Self, TypedDict, Unpack
 from polygateway.backends.factory import shared_backend
 from polygateway.errors import ConfigError, GatewayError
 from polygateway.middleware.retry import LoopPolicy, RetryMW
-from polygateway.middleware.telemetry import AttemptEmitter, emitters_of
+from polygateway.middleware.telemetry import AttemptEmitter, ClientInfo, emitters_of
+from polygateway.middleware.waiting import room_for
 from polygateway.transport.factory import make_transport
 
 if TYPE_CHECKING:
@@ -237,6 +238,11 @@ class GovernedClient:
             emitter=telemetry,
         )
         self._emitter = telemetry
+        if telemetry is not None:
+            room = room_for(self._backend, scope)
+            telemetry.bind(
+                ClientInfo(self.KIND, scope, tuple(config.sources), self._backend, room.__len__)
+            )
         self._life = Lifecycle(scope=scope, close_grace_s=settings.close_grace_s, sleep=self._sleep)
         self._setup()
 

@@ -20,16 +20,22 @@ from __future__ import annotations
 import importlib
 import logging
 import weakref
-from collections.abc import Sequence
-from dataclasses import asdict
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from polygateway.errors import ConfigError
 from polygateway.middleware.attempt import AttemptContext
 from polygateway.models import AttemptRecord, CallRecord
 
+if TYPE_CHECKING:
+    from polygateway.backends.base import Backend
+    from polygateway.config import SourceConfig
+
 __all__ = [
     "AttemptEmitter",
+    "BindingEmitter",
+    "ClientInfo",
     "Emitter",
     "Emitters",
     "LoggingEmitter",
@@ -91,6 +97,33 @@ class Emitter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """What an emitter may learn of a client it is passed to (``bind``), once, at construction.
+
+    ``sources`` are the scope's settings (names, protocols, models, base URLs:
+    what span attributes name); ``backend`` is the shared state live gauges
+    read at scrape time; ``waiting`` counts the calls of the scope waiting in
+    this process. Nothing here holds a prompt, an answer or a secret to emit
+    (a source's key stays in its ``SecretStr``).
+    """
+
+    kind: str
+    scope: str
+    sources: tuple[SourceConfig, ...]
+    backend: Backend
+    waiting: Callable[[], int]
+
+
+@runtime_checkable
+class BindingEmitter(Protocol):
+    """An emitter that wants to know the clients it serves (gauges, span attributes)."""
+
+    def bind(self, client: ClientInfo) -> None:
+        """Called once per client the emitter is passed to, when the client is built."""
+        ...
+
+
 class NullEmitter:
     """Drops every record: the default when telemetry is not wanted."""
 
@@ -138,6 +171,12 @@ class Emitters:
                 emit(record)
             except Exception as exc:  # an emitter must never fail a call
                 self._failure(emit, exc)
+
+    def bind(self, client: ClientInfo) -> None:
+        """Tell every emitter that wants to know (``BindingEmitter``) of ``client``."""
+        for emitter in self.emitters:
+            if isinstance(emitter, BindingEmitter):
+                emitter.bind(client)
 
     def _failure(self, emit: Any, exc: Exception) -> None:
         owner = getattr(emit, "__self__", emit)
