@@ -196,6 +196,15 @@ class MemoryBackend:
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         """Every source seen in the scope, in order of first sight, as of now."""
+        return self.snapshot_now(scope)
+
+    def snapshot_now(self, scope: str) -> ScopeSnapshot:
+        """``snapshot`` without a coroutine: what a synchronous reader (a scrape) can call.
+
+        Safe on the event loop's thread, or once no loop uses the backend; from
+        another thread while the loop runs, go through the loop instead (the
+        state may change under the read).
+        """
         now = self._now()
         sc = self._scopes.get(scope)
         if sc is None:

@@ -11,8 +11,10 @@ logged and skipped (``Emitters``); it never fails a call.
 - ``LoggingEmitter``: one structured log line per attempt on the
   ``polygateway.attempts`` logger; records hold names, classes, status codes
   and timings, never a secret.
-- ``PrometheusEmitter``: counters and a latency histogram; ``prometheus_client``
-  is imported only when one is built (the ``prometheus`` extra).
+- ``PrometheusEmitter``: counters and a latency histogram, plus the live
+  gauges of every client it is passed to (``middleware/gauges.py``, read from
+  the backend at scrape time); ``prometheus_client`` is imported only when
+  one is built (the ``prometheus`` extra).
 """
 
 from __future__ import annotations
@@ -272,10 +274,13 @@ class PrometheusEmitter:
     ``attempt_latency_seconds{scope,source}``, ``stream_ttft_seconds{scope,source}``,
     ``calls_total{scope,operation,outcome}`` (every call, also those that never
     reached a source) and ``call_duration_seconds{scope,operation}``.
-    Several emitters on one registry share the same metrics.
+    Passed to a client, it also shows that client's scope in the registry's
+    ``LiveGauges`` (``polygateway_source_*`` and ``polygateway_scope_*``, read
+    from the backend at each scrape). Several emitters on one registry share
+    the same metrics and the same gauges.
     """
 
-    __slots__ = ("_attempts", "_call_duration", "_calls", "_latency", "_ttft")
+    __slots__ = ("_attempts", "_call_duration", "_calls", "_gauges", "_latency", "_ttft")
 
     def __init__(self, registry: Any = None) -> None:
         try:
@@ -288,6 +293,10 @@ class PrometheusEmitter:
             registry = prometheus.REGISTRY
         metrics = _METRICS.get(registry)
         if metrics is None:
+            from polygateway.middleware.gauges import LiveGauges
+
+            gauges = LiveGauges(prometheus)
+            registry.register(gauges)
             metrics = (
                 prometheus.Counter(
                     "polygateway_attempts",
@@ -319,9 +328,21 @@ class PrometheusEmitter:
                     ("scope", "operation"),
                     registry=registry,
                 ),
+                gauges,
             )
             _METRICS[registry] = metrics
-        self._attempts, self._latency, self._ttft, self._calls, self._call_duration = metrics
+        (
+            self._attempts,
+            self._latency,
+            self._ttft,
+            self._calls,
+            self._call_duration,
+            self._gauges,
+        ) = metrics
+
+    def bind(self, client: ClientInfo) -> None:
+        """Show ``client``'s scope in the live gauges, read from its backend at each scrape."""
+        self._gauges.bind(client)
 
     def emit_attempt(self, record: AttemptRecord) -> None:
         """Count the attempt and observe its latency (and TTFT for streams)."""
@@ -334,3 +355,5 @@ class PrometheusEmitter:
         """Count the call by its outcome and observe its duration."""
         self._calls.labels(record.scope, record.operation, record.outcome).inc()
         self._call_duration.labels(record.scope, record.operation).observe(record.duration_s)
+        if self._gauges.loopless:  # a client built outside a loop: its loop is this one
+            self._gauges.adopt_loop(record.scope)

@@ -1,0 +1,354 @@
+"""Live gauges of the governance state, read from the backend when Prometheus scrapes.
+
+A ``LiveGauges`` collector (one per ``prometheus_client`` registry) learns the
+clients a ``PrometheusEmitter`` is passed to (``ClientInfo``) and, at every
+scrape, reads each scope's ``ScopeSnapshot`` from the backend: nothing runs
+between scrapes, and every value is the backend's, not a count this process
+kept. A memory backend describes this process; a Redis backend, the fleet.
+research-wiki/guides/observability.md lists the metrics and their units.
+
+``collect()`` is synchronous and ``Backend.snapshot`` a coroutine, so a scrape
+reads in one of these ways, by where it runs:
+
+- On a thread without an event loop (``prometheus_client``'s HTTP server
+  thread, a WSGI worker): the snapshot runs on the client's event loop
+  (``run_coroutine_threadsafe``) and the scrape waits for it at most
+  ``timeout_s``. A backend read there is consistent with the loop's own
+  operations, which a read from this thread alone would not be.
+- On the client's event loop thread, a backend that can read without
+  suspending (``MemoryBackend.snapshot_now``) is read at once. Any other
+  backend cannot be awaited from inside a synchronous callback of its own
+  loop (blocking there would deadlock): the scrape serves the latest snapshot
+  taken, its age in ``polygateway_gauges_age_seconds``, and starts one
+  refresh for the next scrape (nothing at all before the first one ends).
+- With the client's loop gone (``asyncio.run`` returned), a memory backend is
+  read directly (nothing else can be changing it); any other is skipped.
+
+A read that fails or does not finish in time yields no sample of that scope
+but ``polygateway_backend_up{scope} 0``; ``collect`` never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from polygateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from polygateway.backends.base import Backend, ScopeSnapshot
+    from polygateway.middleware.telemetry import ClientInfo
+
+__all__ = ["BREAKER_STATES", "SCRAPE_TIMEOUT_S", "LiveGauges", "SyncSnapshot"]
+
+_log = logging.getLogger("polygateway.telemetry")
+
+SCRAPE_TIMEOUT_S = 2.0
+"""How long a scrape from another thread waits for one scope's snapshot (Prometheus: 10 s)."""
+
+BREAKER_STATES = ("closed", "open", "half_open")
+"""The values of the ``state`` label of ``polygateway_source_breaker_state``."""
+
+
+@runtime_checkable
+class SyncSnapshot(Protocol):
+    """A backend that can read a scope's state without suspending (``MemoryBackend``)."""
+
+    def snapshot_now(self, scope: str) -> ScopeSnapshot:
+        """The scope's live state, read synchronously."""
+        ...
+
+
+@dataclass(slots=True)
+class _Binding:
+    """One backend serving a scope here: its loop, its waiting counts, its latest snapshot."""
+
+    loop: asyncio.AbstractEventLoop | None
+    waiting: list[Callable[[], int]] = field(default_factory=list)
+    latest: tuple[float, ScopeSnapshot] | None = None
+    refreshing: concurrent.futures.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class _Scope:
+    """A scope's configured limits and the backends that serve it in this process."""
+
+    max_concurrency: dict[str, int]
+    bindings: weakref.WeakKeyDictionary[Backend, _Binding] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class LiveGauges:
+    """A ``prometheus_client`` collector of the live governance state of every bound scope.
+
+    Holds backends weakly: a client's backend that is gone leaves the scrape.
+    In one registry a scope shows one backend, the first bound that is still
+    alive (two memory backends of one scope in one process need two
+    registries); its waiting calls add up over every client of the scope.
+    """
+
+    def __init__(
+        self,
+        prometheus: Any,
+        *,
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        now: Callable[[], float] | None = None,
+    ) -> None:
+        self._gauge = prometheus.metrics_core.GaugeMetricFamily
+        self._counter = prometheus.metrics_core.CounterMetricFamily
+        self._timeout_s = timeout_s
+        self._now: Callable[[], float] = now if now is not None else time.monotonic  # edge
+        self._scopes: dict[str, _Scope] = {}
+        self._lock = threading.Lock()  # binds on a loop thread, scrapes on another
+        self.loopless = False
+        """Some binding was made outside any event loop: the next call record tells its loop."""
+
+    def bind(self, client: ClientInfo) -> None:
+        """Show ``client``'s scope from its backend; told once per client (``BindingEmitter``)."""
+        loop = _running_loop()
+        with self._lock:
+            scope = self._scopes.get(client.scope)
+            if scope is None:
+                scope = self._scopes[client.scope] = _Scope({})
+            for source in client.sources:
+                scope.max_concurrency.setdefault(source.name, source.max_concurrency)
+            binding = scope.bindings.get(client.backend)
+            if binding is None:
+                binding = scope.bindings[client.backend] = _Binding(loop)
+            elif binding.loop is None:
+                binding.loop = loop
+            if all(w is not client.waiting and w != client.waiting for w in binding.waiting):
+                binding.waiting.append(client.waiting)
+            self.loopless = self.loopless or loop is None
+
+    def adopt_loop(self, scope: str) -> None:
+        """Give the running loop to ``scope``'s bindings made outside one (from a call record)."""
+        loop = _running_loop()
+        if loop is None:
+            return
+        with self._lock:
+            found = self._scopes.get(scope)
+            for binding in found.bindings.values() if found is not None else ():
+                if binding.loop is None:
+                    binding.loop = loop
+            self.loopless = any(
+                b.loop is None for s in self._scopes.values() for b in s.bindings.values()
+            )
+
+    def describe(self) -> list[Any]:
+        """The families ``collect`` yields, without reading anything (the registry's name check)."""
+        return list(self._families().values())
+
+    def collect(self) -> list[Any]:
+        """Read every bound scope's snapshot now and return the gauge families."""
+        families = self._families()
+        with self._lock:
+            scopes = [
+                (name, dict(scope.max_concurrency), list(scope.bindings.items()))
+                for name, scope in self._scopes.items()
+            ]
+        for name, max_concurrency, bindings in scopes:
+            if not bindings:
+                continue
+            backend, binding = bindings[0]
+            waiting = 0
+            for _, other in bindings:
+                waiting += sum(count() for count in other.waiting)
+            families["waiting"].add_metric([name], waiting)
+            read = self._read(name, backend, binding)
+            if read is None:
+                continue
+            up, age_s, snap = read
+            families["up"].add_metric([name], 1.0 if up else 0.0)
+            if snap is None:
+                continue
+            families["age"].add_metric([name], age_s)
+            _add_scope(families, snap, max_concurrency)
+        # Families without a sample are left out: an unbound registry exposes nothing new.
+        return [family for family in families.values() if family.samples]
+
+    def _read(
+        self, scope: str, backend: Backend, binding: _Binding
+    ) -> tuple[bool, float, ScopeSnapshot | None] | None:
+        """(up, age, snapshot) of one scope; ``None`` when there is nothing to say of it."""
+        here = _running_loop()
+        loop = binding.loop
+        loop_alive = loop is not None and loop.is_running() and not loop.is_closed()
+        try:
+            if here is None and loop_alive:
+                assert loop is not None
+                return True, 0.0, self._on_loop(loop, backend, scope, binding)
+            if isinstance(backend, SyncSnapshot) and (here is loop or not loop_alive):
+                snap = backend.snapshot_now(scope)
+                binding.latest = (self._now(), snap)
+                return True, 0.0, snap
+        except (GatewayError, TimeoutError, concurrent.futures.CancelledError) as exc:
+            _log.debug("live gauges of scope %s: backend read failed: %r", scope, exc)
+            return False, 0.0, None
+        except Exception as exc:  # a scrape must never fail: one scope's bug blanks only it
+            _log.warning("live gauges of scope %s: read failed: %r", scope, exc)
+            return False, 0.0, None
+        if not loop_alive:
+            return None  # the client's loop is gone: no live client to describe
+        assert loop is not None
+        self._refresh_later(loop, backend, scope, binding)
+        latest = binding.latest
+        if latest is None:
+            return None
+        taken_at, snap = latest
+        return True, max(0.0, self._now() - taken_at), snap
+
+    def _on_loop(
+        self, loop: asyncio.AbstractEventLoop, backend: Backend, scope: str, binding: _Binding
+    ) -> ScopeSnapshot:
+        """The snapshot, taken on ``loop`` while this thread waits at most ``timeout_s``."""
+        coro = backend.snapshot(scope)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed since it was checked
+            coro.close()
+            raise TimeoutError(f"the event loop of scope {scope} is closed") from None
+        try:
+            snap = future.result(self._timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+        binding.latest = (self._now(), snap)
+        return snap
+
+    def _refresh_later(
+        self, loop: asyncio.AbstractEventLoop, backend: Backend, scope: str, binding: _Binding
+    ) -> None:
+        """Start one snapshot on ``loop`` for the next scrape (at most one at a time)."""
+        if binding.refreshing is not None and not binding.refreshing.done():
+            return
+
+        async def refresh() -> None:
+            try:
+                binding.latest = (self._now(), await backend.snapshot(scope))
+            except GatewayError as exc:
+                binding.latest = None  # stale state would read as live: show nothing instead
+                _log.debug("live gauges of scope %s: refresh failed: %r", scope, exc)
+
+        coro = refresh()
+        try:
+            binding.refreshing = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed since it was checked
+            coro.close()
+
+    def _families(self) -> dict[str, Any]:
+        g, c = self._gauge, self._counter
+        src = ("scope", "source")
+        return {
+            "up": g(
+                "polygateway_backend_up",
+                "Whether the last read of the scope's governance state succeeded (1) or not (0).",
+                labels=("scope",),
+            ),
+            "age": g(
+                "polygateway_gauges_age_seconds",
+                "Age of the snapshot the live gauges show: 0 when read at this scrape.",
+                labels=("scope",),
+            ),
+            "waiting": g(
+                "polygateway_scope_calls_waiting",
+                "Calls of the scope waiting for a permit in this process.",
+                labels=("scope",),
+            ),
+            "progress": g(
+                "polygateway_scope_progress_age_seconds",
+                "Seconds since the scope last served (fleet-wide on Redis); absent if never.",
+                labels=("scope",),
+            ),
+            "in_use": g(
+                "polygateway_source_permits_in_use",
+                "Permits held at the source (fleet-wide on Redis).",
+                labels=src,
+            ),
+            "limit": g(
+                "polygateway_source_limit",
+                "The source's current AIMD concurrency limit (permits).",
+                labels=src,
+            ),
+            "max": g(
+                "polygateway_source_max_concurrency",
+                "The source's configured max_concurrency: the ceiling of its AIMD limit.",
+                labels=src,
+            ),
+            "breaker": g(
+                "polygateway_source_breaker_state",
+                "The source's circuit breaker: 1 for its current state, 0 for the others.",
+                labels=(*src, "state"),
+            ),
+            "reopen": g(
+                "polygateway_source_breaker_reopen_seconds",
+                "Seconds until an open breaker admits its probe; 0 when not open.",
+                labels=src,
+            ),
+            "failures": g(
+                "polygateway_source_consecutive_failures",
+                "Failures in a row the breaker has counted at the source.",
+                labels=src,
+            ),
+            "trips": c(
+                "polygateway_source_breaker_trips",
+                "Times the source's breaker opened (kept with the backend's state).",
+                labels=src,
+            ),
+            "paused": g(
+                "polygateway_source_paused_seconds",
+                "Seconds the source stays paused (Retry-After, overload); 0 when not paused.",
+                labels=src,
+            ),
+            "rpm": g(
+                "polygateway_source_rpm_tokens",
+                "Requests left in the source's rpm bucket; absent without an rpm limit.",
+                labels=src,
+            ),
+            "tpm": g(
+                "polygateway_source_tpm_tokens",
+                "Tokens left in the source's tpm bucket; absent without a tpm limit.",
+                labels=src,
+            ),
+        }
+
+
+def _add_scope(
+    families: dict[str, Any], snap: ScopeSnapshot, max_concurrency: dict[str, int]
+) -> None:
+    """One scope's samples: a row per source the backend has seen, and the scope's own."""
+    scope = snap.scope
+    if snap.progress_age_s != float("inf"):
+        families["progress"].add_metric([scope], snap.progress_age_s)
+    for s in snap.sources:
+        labels = [scope, s.name]
+        families["in_use"].add_metric(labels, s.in_flight)
+        families["limit"].add_metric(labels, s.limit)
+        cap = max_concurrency.get(s.name)
+        if cap is not None:
+            families["max"].add_metric(labels, cap)
+        for state in BREAKER_STATES:
+            families["breaker"].add_metric([*labels, state], 1.0 if s.breaker == state else 0.0)
+        families["reopen"].add_metric(labels, max(0.0, s.reopen_in_s or 0.0))
+        families["failures"].add_metric(labels, s.consecutive_failures)
+        families["trips"].add_metric(labels, s.trips)
+        families["paused"].add_metric(labels, max(0.0, s.paced_for_s or 0.0))
+        if s.rpm_tokens is not None:
+            families["rpm"].add_metric(labels, s.rpm_tokens)
+        if s.tpm_tokens is not None:
+            families["tpm"].add_metric(labels, s.tpm_tokens)
