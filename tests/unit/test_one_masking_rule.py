@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 
 from polygateway.backends.redis import RedisBackend
-from polygateway.backends.redis.urls import secrets_of
-from polygateway.config.masking import mask_headers, mask_url
-from polygateway.transport.http import secrets_in
+from polygateway.config.masking import mask_headers, mask_url, scrub, secrets_in, url_secrets
 
 URLS = (
     "redis://tok3n-Secret-1@cache.internal:6379/0",
@@ -37,7 +35,7 @@ async def test_redis_backend_masks_what_the_settings_mask(url: str) -> None:
 @pytest.mark.parametrize("url", URLS)
 def test_every_secret_of_a_redis_url_is_known_for_scrubbing(url: str) -> None:
     """A foreign error quoting any spelling of the credential is scrubbed."""
-    secrets = secrets_of(url)
+    secrets = url_secrets(url)
     assert secrets
     assert all("Secret" in secret for secret in secrets)
 
@@ -48,3 +46,43 @@ def test_a_header_masked_in_settings_is_scrubbed_from_messages(name: str) -> Non
     value = "v4lue-Secret-0123"
     assert mask_headers({name: value})[name] == "***"
     assert value in secrets_in({name: value})
+
+
+# --- one shared list of secret shapes, through every function of the one rule ---------------
+
+SECRET = "s3cr3t-Value-42"
+
+URL_SHAPES = (
+    f"https://user:{SECRET}@api.example.com/v1",  # userinfo with a password
+    f"https://{SECRET}@api.example.com/v1",  # a lone user part: a token
+    f"https://api.example.com/v1?token={SECRET}",
+    f"https://api.example.com/v1?key={SECRET}",
+    f"https://api.example.com/v1?api-key={SECRET}",
+    f"redis://:{SECRET}@cache.internal:6379/0",
+    f"redis://cache.internal:6379/0?password={SECRET}",
+)
+
+HEADER_SHAPES = ("Authorization", "X-Api-Key", "X-Auth-Token", "X-Auth", "api-key", "Cookie")
+
+
+@pytest.mark.parametrize("url", URL_SHAPES)
+def test_a_url_secret_is_masked_when_shown_and_scrubbed_from_messages(url: str) -> None:
+    """Every URL shape: masked for display, and a message quoting it is scrubbed clean."""
+    assert SECRET not in mask_url(url)
+    message = f"connect to {url} failed: {SECRET} rejected"
+    assert SECRET not in scrub(message, url_secrets(url))
+
+
+@pytest.mark.parametrize("name", HEADER_SHAPES)
+def test_a_header_secret_is_masked_when_shown_and_scrubbed_from_messages(name: str) -> None:
+    """Every header shape: masked for display; its value (and a bearer's token) scrubbed."""
+    value = f"Bearer {SECRET}" if name == "Authorization" else SECRET
+    assert mask_headers({name: value})[name] == "***"
+    message = f"upstream said: invalid credential {SECRET} ({value})"
+    assert SECRET not in scrub(message, secrets_in({name: value}))
+
+
+def test_a_plain_header_is_neither_masked_nor_scrubbed() -> None:
+    """The rule is not everything: a header that carries no credential shows as it is."""
+    assert mask_headers({"X-Request-Id": "abc-123"}) == {"X-Request-Id": "abc-123"}
+    assert secrets_in({"X-Request-Id": "abc-123"}) == ()

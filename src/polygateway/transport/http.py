@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
-from polygateway.config.masking import is_secret_header
+from polygateway.config.masking import scrub, secrets_in
 from polygateway.models import FailureClass
 from polygateway.transport.hints import ServerHint, retry_after_from_headers
 
@@ -201,36 +201,7 @@ class _StreamEnd:
 STREAM_END: Final = _StreamEnd()
 """What ``parse_event_data`` returns for ``data: [DONE]`` (compare with ``is``)."""
 
-_REDACTED = "***"
-# Shorter values are not scrubbed: replacing every "a" in a message would hide everything.
-_MIN_SECRET_CHARS = 4
 _WHITESPACE = re.compile(r"\s+")
-
-
-def secrets_in(headers: Mapping[str, str]) -> tuple[str, ...]:
-    """The credential values a request carries in its headers, longest first, to scrub.
-
-    Both a whole ``Authorization`` value and its token after the scheme are
-    returned, so an upstream that echoes only the bare key is scrubbed too.
-    """
-    found: set[str] = set()
-    for name, value in headers.items():
-        if not is_secret_header(name):
-            continue
-        for candidate in (value, value.partition(" ")[2]):
-            candidate = candidate.strip()
-            if len(candidate) >= _MIN_SECRET_CHARS:
-                found.add(candidate)
-    # Longest first: the whole "Bearer sk-..." goes before its token is looked for.
-    return tuple(sorted(found, key=len, reverse=True))
-
-
-def scrub(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every secret replaced by ``***``."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, _REDACTED)
-    return text
 
 
 def excerpt(body: bytes | str, secrets: Iterable[str] = (), limit: int = EXCERPT_CHARS) -> str:

@@ -94,9 +94,9 @@ from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.sentinel import SentinelPrimary
-from polygateway.backends.redis.urls import REDACTED, mask_url, secrets_of
 from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
 from polygateway.config import PROGRESS_TTL_S
+from polygateway.config.masking import mask_url, scrub, url_secrets
 from polygateway.config.settings import RedisMode, redis_topology_problem, sentinel_address
 from polygateway.errors import ConfigError, GovernanceBackendError
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
@@ -221,7 +221,7 @@ class RedisBackend:
         sentinel_master: str | None = None,
     ) -> None:
         self._url = mask_url(url)
-        self._secrets = secrets_of(url)
+        self._secrets = url_secrets(url)
         if not socket_timeout_s > 0:
             raise ConfigError(
                 f"socket_timeout_s must be positive, not {socket_timeout_s!r}",
@@ -288,9 +288,7 @@ class RedisBackend:
     # -- the one boundary where redis exceptions are translated ---------------------------
 
     def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, REDACTED)
-        return text
+        return scrub(text, self._secrets)
 
     def _failure(
         self, operation: Operation, scope: str, detail: str, exc: BaseException
