@@ -48,12 +48,12 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 
 @contextmanager
 def metrics_server(registry: CollectorRegistry) -> Iterator[Callable[[], Samples]]:
-    """``registry`` on prometheus_client's HTTP server (loopback, a free port); a scrape function."""
+    """``registry`` served by prometheus_client on a free loopback port; a scrape function."""
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
 
     def scrape() -> Samples:
-        with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 (loopback http)
+        with urllib.request.urlopen(url, timeout=10) as answer:
             return parse(answer.read().decode())
 
     try:
@@ -162,7 +162,7 @@ async def test_scraped_on_the_loop_thread_redis_gauges_serve_the_latest_snapshot
 async def test_a_redis_that_went_away_reads_as_backend_down_without_failing_the_scrape(
     make_redis_server: Callable[..., Any],
 ) -> None:
-    """Redis stopped: the scrape answers, ``backend_up 0``, no source gauge, counters still there."""
+    """Redis stopped: the scrape answers, ``backend_up 0``, no source gauge, counters kept."""
     server = make_redis_server()
     async with member(server.url, [chat_completion("ok")]) as (chat, registry):
         await chat.complete(MESSAGES)

@@ -12,8 +12,9 @@ Sub-commands::
 sub-command. With ``--json`` every run prints exactly one JSON document on
 stdout, success (``{"ok": true, ...}``) or failure (``{"ok": false, "error":
 {"type", "message", "reason", ...}}``), and nothing else; ``status --watch``
-prints one per refresh. Without it, errors are one line on stderr
-(``error: ...``); ``--debug`` adds the traceback and the library's debug log.
+prints one per refresh (a stream a script follows; ``status --json`` is one
+snapshot). Without it, errors are one line on stderr (``error: ...``);
+``--debug`` adds the traceback and the library's debug log.
 
 Exit status: 0 success; 1 the call failed (or a file could not be read, or the
 demo did not serve every call); 2 bad usage or bad settings; 130 interrupted;
@@ -198,9 +199,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--watch",
         type=positive_float,
+        nargs="?",
+        const=-1.0,  # commands.WATCH_AT_INTERVAL: imported lazily, as every command is
         default=None,
         metavar="SECONDS",
-        help="refresh every SECONDS until interrupted",
+        help="keep showing it, refreshed every --interval (or SECONDS) until Ctrl+C: a live "
+        "view on a terminal (Ctrl+C exits 130); with --json a stream of documents, one per "
+        "refresh (Ctrl+C exits 0)",
+    )
+    status.add_argument(
+        "--interval",
+        type=positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between two refreshes of --watch (default 1)",
     )
     status.set_defaults(handler=_lazy("status"))
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from polygateway.backends.base import Backend, ScopeSnapshot
 from polygateway.backends.factory import shared_backend
-from polygateway.cli import jobs, render
+from polygateway.cli import EXIT_INTERRUPTED, jobs, render
 from polygateway.cli.render import CliError
 from polygateway.cli.settings_report import origins_json, report_lines, setting_rows
 from polygateway.config import GatewaySettings
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MEMORY_STATUS_NOTE",
+    "WATCH_AT_INTERVAL",
     "check_config",
     "load_settings",
     "max_concurrency_of",
@@ -118,7 +119,14 @@ def check_config(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    """Show a shared backend's live state per scope, once or every ``--watch`` seconds."""
+    """Show a shared backend's live state per scope, once or, with ``--watch``, until Ctrl+C.
+
+    ``--watch`` on a terminal is the live view of ``cli/watch.py`` (Ctrl+C:
+    exit 130, quietly). ``--watch --json`` is a stream, one document per
+    refresh, for scripts that follow it; they end it with Ctrl+C, exit 0 (a
+    single snapshot is ``status --json``). ``--watch`` into a pipe prints the
+    tables once per refresh.
+    """
     settings = load_settings(args)
     if settings.backend == "memory":
         raise ConfigError(MEMORY_STATUS_NOTE, field="backend", path=str(args.config))
@@ -127,12 +135,19 @@ def status(args: argparse.Namespace) -> int:
         raise ConfigError("no scope to show: the file configures none", path=str(args.config))
     for name in scopes:
         settings.scope(name)  # an unknown scope is a ConfigError listing the known ones
+    every: float | None = None
+    if args.watch is not None:
+        every = args.interval if args.watch == WATCH_AT_INTERVAL else args.watch
     try:
-        return asyncio.run(_status(settings, scopes, args.json, args.watch))
+        return asyncio.run(_status(settings, scopes, args.json, every))
     except KeyboardInterrupt:
-        if args.watch is None:
+        if every is None:
             raise
-        return 0  # Ctrl+C is how a watch ends
+        return 0 if args.json else EXIT_INTERRUPTED  # Ctrl+C is how a watch ends: no error line
+
+
+WATCH_AT_INTERVAL = -1.0
+"""``--watch`` given without seconds: refresh every ``--interval`` seconds."""
 
 
 async def _status(
@@ -148,32 +163,14 @@ async def _status(
                 if watch is None:
                     return 0
                 await asyncio.sleep(watch)
-        await _watch_in_place(settings, backend, scopes, watch)
+        from polygateway.cli.watch import watch_live
+
+        await watch_live(
+            settings, backend, scopes, watch, lambda scope: max_concurrency_of(settings, scope)
+        )
         return 0
     finally:
         await backend.aclose()
-
-
-async def _watch_in_place(
-    settings: GatewaySettings, backend: Backend, scopes: Sequence[str], every: float
-) -> None:
-    """Redraw the status tables in place on a terminal until interrupted (rich installed)."""
-    from rich.console import Group
-    from rich.live import Live
-    from rich.table import Table
-
-    out = render.console()
-    with Live(console=out, auto_refresh=False) as live:
-        while True:
-            snaps = [await backend.snapshot(name) for name in scopes]
-            tables: list[Table] = []
-            for snap in snaps:
-                table = render.scope_status_table(snap, max_concurrency_of(settings, snap.scope))
-                assert isinstance(table, Table)  # rich is installed: the caller checked
-                tables.append(table)
-            header = f"backend {settings.backend} at {settings.redis_url_masked}, every {every:g} s"
-            live.update(Group(header, *tables), refresh=True)
-            await asyncio.sleep(every)
 
 
 def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_json: bool) -> None:
