@@ -116,7 +116,7 @@ async def test_permits_and_a_breaker_of_one_member_show_in_the_other_members_scr
                     value(seen, "polygateway_source_breaker_state", **primary, state="closed") == 1
                 )
                 assert value(seen, "polygateway_source_breaker_state", **flaky, state="open") == 1
-                assert value(seen, "polygateway_source_breaker_trips_total", **flaky) == 1.0
+                assert value(seen, "polygateway_source_consecutive_trips", **flaky) == 1.0
                 reopen = value(seen, "polygateway_source_breaker_reopen_seconds", **flaky)
                 assert reopen is not None
                 assert 500.0 < reopen <= 600.0

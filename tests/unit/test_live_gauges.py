@@ -113,7 +113,7 @@ async def test_the_breaker_scenario_shows_the_call_outcomes_and_the_open_breaker
     reopen = value(samples, "polygateway_source_breaker_reopen_seconds", **at)
     assert reopen is not None
     assert 0.0 < reopen <= 30.0  # the default cool-down, counted from the trip
-    assert value(samples, "polygateway_source_breaker_trips_total", **at) == 1.0
+    assert value(samples, "polygateway_source_consecutive_trips", **at) == 1.0
     assert value(samples, "polygateway_source_permits_in_use", **at) == 0.0
     assert value(samples, "polygateway_backend_up", scope="chat") == 1.0
     assert value(samples, "polygateway_scope_calls_waiting", scope="chat") == 0.0

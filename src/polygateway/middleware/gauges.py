@@ -110,7 +110,6 @@ class LiveGauges:
         now: Callable[[], float] | None = None,
     ) -> None:
         self._gauge = prometheus.metrics_core.GaugeMetricFamily
-        self._counter = prometheus.metrics_core.CounterMetricFamily
         self._timeout_s = timeout_s
         self._now: Callable[[], float] = now if now is not None else time.monotonic  # edge
         self._scopes: dict[str, _Scope] = {}
@@ -252,7 +251,7 @@ class LiveGauges:
             coro.close()
 
     def _families(self) -> dict[str, Any]:
-        g, c = self._gauge, self._counter
+        g = self._gauge
         src = ("scope", "source")
         return {
             "up": g(
@@ -305,9 +304,10 @@ class LiveGauges:
                 "Failures in a row the breaker has counted at the source.",
                 labels=src,
             ),
-            "trips": c(
-                "polygateway_source_breaker_trips",
-                "Times the source's breaker opened (kept with the backend's state).",
+            "trips": g(
+                "polygateway_source_consecutive_trips",
+                "Times in a row the breaker opened since the source last served (its cool-down "
+                "doubles with each); 0 after a success.",
                 labels=src,
             ),
             "paused": g(
