@@ -1,8 +1,9 @@
 """PolyGateway: the governance layer for asyncio code that calls LLM, embedding and OCR services.
 
-Everything public is re-exported here. ``RedisBackend`` loads lazily, so
-``import polygateway`` never imports redis (nor aiohttp, rich or
-prometheus_client); using it without the extra says which extra to install.
+Everything public is re-exported here. ``RedisBackend`` and
+``OpenTelemetryEmitter`` load lazily, so ``import polygateway`` never imports
+redis or opentelemetry (nor aiohttp, rich or prometheus_client); using one
+without its extra says which extra to install.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from polygateway.ocr import OcrClient
 
 if TYPE_CHECKING:
     from polygateway.backends.redis import RedisBackend
+    from polygateway.middleware.otel import OpenTelemetryEmitter
 
 logging.getLogger("polygateway").addHandler(logging.NullHandler())
 
@@ -69,6 +71,7 @@ __all__ = [
     "LoggingEmitter",
     "MemoryBackend",
     "OcrClient",
+    "OpenTelemetryEmitter",
     "PartialEmbeddingResponse",
     "PrometheusEmitter",
     "RedisBackend",
@@ -84,9 +87,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Load ``RedisBackend`` on first use, so the redis extra stays optional."""
+    """Load ``RedisBackend`` and ``OpenTelemetryEmitter`` on first use (optional extras)."""
     if name == "RedisBackend":
         from polygateway.backends.redis import RedisBackend
 
         return RedisBackend
+    if name == "OpenTelemetryEmitter":
+        from polygateway.middleware.otel import OpenTelemetryEmitter
+
+        return OpenTelemetryEmitter
     raise AttributeError(f"module 'polygateway' has no attribute {name!r}")

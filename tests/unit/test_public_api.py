@@ -41,6 +41,7 @@ def test_all_is_sorted_and_pinned() -> None:
         "LayoutBlock",
         "LayoutResult",
         "LoggingEmitter",
+        "OpenTelemetryEmitter",
         "PartialEmbeddingResponse",
         "PrometheusEmitter",
         "ScopeConfig",
@@ -58,11 +59,12 @@ def test_every_public_name_resolves() -> None:
 
 
 def test_import_loads_no_optional_extra() -> None:
-    """`import polygateway` imports neither redis, aiohttp, rich nor prometheus_client."""
+    """`import polygateway` imports no optional extra: redis, opentelemetry, prometheus_client..."""
     code = (
         "import json, sys; import polygateway; "
         "print(json.dumps([m for m in ('redis', 'aiohttp', 'rich', 'prometheus_client', "
-        "'starlette', 'uvicorn') if m in sys.modules]))"
+        "'starlette', 'uvicorn', 'opentelemetry', 'polygateway.middleware.otel') "
+        "if m in sys.modules]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
@@ -75,6 +77,13 @@ def test_redis_backend_loads_lazily() -> None:
     from polygateway.backends.redis import RedisBackend
 
     assert polygateway.RedisBackend is RedisBackend
+
+
+def test_opentelemetry_emitter_loads_lazily() -> None:
+    """`polygateway.OpenTelemetryEmitter` is the emitter class, loaded on first access."""
+    from polygateway.middleware.otel import OpenTelemetryEmitter
+
+    assert polygateway.OpenTelemetryEmitter is OpenTelemetryEmitter
 
 
 def test_library_logger_has_a_null_handler() -> None:

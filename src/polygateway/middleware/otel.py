@@ -1,0 +1,537 @@
+"""OpenTelemetry spans and metrics from telemetry records, after the GenAI semantic conventions.
+
+``OpenTelemetryEmitter`` turns each ``CallRecord`` into a CLIENT span and each
+of its ``AttemptRecord`` s into a child CLIENT span, named ``{operation}
+{model}`` and carrying the ``gen_ai.*``, ``server.*`` and ``error.type``
+attributes of the GenAI conventions plus ours under ``polygateway.``; it
+records the GenAI client metrics and, for each client it is bound to, reads
+the backend's live state through observable gauges. Only ``opentelemetry-api``
+is needed (the ``otel`` extra); with no SDK installed every call is a no-op.
+
+Records arrive after the fact (an attempt's as it ends, a call's as it
+ends), so spans are made retroactively with explicit times: the end is the
+wall clock when the record arrives, the start that minus the record's
+duration. An attempt's record is kept until its call's record arrives (at
+most ``_MAX_PENDING_CALLS`` calls; past that the oldest call's attempts are
+emitted without their call span). A call's span is a child of the context
+current when the call's first record arrived: the caller's, since the loop
+runs attempts and ends calls in the caller's task.
+
+Operation names: ``chat.*`` is ``chat``, ``embed`` is ``embeddings``, and
+OCR (``ocr.*``: an image in, text out) is ``generate_content``, the
+conventions' multimodal operation; ``polygateway.operation`` keeps the
+client's own name. Never recorded: prompts, completions, error messages (a
+provider's error body may quote the prompt) or anything of a source's key.
+``gen_ai.response.model`` and ``gen_ai.response.finish_reasons`` are not set:
+records do not carry them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
+
+from polygateway.errors import ConfigError
+from polygateway.middleware.gauges import BREAKER_STATES, SyncSnapshot
+from polygateway.middleware.telemetry import ClientInfo
+from polygateway.models import AttemptRecord, CallRecord
+
+if TYPE_CHECKING:
+    from polygateway.backends.base import ScopeSnapshot
+    from polygateway.config import SourceConfig
+
+__all__ = ["OpenTelemetryEmitter"]
+
+_log = logging.getLogger("polygateway.telemetry")
+
+INSTRUMENTATION: Final = "polygateway"
+"""The instrumentation scope's name (tracer and meter)."""
+
+_MAX_PENDING_CALLS: Final = 4096
+"""Calls whose attempt records wait for the call's record; a lost call never leaks past this."""
+
+_RECHECK_EVERY: Final = 256
+"""Records between two looks at the global tracer provider while it is the no-op stand-in."""
+
+_OPERATIONS: Final = {"chat": "chat", "embed": "embeddings", "ocr": "generate_content"}
+"""GenAI operation name by the first part of a client operation (``chat.stream`` -> ``chat``)."""
+
+_PROVIDERS: Final = {
+    "openai": "openai",
+    "anthropic": "anthropic",
+    # An OpenAI-compatible vision chat model: the OpenAI wire, whoever hosts it.
+    "vision_ocr": "openai",
+    "monkey_ocr": "monkey_ocr",
+}
+"""``gen_ai.provider.name`` by source protocol."""
+
+# The conventions' advised buckets (research-wiki/guides/observability.md, OpenTelemetry).
+_DURATION_BUCKETS: Final = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+_TOKEN_BUCKETS: Final = tuple(4.0**i for i in range(14))
+
+
+def _server(base_url: str) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of a base URL (never its user info or query)."""
+    try:
+        parts = urlsplit(base_url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return {}
+    if not host:
+        return {}
+    if port is None:
+        port = {"https": 443, "http": 80}.get(parts.scheme)
+    return (
+        {"server.address": host} if port is None else {"server.address": host, "server.port": port}
+    )
+
+
+def _source_attributes(operation: str, source: SourceConfig) -> dict[str, Any]:
+    """What a span and a metric say of the source a request went to."""
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": _PROVIDERS.get(source.protocol, source.protocol),
+    }
+    if source.model:
+        attrs["gen_ai.request.model"] = source.model
+    attrs.update(_server(source.base_url))
+    return attrs
+
+
+def _operation(name: str) -> str:
+    """The GenAI operation name of a client operation."""
+    head = name.split(".", 1)[0]
+    return _OPERATIONS.get(head, head)
+
+
+class _Shape:
+    """What every span and data point of one (scope, source, operation) shares, built once.
+
+    The dicts are handed to OpenTelemetry as they are (it copies attributes
+    it keeps) and never changed after construction.
+    """
+
+    __slots__ = ("input", "metric", "name", "output")
+
+    def __init__(self, scope: str, operation: str, source: SourceConfig | None) -> None:
+        attrs = (
+            {"gen_ai.operation.name": operation}
+            if source is None
+            else _source_attributes(operation, source)
+        )
+        attrs["polygateway.scope"] = scope
+        model = attrs.get("gen_ai.request.model")
+        self.name = f"{operation} {model}" if model else operation
+        self.metric: dict[str, Any] = attrs
+        self.input = {**attrs, "gen_ai.token.type": "input"}
+        self.output = {**attrs, "gen_ai.token.type": "output"}
+
+
+class _Pending:
+    """A call's attempts that arrived before the call's record, and the caller's context then."""
+
+    __slots__ = ("attempts", "context")
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.attempts: list[tuple[AttemptRecord, int]] = []
+
+
+class OpenTelemetryEmitter:
+    """A CLIENT span per call with one child per attempt, GenAI metrics, and live gauges.
+
+    Args:
+        tracer_provider: where spans go; the global provider when omitted.
+        meter_provider: where metrics go; the global provider when omitted.
+
+    Metrics: ``gen_ai.client.operation.duration`` (s, per call),
+    ``gen_ai.client.token.usage`` ({token}, per call, ``gen_ai.token.type``
+    input / output), ``gen_ai.client.operation.time_to_first_chunk`` (s, per
+    streamed attempt), and per bound client the observable gauges
+    ``polygateway.source.permits.in_use``, ``polygateway.source.limit``,
+    ``polygateway.source.breaker.state`` (1 for the current state),
+    ``polygateway.source.breaker.reopen`` (s), ``polygateway.source.paused``
+    (s), ``polygateway.source.rpm_tokens``, ``polygateway.source.tpm_tokens``
+    and ``polygateway.scope.calls.waiting`` (exported to Prometheus they are
+    named as ``PrometheusEmitter``'s live gauges). Gauges read a backend that
+    answers without I/O (``SyncSnapshot``: the memory backend) at collection
+    time; the Redis backend needs its event loop, which a reader's
+    synchronous callback cannot wait for, so its sources are skipped
+    (``PrometheusEmitter`` or ``polygateway status`` show the fleet).
+    """
+
+    __slots__ = (
+        "_call_duration",
+        "_clients",
+        "_context",
+        "_get_tracer_provider",
+        "_kind",
+        "_meter",
+        "_no_op_providers",
+        "_observation",
+        "_op_names",
+        "_operations",
+        "_pending",
+        "_recheck_in",
+        "_set_span_in_context",
+        "_shapes",
+        "_sources",
+        "_status_error",
+        "_token_usage",
+        "_traced",
+        "_tracer",
+        "_tracer_provider",
+        "_ttfc",
+    )
+
+    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+        try:
+            trace = importlib.import_module("opentelemetry.trace")
+            metrics = importlib.import_module("opentelemetry.metrics")
+            context = importlib.import_module("opentelemetry.context")
+        except ImportError as exc:
+            raise ConfigError(
+                "OpenTelemetryEmitter needs opentelemetry-api: install polygateway[otel]"
+            ) from exc
+        self._tracer = trace.get_tracer(INSTRUMENTATION, tracer_provider=tracer_provider)
+        self._tracer_provider = tracer_provider
+        self._get_tracer_provider = trace.get_tracer_provider
+        self._no_op_providers = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+        self._traced = False
+        self._recheck_in = 1
+        self._meter = metrics.get_meter(INSTRUMENTATION, meter_provider=meter_provider)
+        self._context = context
+        self._kind = trace.SpanKind.CLIENT
+        self._set_span_in_context = trace.set_span_in_context
+        self._status_error = trace.Status(trace.StatusCode.ERROR)
+        self._observation = metrics.Observation
+        self._call_duration = self._meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            unit="s",
+            description="GenAI operation duration: a call, start to end, waiting included.",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+        self._token_usage = self._meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used, per call.",
+            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
+        )
+        self._ttfc = self._meter.create_histogram(
+            "gen_ai.client.operation.time_to_first_chunk",
+            unit="s",
+            description="Time from a streamed attempt's request to its first chunk.",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._sources: dict[tuple[str, str], SourceConfig] = {}
+        self._operations: dict[str, str] = {}
+        """GenAI operation by scope (its clients' kind), for attempts whose call never ended."""
+        self._op_names: dict[str, str] = {}
+        """GenAI operation by client operation (``chat.stream`` -> ``chat``), filled as met."""
+        self._shapes: dict[tuple[str, str | None, str], _Shape] = {}
+        self._clients: list[ClientInfo] = []
+
+    def __repr__(self) -> str:
+        return f"OpenTelemetryEmitter(clients={len(self._clients)})"
+
+    # --- records -> spans and metrics ------------------------------------------------
+
+    def _tracing(self) -> bool:
+        """Whether spans go anywhere: not while the provider is the API's no-op or its stand-in.
+
+        An application may install its SDK after building clients (the global
+        stand-in then hands spans on), so while spans go nowhere the global
+        provider is asked again every ``_RECHECK_EVERY`` records: asking costs
+        an environment lookup, more than the rest of a record without an SDK
+        (the 10% target of research-wiki/BENCHMARKS.md, telemetry). Once
+        spans go somewhere they always will: a global provider is set once.
+        """
+        if self._traced:
+            return True
+        self._recheck_in -= 1
+        if self._recheck_in > 0:
+            return False
+        self._recheck_in = _RECHECK_EVERY
+        provider = self._tracer_provider
+        if provider is None:
+            provider = self._get_tracer_provider()
+        self._traced = not isinstance(provider, self._no_op_providers)
+        return self._traced
+
+    def emit_attempt(self, record: AttemptRecord) -> None:
+        """Keep the attempt until its call ends; record the time to first chunk of a stream."""
+        if self._tracing():
+            end_ns = time.time_ns()  # the edge: spans are dated by the wall clock
+            pending = self._pending.get(record.call_id)
+            if pending is None:
+                pending = self._pending[record.call_id] = _Pending(self._context.get_current())
+                if len(self._pending) > _MAX_PENDING_CALLS:
+                    _, lost = self._pending.popitem(last=False)
+                    operation = self._operations.get(record.scope) or "chat"
+                    self._attempt_spans(lost.attempts, lost.context, operation)
+            pending.attempts.append((record, end_ns))
+        if record.ttft_s is not None:
+            shape = self._shape(record.scope, record.source, "chat")
+            self._ttfc.record(record.ttft_s, shape.metric)
+
+    def emit_call(self, record: CallRecord) -> None:
+        """The call's span, its attempts' spans beneath it, and the call's metrics."""
+        pending = self._pending.pop(record.call_id, None) if self._pending else None
+        operation = self._op_names.get(record.operation)
+        if operation is None:
+            operation = self._op_names[record.operation] = _operation(record.operation)
+        # The span names the source that served, else the last one tried.
+        name = record.source
+        if name is None and pending is not None and pending.attempts:
+            name = pending.attempts[-1][0].source
+        shape = self._shape(record.scope, name, operation)
+        failed = record.outcome != "served"
+        if self._tracing():
+            self._call_span(record, shape, operation, pending, failed)
+        metric = shape.metric if not failed else {**shape.metric, "error.type": record.outcome}
+        self._call_duration.record(record.duration_s, metric)
+        if record.prompt_tokens:
+            tokens = shape.input if not failed else {**shape.input, "error.type": record.outcome}
+            self._token_usage.record(record.prompt_tokens, tokens)
+        if record.completion_tokens:
+            tokens = shape.output if not failed else {**shape.output, "error.type": record.outcome}
+            self._token_usage.record(record.completion_tokens, tokens)
+
+    def _call_span(
+        self,
+        record: CallRecord,
+        shape: _Shape,
+        operation: str,
+        pending: _Pending | None,
+        failed: bool,
+    ) -> None:
+        """The call's span, ended, with its attempts' spans beneath it."""
+        end_ns = time.time_ns()  # the edge: spans are dated by the wall clock
+        parent = self._context.get_current() if pending is None else pending.context
+        span = self._tracer.start_span(
+            shape.name,
+            context=parent,
+            kind=self._kind,
+            attributes=shape.metric,
+            start_time=end_ns - int(record.duration_s * 1e9),
+        )
+        # Sampled out, nothing below is kept: skip building it.
+        if span.is_recording():
+            attrs: dict[str, Any] = {
+                "polygateway.operation": record.operation,
+                "polygateway.call_id": record.call_id,
+                "polygateway.outcome": record.outcome,
+                "polygateway.attempts": record.attempts,
+                "polygateway.waited_s": record.waited_s,
+                "polygateway.stalled_s": record.stalled_s,
+            }
+            if record.source is not None:
+                attrs["polygateway.source"] = record.source
+            if record.prompt_tokens:
+                attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
+            if record.completion_tokens:
+                attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+            if failed:
+                attrs["error.type"] = record.outcome
+                span.set_status(self._status_error)
+            span.set_attributes(attrs)
+            if pending is not None:
+                context = self._set_span_in_context(span, parent)
+                self._attempt_spans(pending.attempts, context, operation)
+        span.end(end_time=end_ns)
+
+    def _attempt_spans(
+        self, attempts: Iterable[tuple[AttemptRecord, int]], parent: Any, operation: str
+    ) -> None:
+        """One ended span per attempt, beneath ``parent``."""
+        for record, end_ns in attempts:
+            shape = self._shape(record.scope, record.source, operation)
+            span = self._tracer.start_span(
+                shape.name,
+                context=parent,
+                kind=self._kind,
+                attributes=shape.metric,
+                start_time=end_ns - int(record.latency_s * 1e9),
+            )
+            if span.is_recording():
+                attrs: dict[str, Any] = {
+                    "polygateway.source": record.source,
+                    "polygateway.call_id": record.call_id,
+                    "polygateway.attempt": record.attempt,
+                    "polygateway.outcome": record.outcome,
+                    "polygateway.permit_wait_s": record.permit_wait_s,
+                    "polygateway.stalled_s": record.stalled_s,
+                }
+                if record.status_code is not None:
+                    attrs["http.response.status_code"] = record.status_code
+                if record.prompt_tokens:
+                    attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
+                if record.completion_tokens:
+                    attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+                if record.ttft_s is not None:
+                    attrs["polygateway.ttft_s"] = record.ttft_s
+                if record.outcome != "success":
+                    attrs["error.type"] = record.outcome
+                    span.set_status(self._status_error)
+                span.set_attributes(attrs)
+            span.end(end_time=end_ns)
+
+    def _shape(self, scope: str, source: str | None, operation: str) -> _Shape:
+        """The shared attributes of ``source`` in ``scope`` for ``operation``, made on first use."""
+        key = (scope, source, operation)
+        shape = self._shapes.get(key)
+        if shape is None:
+            config = None if source is None else self._sources.get((scope, source))
+            shape = self._shapes[key] = _Shape(scope, operation, config)
+        return shape
+
+    # --- clients -> live gauges -------------------------------------------------------
+
+    def bind(self, client: ClientInfo) -> None:
+        """Learn a client's sources (span attributes) and read its backend in the gauges."""
+        for source in client.sources:
+            self._sources[(client.scope, source.name)] = source
+        # A source seen before its client was bound got a shape without its settings.
+        self._shapes.clear()
+        self._operations[client.scope] = _operation(client.kind)
+        first = not self._clients
+        self._clients.append(client)
+        if first:
+            self._gauges()
+
+    def _gauges(self) -> None:
+        """The observable instruments, made once, on the first client bound."""
+        meter = self._meter
+        for name, unit, description, read in (
+            (
+                "polygateway.source.permits.in_use",
+                "{permit}",
+                "Permits held at a source.",
+                lambda s: s.in_flight,
+            ),
+            (
+                "polygateway.source.limit",
+                "{permit}",
+                "The source's current concurrency limit (AIMD).",
+                lambda s: s.limit,
+            ),
+            (
+                "polygateway.source.paused",
+                "s",
+                "Seconds until the source's pacing pause ends (0: not paused).",
+                lambda s: s.paced_for_s or 0.0,
+            ),
+            (
+                "polygateway.source.breaker.reopen",
+                "s",
+                "Seconds until an open breaker lets a probe through (0: not open).",
+                lambda s: s.reopen_in_s or 0.0,
+            ),
+            (
+                "polygateway.source.rpm_tokens",
+                "{request}",
+                "Requests left in the source's rpm bucket.",
+                lambda s: s.rpm_tokens,
+            ),
+            (
+                "polygateway.source.tpm_tokens",
+                "{token}",
+                "Tokens left in the source's tpm bucket.",
+                lambda s: s.tpm_tokens,
+            ),
+        ):
+            meter.create_observable_gauge(
+                name, callbacks=[self._source_callback(read)], unit=unit, description=description
+            )
+        meter.create_observable_gauge(
+            "polygateway.source.breaker.state",
+            callbacks=[self._breaker_callback],
+            unit="1",
+            description="1 for the breaker's current state (closed, half_open, open), else 0.",
+        )
+        meter.create_observable_gauge(
+            "polygateway.scope.calls.waiting",
+            callbacks=[self._waiting_callback],
+            unit="{call}",
+            description="Calls of the scope waiting in this process.",
+        )
+
+    def _snapshots(self) -> list[ScopeSnapshot]:
+        """The snapshot of every bound scope whose backend reads without I/O, once per scope.
+
+        A metric reader calls back on its own thread (the SDK's periodic
+        reader) while the loop may be changing the state: the read is of
+        plain Python objects under the GIL, so at worst a value is a moment
+        stale; a read that trips over a change is skipped for this export.
+        """
+        seen: set[tuple[int, str]] = set()
+        snaps = []
+        for client in self._clients:
+            backend = client.backend
+            key = (id(backend), client.scope)
+            if key in seen or not isinstance(backend, SyncSnapshot):
+                continue
+            seen.add(key)
+            try:
+                snaps.append(backend.snapshot_now(client.scope))
+            except Exception as exc:  # a gauge must never break the reader
+                _log.debug("gauge snapshot of scope %s skipped: %r", client.scope, exc)
+        return snaps
+
+    def _source_callback(self, read: Any) -> Any:
+        """A callback observing ``read(source snapshot)`` for every source of every bound scope."""
+        observation = self._observation
+
+        def callback(options: Any) -> list[Any]:
+            out = []
+            for snap in self._snapshots():
+                for source in snap.sources:
+                    value = read(source)
+                    if value is not None:
+                        attrs = {"polygateway.scope": snap.scope, "polygateway.source": source.name}
+                        out.append(observation(value, attrs))
+            return out
+
+        return callback
+
+    def _breaker_callback(self, options: Any) -> list[Any]:
+        observation = self._observation
+        out = []
+        for snap in self._snapshots():
+            for source in snap.sources:
+                for state in BREAKER_STATES:
+                    attrs = {
+                        "polygateway.scope": snap.scope,
+                        "polygateway.source": source.name,
+                        "polygateway.breaker.state": state,
+                    }
+                    out.append(observation(1 if source.breaker == state else 0, attrs))
+        return out
+
+    def _waiting_callback(self, options: Any) -> list[Any]:
+        observation = self._observation
+        waiting: dict[str, int] = {}
+        for client in self._clients:
+            waiting[client.scope] = waiting.get(client.scope, 0) + client.waiting()
+        return [observation(n, {"polygateway.scope": scope}) for scope, n in waiting.items()]

@@ -1,0 +1,332 @@
+"""OpenTelemetry: a CLIENT span per call with a child per attempt (GenAI conventions), the GenAI
+client metrics, live gauges from the backend, and nothing of a prompt, completion or key."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _closing import closing
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import polygateway.middleware.otel as otel
+from polygateway import OpenTelemetryEmitter
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.errors import AllSourcesExhausted
+from polygateway.models import AttemptRecord
+from polygateway.testing import (
+    BoundedSleep,
+    Delay,
+    FakeClock,
+    FakeTransport,
+    StreamScript,
+    TransientError,
+    chat_chunk_events,
+    chat_completion,
+    gateway_settings,
+)
+
+PROMPT = "tell me the launch codes, please"
+COMPLETION = "the codes are under the mat"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+SECRETS = ("sk-test-primary-secret", "sk-test-backup-secret")
+
+
+class Otel:
+    """An SDK tracer and meter provider reading into memory, and an emitter on them."""
+
+    def __init__(self) -> None:
+        self.spans = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        self.emitter = OpenTelemetryEmitter(
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
+        )
+
+    def finished(self) -> tuple[ReadableSpan, ...]:
+        return tuple(self.spans.get_finished_spans())
+
+    def points(self) -> dict[str, list[Any]]:
+        """Every data point collected now, by metric name."""
+        out: dict[str, list[Any]] = {}
+        data = self.reader.get_metrics_data()
+        assert data is not None
+        for resource in data.resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    out.setdefault(metric.name, []).extend(metric.data.data_points)
+        return out
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+@pytest.fixture
+def sdk() -> Iterator[Otel]:
+    o = Otel()
+    yield o
+    o.shutdown()
+
+
+def make_chat(clock: FakeClock, script: Any, emitter: Any, **gateway: Any) -> ChatClient:
+    """Two chat sources on a fake clock, primary first; a breaker opens after one failure."""
+    return closing(
+        ChatClient(
+            gateway_settings(
+                {"name": "primary", "base_url": "https://llm.example.com/v1", "model": "big-1"},
+                {
+                    "name": "backup",
+                    "protocol": "anthropic",
+                    "base_url": "http://backup.internal:8080",
+                    "model": "claude-x",
+                    "priority": 1,
+                },
+                breaker_failures=1,
+                **gateway,
+            ),
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport(script, clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=200),
+            rng=random.Random(3),
+            emitter=emitter,
+        )
+    )
+
+
+def anthropic_message(text: str) -> dict[str, Any]:
+    """A Messages API answer."""
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-x",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 11, "output_tokens": 4},
+    }
+
+
+def attribute_values(spans: tuple[ReadableSpan, ...], points: dict[str, list[Any]]) -> list[str]:
+    """Every attribute value of every span and data point, and every span name, as text."""
+    values = [span.name for span in spans]
+    for span in spans:
+        values += [str(v) for v in (span.attributes or {}).values()]
+        values.append(str(span.status.description))
+    for series in points.values():
+        for point in series:
+            values += [str(v) for v in point.attributes.values()]
+    return values
+
+
+async def test_a_call_that_fails_over_once_is_one_span_with_two_attempt_children(sdk: Otel) -> None:
+    """Primary fails, backup serves: a CLIENT call span with two attempt spans beneath it."""
+    clock = FakeClock()
+    chat = make_chat(
+        clock,
+        {
+            "primary": [Delay(1.0, TransientError(status_code=503))],
+            "backup": [Delay(2.0, anthropic_message(COMPLETION))],
+        },
+        sdk.emitter,
+    )
+    app = sdk.tracer_provider.get_tracer("app")
+    with app.start_as_current_span("handle request") as outer:
+        r = await chat.complete(MESSAGES)
+    assert r.text == COMPLETION
+    spans = {s.name: s for s in sdk.finished()}
+    call = spans["chat claude-x"]
+    children = sorted(
+        (s for s in sdk.finished() if s.parent and s.parent.span_id == call.context.span_id),
+        key=lambda s: (s.attributes or {})["polygateway.attempt"],
+    )
+    assert [s.name for s in children] == ["chat big-1", "chat claude-x"]
+    assert call.kind is SpanKind.CLIENT
+    assert all(s.kind is SpanKind.CLIENT for s in children)
+    assert call.parent is not None
+    assert call.parent.span_id == outer.get_span_context().span_id
+    assert call.context.trace_id == outer.get_span_context().trace_id
+    assert call.status.status_code is StatusCode.UNSET
+    attrs = dict(call.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.provider.name"] == "anthropic"
+    assert attrs["gen_ai.request.model"] == "claude-x"
+    assert (attrs["server.address"], attrs["server.port"]) == ("backup.internal", 8080)
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (11, 4)
+    assert attrs["polygateway.scope"] == "chat"
+    assert attrs["polygateway.source"] == "backup"
+    assert attrs["polygateway.outcome"] == "served"
+    assert attrs["polygateway.attempts"] == 2
+    assert attrs["polygateway.operation"] == "chat.complete"
+    assert "polygateway.waited_s" in attrs
+    assert "polygateway.stalled_s" in attrs
+    assert "error.type" not in attrs
+    assert call.end_time is not None
+    assert call.start_time is not None
+    assert (call.end_time - call.start_time) / 1e9 >= 3.0  # two attempts and a back-off
+    failed, served = (dict(s.attributes or {}) for s in children)
+    assert failed["gen_ai.provider.name"] == "openai"
+    assert (failed["server.address"], failed["server.port"]) == ("llm.example.com", 443)
+    assert failed["error.type"] == failed["polygateway.outcome"] != "success"
+    assert failed["http.response.status_code"] == 503
+    assert children[0].status.status_code is StatusCode.ERROR
+    assert served["polygateway.outcome"] == "success"
+    assert "error.type" not in served
+    assert children[1].end_time is not None
+    assert children[1].start_time is not None
+    assert (children[1].end_time - children[1].start_time) / 1e9 == pytest.approx(2.0, abs=0.01)
+    values = attribute_values(sdk.finished(), sdk.points())
+    for needle in (PROMPT, COMPLETION, *SECRETS):
+        assert not any(needle in v for v in values), needle
+
+
+async def test_an_error_call_carries_error_type_and_no_echoed_prompt(sdk: Otel) -> None:
+    """Every source fails (one echoing the prompt in its error): error.type is the reason."""
+    clock = FakeClock()
+    echo = TransientError(f"400? no, 500: could not handle {PROMPT!r}", status_code=500)
+    chat = make_chat(
+        clock,
+        {"primary": [echo], "backup": [TransientError(status_code=502)]},
+        sdk.emitter,
+        max_attempts=2,
+    )
+    with pytest.raises(AllSourcesExhausted) as caught:
+        await chat.complete(MESSAGES, fail_fast=True)
+    [call] = [s for s in sdk.finished() if s.parent is None]
+    attrs = dict(call.attributes or {})
+    assert attrs["error.type"] == caught.value.reason == "retry_exhausted"
+    assert call.status.status_code is StatusCode.ERROR
+    assert "polygateway.source" not in attrs  # none served
+    assert call.name == "chat claude-x"  # the last source tried
+    attempts = [s for s in sdk.finished() if s.parent is not None]
+    assert len(attempts) == 2
+    assert all("error.type" in (s.attributes or {}) for s in attempts)
+    [duration] = sdk.points()["gen_ai.client.operation.duration"]
+    assert duration.attributes["error.type"] == "retry_exhausted"
+    # The record's error does quote the prompt: the spans must not have taken it.
+    assert any(PROMPT in (a.error or "") for a in caught.value.attempts)
+    values = attribute_values(sdk.finished(), sdk.points())
+    for needle in (PROMPT, *SECRETS):
+        assert not any(needle in v for v in values), needle
+
+
+async def test_a_call_that_never_reaches_a_source_is_a_span_without_children(sdk: Otel) -> None:
+    """Behind an open breaker a fail_fast call still yields its span (no_runnable), no model."""
+    clock = FakeClock()
+    chat = make_chat(
+        clock,
+        {"primary": [TransientError(status_code=500)], "backup": [TransientError(status_code=500)]},
+        sdk.emitter,
+        max_attempts=2,
+    )
+    for _ in range(2):
+        with pytest.raises(AllSourcesExhausted):
+            await chat.complete(MESSAGES, fail_fast=True)
+    last = [s for s in sdk.finished() if s.parent is None][-1]
+    assert (last.attributes or {})["error.type"] == "no_runnable"
+    assert last.name == "chat"
+    assert not [s for s in sdk.finished() if s.parent and s.parent.span_id == last.context.span_id]
+
+
+async def test_the_genai_client_metrics_are_recorded(sdk: Otel) -> None:
+    """Duration per call, tokens by type, and time to first chunk of a streamed attempt."""
+    clock = FakeClock()
+    chat = make_chat(
+        clock,
+        {
+            "primary": [
+                chat_completion(COMPLETION, prompt_tokens=7, completion_tokens=3),
+                StreamScript(chat_chunk_events(["a", "b"])),
+            ]
+        },
+        sdk.emitter,
+    )
+    await chat.complete(MESSAGES)
+    async with chat.stream(MESSAGES) as stream:
+        assert [c.text async for c in stream]
+    points = sdk.points()
+    durations = points["gen_ai.client.operation.duration"]
+    assert sum(p.count for p in durations) == 2
+    assert all(p.attributes["gen_ai.operation.name"] == "chat" for p in durations)
+    assert all(p.attributes["gen_ai.provider.name"] == "openai" for p in durations)
+    tokens = {p.attributes["gen_ai.token.type"]: p.sum for p in points["gen_ai.client.token.usage"]}
+    assert tokens["input"] >= 7
+    assert tokens["output"] >= 3
+    [ttfc] = points["gen_ai.client.operation.time_to_first_chunk"]
+    assert ttfc.count == 1
+    assert ttfc.attributes["gen_ai.request.model"] == "big-1"
+
+
+async def test_the_gauges_read_the_memory_backend(sdk: Otel) -> None:
+    """Bound to a client, the gauges show its sources' permits, limit and breaker state."""
+    clock = FakeClock()
+    chat = make_chat(
+        clock,
+        {"primary": [TransientError(status_code=500)], "backup": [anthropic_message("ok")]},
+        sdk.emitter,
+    )
+    await chat.complete(MESSAGES)
+    points = sdk.points()
+    breaker = {
+        (p.attributes["polygateway.source"], p.attributes["polygateway.breaker.state"]): p.value
+        for p in points["polygateway.source.breaker.state"]
+    }
+    assert breaker[("primary", "open")] == 1
+    assert breaker[("primary", "closed")] == 0
+    assert breaker[("backup", "closed")] == 1
+    in_use = {
+        p.attributes["polygateway.source"]: p.value
+        for p in points["polygateway.source.permits.in_use"]
+    }
+    assert in_use == {"primary": 0, "backup": 0}
+    limits = {p.attributes["polygateway.source"] for p in points["polygateway.source.limit"]}
+    assert limits == {"primary", "backup"}
+    [waiting] = points["polygateway.scope.calls.waiting"]
+    assert (waiting.attributes["polygateway.scope"], waiting.value) == ("chat", 0)
+    reopen = {
+        p.attributes["polygateway.source"]: p.value
+        for p in points["polygateway.source.breaker.reopen"]
+    }
+    assert reopen["primary"] > 0
+
+
+def test_attempts_of_a_lost_call_are_bounded_and_still_exported(
+    sdk: Otel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempts whose call record never comes are kept for a bounded number of calls only."""
+    monkeypatch.setattr(otel, "_MAX_PENDING_CALLS", 3)
+    for i in range(10):
+        sdk.emitter.emit_attempt(
+            AttemptRecord(
+                call_id=f"c{i}",
+                scope="chat",
+                source="primary",
+                attempt=1,
+                outcome="success",
+                status_code=200,
+                latency_s=0.1,
+            )
+        )
+    assert len(sdk.emitter._pending) == 3
+    assert len(sdk.finished()) == 7  # the attempts of the calls pushed out, without a parent
+
+
+def test_without_an_sdk_nothing_is_kept_per_call() -> None:
+    """On the API's no-op providers (no SDK installed) records are taken and nothing is kept."""
+    emitter = OpenTelemetryEmitter()
+    for i in range(300):
+        emitter.emit_attempt(
+            AttemptRecord(f"c{i}", "chat", "primary", 1, "success", 200, 0.1, ttft_s=0.05)
+        )
+    assert len(emitter._pending) == 0
