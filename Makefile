@@ -73,6 +73,18 @@ $(BENCH_STAMP): pyproject.toml
 bench: redis-server $(BENCH_STAMP)
 	BENCH_N='$(BENCH_N)' BENCH_ROUNDS='$(BENCH_ROUNDS)' $(BENCH_PY) -m bench
 
+# The telemetry-cost table alone (the governance loop with each emitter, side by side), without
+# rewriting BENCHMARKS.md: the results go to bench/results/telemetry.json, the table to stdout.
+TELEMETRY_CONFIGS := pgw_memory_instant,pgw_instant_null,pgw_instant_bare,pgw_instant_logging,
+TELEMETRY_CONFIGS := $(TELEMETRY_CONFIGS)pgw_instant_prometheus,pgw_instant_otel_noop,pgw_instant_otel_sdk
+.PHONY: bench-telemetry
+bench-telemetry: $(BENCH_STAMP)
+	BENCH_N='$(BENCH_N)' BENCH_ROUNDS='$(BENCH_ROUNDS)' $(BENCH_PY) -m bench --scenarios telemetry \
+	  --configs $(TELEMETRY_CONFIGS) --results bench/results/telemetry.json \
+	  --out bench/results/telemetry-page.md
+	rm -f bench/results/telemetry-page.md
+	$(BENCH_PY) -m bench.report bench/results/telemetry.json --telemetry
+
 # The harness end to end with tiny sizes (also part of `make test`).
 .PHONY: bench-smoke
 bench-smoke: install redis-server

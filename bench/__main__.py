@@ -36,7 +36,7 @@ from bench.machine import describe_machine, package_versions
 from bench.report import render
 from bench.services import running_services
 
-SCENARIOS = ("chat", "loop", "stream", "scale", "embed", "storm", "import")
+SCENARIOS = ("chat", "loop", "telemetry", "stream", "scale", "embed", "storm", "import")
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -351,6 +351,8 @@ class PolyGateway(Client):
     transport: ClassVar[str] = "httpx"
     instant: ClassVar[bool] = False
     """Replace the HTTP transport by ``_InstantTransport`` (the governance loop alone)."""
+    emitter: ClassVar[str] = ""
+    """The telemetry emitter passed to the client (``_emitter``); none when empty."""
 
     async def start(self, target: Target) -> None:
         from pydantic import SecretStr
@@ -394,7 +396,10 @@ class PolyGateway(Client):
             from polygateway.chat import ChatClient
 
             transport: Any = _InstantTransport() if self.instant else None
-            self._chat = ChatClient.from_settings(settings, "bench", transport=transport)
+            emitters = [] if not self.emitter else [_emitter(self.emitter)]
+            self._chat = ChatClient.from_settings(
+                settings, "bench", transport=transport, emitters=emitters
+            )
             self._client = self._chat
 
     async def chat(self) -> None:
@@ -472,6 +477,103 @@ class PgwRedisInstant(PolyGateway):
     instant = True
 
 
+class _BareEmitter:
+    """An emitter that does nothing but is not ``NullEmitter``: what having any emitter costs."""
+
+    def emit_attempt(self, record: Any) -> None:
+        """Drop the record."""
+
+    def emit_call(self, record: Any) -> None:
+        """Drop the record."""
+
+
+def _emitter(kind: str) -> Any:
+    """A telemetry emitter as a user would turn it on, with nothing reading its output."""
+    if kind == "null":
+        from polygateway.middleware.telemetry import NullEmitter
+
+        return NullEmitter()
+    if kind == "bare":
+        return _BareEmitter()
+    if kind == "logging":
+        import logging
+
+        from polygateway import LoggingEmitter
+
+        # The level off: served calls log at DEBUG, the logger's level is WARNING.
+        logging.getLogger("polygateway.attempts").setLevel(logging.WARNING)
+        return LoggingEmitter()
+    if kind == "prometheus":
+        from prometheus_client import CollectorRegistry
+
+        from polygateway import PrometheusEmitter
+
+        return PrometheusEmitter(CollectorRegistry())
+    if kind == "otel_noop":
+        from polygateway import OpenTelemetryEmitter
+
+        return OpenTelemetryEmitter()  # the global providers: the API's no-ops, no SDK
+    if kind == "otel_sdk":
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from polygateway import OpenTelemetryEmitter
+
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+        meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+        return OpenTelemetryEmitter(tracer_provider, meter_provider)
+    raise ValueError(f"unknown emitter {kind!r}")
+
+
+class PgwInstantNull(PgwMemoryInstant):
+    """The governance loop alone with ``NullEmitter`` passed explicitly."""
+
+    name = "pgw_instant_null"
+    emitter = "null"
+
+
+class PgwInstantBare(PgwMemoryInstant):
+    """The governance loop alone with an emitter that does nothing: the loop's cost of one."""
+
+    name = "pgw_instant_bare"
+    emitter = "bare"
+
+
+class PgwInstantLogging(PgwMemoryInstant):
+    """The governance loop alone with ``LoggingEmitter``, its level off."""
+
+    name = "pgw_instant_logging"
+    emitter = "logging"
+
+
+class PgwInstantPrometheus(PgwMemoryInstant):
+    """The governance loop alone with ``PrometheusEmitter`` on a registry of its own."""
+
+    name = "pgw_instant_prometheus"
+    modules = ("polygateway", "prometheus_client")
+    emitter = "prometheus"
+
+
+class PgwInstantOtelNoop(PgwMemoryInstant):
+    """The governance loop alone with ``OpenTelemetryEmitter`` on the API's no-op providers."""
+
+    name = "pgw_instant_otel_noop"
+    modules = ("polygateway", "opentelemetry")
+    emitter = "otel_noop"
+
+
+class PgwInstantOtelSdk(PgwMemoryInstant):
+    """The governance loop alone with ``OpenTelemetryEmitter`` on the SDK, in-memory exporters."""
+
+    name = "pgw_instant_otel_sdk"
+    modules = ("polygateway", "opentelemetry", "opentelemetry.sdk")
+    emitter = "otel_sdk"
+
+
 CONFIGS: dict[str, type[Client]] = {
     c.name: c
     for c in (
@@ -486,6 +588,12 @@ CONFIGS: dict[str, type[Client]] = {
         PgwRedisAiohttp,
         PgwMemoryInstant,
         PgwRedisInstant,
+        PgwInstantNull,
+        PgwInstantBare,
+        PgwInstantLogging,
+        PgwInstantPrometheus,
+        PgwInstantOtelNoop,
+        PgwInstantOtelSdk,
     )
 }
 """Every configuration, by name."""

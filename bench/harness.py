@@ -45,6 +45,16 @@ SCENARIO_CONFIGS: dict[str, tuple[str, ...]] = {
     ),
     # PolyGateway over a transport that answers at once: what the governance loop itself costs.
     "loop": ("pgw_memory_instant", "pgw_redis_instant"),
+    # The loop alone again, with each emitter: what telemetry costs a call.
+    "telemetry": (
+        "pgw_memory_instant",
+        "pgw_instant_null",
+        "pgw_instant_bare",
+        "pgw_instant_logging",
+        "pgw_instant_prometheus",
+        "pgw_instant_otel_noop",
+        "pgw_instant_otel_sdk",
+    ),
     "stream": ("raw_httpx", "raw_aiohttp", "pgw_memory_httpx", "pgw_memory_aiohttp"),
     # aiohttp only: httpx's own per-call cost grows with open connections and would hide ours.
     "scale": ("raw_aiohttp", "pgw_memory_aiohttp"),
@@ -62,9 +72,13 @@ SCENARIO_CONFIGS: dict[str, tuple[str, ...]] = {
 IMPORT_MODULES = ("-", "polygateway", "polygateway.chat", "httpx", "aiohttp", "openai", "litellm")
 """Modules whose import cost is measured (``-`` is bare Python)."""
 
+_RUN_AS = {"telemetry": "loop"}
+"""Scenarios measured by another's code in ``bench.run_one`` (same calls, their own table)."""
+
 _SCENARIO_SOURCES = {
     "chat": "a,b",
     "loop": "a,b",
+    "telemetry": "a,b",
     "stream": "s",
     "scale": "a",
     "embed": "a",
@@ -73,6 +87,7 @@ _SCENARIO_SOURCES = {
 _SCENARIO_MAX_CONCURRENCY = {
     "chat": 64,
     "loop": 64,
+    "telemetry": 64,
     "stream": 64,
     "scale": 100,
     "embed": 8,
@@ -106,7 +121,7 @@ class Job:
             "bench.run_one",
             self.config,
             "--scenario",
-            self.scenario,
+            _RUN_AS.get(self.scenario, self.scenario),
             "--n",
             str(self.n),
             "--concurrency",
@@ -179,7 +194,7 @@ def make_plan(
         for name in SCENARIO_CONFIGS[scenario]:
             if not usable(name):
                 continue
-            if scenario in ("chat", "loop"):
+            if scenario in ("chat", "loop", "telemetry"):
                 plan.jobs += [Job(scenario, name, sizes.chat_n, c) for c in sizes.concurrencies]
             elif scenario == "stream":
                 plan.jobs.append(Job("stream", name, sizes.stream_n, sizes.stream_concurrency))

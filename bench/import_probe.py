@@ -15,7 +15,7 @@ import time
 
 __all__ = ["main"]
 
-_EXTRAS = ("redis", "aiohttp", "rich", "prometheus_client", "starlette", "uvicorn")
+_EXTRAS = ("redis", "aiohttp", "rich", "prometheus_client", "starlette", "uvicorn", "opentelemetry")
 """Optional dependencies ``import polygateway`` must not load (DESIGN.md section 3)."""
 
 

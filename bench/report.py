@@ -39,6 +39,12 @@ _LABELS = {
     "pgw_memory_aiohttp": "PolyGateway, memory, aiohttp",
     "pgw_redis_httpx": "PolyGateway, Redis, httpx",
     "pgw_redis_aiohttp": "PolyGateway, Redis, aiohttp",
+    "pgw_instant_null": "PolyGateway, instant, NullEmitter",
+    "pgw_instant_bare": "PolyGateway, instant, an emitter that does nothing",
+    "pgw_instant_logging": "PolyGateway, instant, LoggingEmitter (level off)",
+    "pgw_instant_prometheus": "PolyGateway, instant, PrometheusEmitter",
+    "pgw_instant_otel_noop": "PolyGateway, instant, OpenTelemetryEmitter (no-op API)",
+    "pgw_instant_otel_sdk": "PolyGateway, instant, OpenTelemetryEmitter (SDK, in memory)",
 }
 _IMPORT_LABELS = {"-": "bare Python (nothing imported)"}
 X = "\u00d7"
@@ -180,6 +186,45 @@ def _loop_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> str
         f"overhead allowed on httpx (0.3 {X} raw httpx)",
         f"overhead allowed on aiohttp (0.3 {X} raw aiohttp)",
         "Redis round trips/call",
+        "errors",
+    ]
+    return _table(header, rows)
+
+
+def _telemetry_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> str:
+    """The governance loop alone with each emitter, beside the same loop with none."""
+    rows = []
+    for c in concurrencies:
+        base = _get(medians, f"telemetry/pgw_memory_instant/n{n}/c{c}", "cpu_us_per_op")
+        for name in SCENARIO_CONFIGS["telemetry"]:
+            key = f"telemetry/{name}/n{n}/c{c}"
+            if key not in medians:
+                continue
+            cpu = _get(medians, key, "cpu_us_per_op")
+            added = None if cpu is None or base is None else cpu - base
+            label = "PolyGateway, instant, no emitter" if name == "pgw_memory_instant" else None
+            rows.append(
+                [
+                    label or _LABELS[name],
+                    str(c),
+                    f"**{_fmt(cpu, 1)}**",
+                    "—" if added is None else f"{added:+.1f}",
+                    "—" if added is None or not base else f"{100 * added / base:+.0f}%",
+                    _fmt(_get(medians, key, "cpu_us_per_op_min"), 1)
+                    + f" {DASH} "
+                    + _fmt(_get(medians, key, "cpu_us_per_op_max"), 1),
+                    _fmt(_get(medians, key, "ops_per_s")),
+                    str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
+                ]
+            )
+    header = [
+        "configuration",
+        "concurrency",
+        "client CPU µs/call",
+        "added µs/call",
+        "added",
+        f"min{DASH}max of rounds",
+        "calls/s",
         "errors",
     ]
     return _table(header, rows)
@@ -437,6 +482,37 @@ def evaluate_targets(medians: Medians, meta: dict[str, Any]) -> list[Check]:
                 None if not seen else all(abs(t - 2.0) < 0.005 for t in seen),
             )
         )
+    for c in sizes["concurrencies"]:
+
+        def loop_cpu(config: str, c: int = c) -> float | None:
+            return _get(medians, f"telemetry/{config}/n{n}/c{c}", "cpu_us_per_op")
+
+        ratio_check(
+            f"telemetry-null-c{c}",
+            f"telemetry, concurrency {c}: NullEmitter adds nothing measurable "
+            f"(CPU/call ≤ 1.05{X} no emitter)",
+            loop_cpu("pgw_instant_null"),
+            loop_cpu("pgw_memory_instant"),
+            1.05,
+            "/call",
+        )
+        ratio_check(
+            f"telemetry-otel-noop-c{c}",
+            f"telemetry, concurrency {c}: OpenTelemetry on the no-op API ≤ 1.1{X} NullEmitter",
+            loop_cpu("pgw_instant_otel_noop"),
+            loop_cpu("pgw_instant_null"),
+            1.1,
+            "/call",
+        )
+        ratio_check(
+            f"telemetry-otel-own-c{c}",
+            f"telemetry, concurrency {c}: OpenTelemetry on the no-op API ≤ 1.1{X} an emitter "
+            "that does nothing (the emitter's own share)",
+            loop_cpu("pgw_instant_otel_noop"),
+            loop_cpu("pgw_instant_bare"),
+            1.1,
+            "/call",
+        )
     ns = sizes["scale_ns"]
     if len(ns) >= 2:
         small, big = min(ns), max(ns)
@@ -615,6 +691,9 @@ def render(results: dict[str, Any], template: Path = _HERE / "template.md") -> s
             medians, sizes["chat_n"], tuple(sizes["concurrencies"])
         ),
         "loop_table": lambda: _loop_table(medians, sizes["chat_n"], tuple(sizes["concurrencies"])),
+        "telemetry_table": lambda: _telemetry_table(
+            medians, sizes["chat_n"], tuple(sizes["concurrencies"])
+        ),
         "stream_n": lambda: f"{sizes['stream_n']:,}",
         "stream_concurrency": lambda: str(sizes["stream_concurrency"]),
         "stream_table": lambda: _stream_table(
@@ -637,8 +716,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report")
     parser.add_argument("results", type=Path, help="a results JSON written by python -m bench")
     parser.add_argument("--out", type=Path, default=Path("research-wiki/BENCHMARKS.md"))
+    parser.add_argument(
+        "--telemetry", action="store_true", help="print the telemetry table only (no page)"
+    )
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text(encoding="utf-8"))
+    if args.telemetry:
+        sizes = results["meta"]["sizes"]
+        medians = results["medians"]
+        print(_telemetry_table(medians, sizes["chat_n"], tuple(sizes["concurrencies"])))
+        for check in evaluate_targets(medians, results["meta"]):
+            if check.id.startswith("telemetry-"):
+                print(f"- {check.target}: {check.measured}, met: {check.met}")
+        return 0
     args.out.write_text(render(results), encoding="utf-8")
     return 0
 
