@@ -58,6 +58,8 @@ SCOPE_NOTES: dict[str, str] = {
     "kind": "chat | embed | ocr",
     "exempt_429": "default: true for chat, false for embed and ocr",
     "sources": "one [[scopes.NAME.sources]] table per source, below",
+    "priority_classes": "none: one queue, arrival order; else shares",
+    "default_priority_class": "a call's class when it names none",
 }
 
 SOURCE_NOTES: dict[str, str] = {
@@ -205,6 +207,12 @@ def render() -> str:
             lines.append(_line('kind = "chat"', SCOPE_NOTES[name]))
         elif name == "exempt_429":
             lines.append(_line("# exempt_429 = true", SCOPE_NOTES[name]))
+        elif name == "default_priority_class":
+            lines.append(_line('# default_priority_class = "interactive"', SCOPE_NOTES[name]))
+        elif name == "priority_classes":
+            lines.append(_line("# priority_classes = {}", SCOPE_NOTES[name]))
+            lines.append("#   e.g. [scopes.chat.priority_classes.interactive] share = 9")
+            lines.append("#        [scopes.chat.priority_classes.batch]       share = 1")
     lines.append(_line("[[scopes.chat.sources]]", SCOPE_NOTES["sources"]))
     for name in _fields(SourceConfig, SOURCE_NOTES):
         if name == "api_key":

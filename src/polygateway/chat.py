@@ -161,6 +161,8 @@ class ChatClient(GovernedClient):
         response_model: type[_M],
         fail_fast: bool = ...,
         deadline_s: float | None = ...,
+        priority_class: str | None = ...,
+        tenant: str | None = ...,
         **params: Any,
     ) -> ChatResponse[_M]: ...
 
@@ -172,6 +174,8 @@ class ChatClient(GovernedClient):
         response_model: None = ...,
         fail_fast: bool = ...,
         deadline_s: float | None = ...,
+        priority_class: str | None = ...,
+        tenant: str | None = ...,
         **params: Any,
     ) -> ChatResponse[None]: ...
 
@@ -182,6 +186,8 @@ class ChatClient(GovernedClient):
         response_model: type[BaseModel] | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> ChatResponse[Any]:
         """One chat completion; ``params`` (max_tokens, tools, ...) are checked, then sent.
@@ -237,6 +243,8 @@ class ChatClient(GovernedClient):
                     fail_fast=fail_fast,
                     deadline_s=deadline_s,
                     op_name="chat.complete",
+                    priority_class=priority_class,
+                    tenant=tenant,
                 )
         finally:
             self._life.end(call)
@@ -253,6 +261,8 @@ class ChatClient(GovernedClient):
         *,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> ChatStream:
         """A streamed completion: iterate it, or ``async with`` it and iterate inside.
@@ -270,8 +280,16 @@ class ChatClient(GovernedClient):
             GatewayError: the client is closed.
         """
         checked = self._check.stream(messages, params, self._scope)
+        self._mw.check_flow(priority_class, tenant, "chat.stream")
         self._life.check_open()
-        return ChatStream(self, checked, params, fail_fast=fail_fast, deadline_s=deadline_s)
+        return ChatStream(
+            self,
+            checked,
+            params,
+            fail_fast=fail_fast,
+            deadline_s=deadline_s,
+            flow=(priority_class, tenant),
+        )
 
 
 class _Opened:
@@ -324,6 +342,7 @@ class ChatStream:
         "_delivered",
         "_ended",
         "_fail_fast",
+        "_flow",
         "_in_flight",
         "_loop_call",
         "_messages",
@@ -341,8 +360,10 @@ class ChatStream:
         *,
         fail_fast: bool,
         deadline_s: float | None,
+        flow: tuple[str | None, str | None] = (None, None),
     ) -> None:
         self._client = client
+        self._flow = flow  # (priority_class, tenant)
         self._messages = messages
         self._params = params
         self._fail_fast = fail_fast
@@ -467,6 +488,8 @@ class ChatStream:
                     deadline_s=self._deadline_s,
                     op_name="chat.stream",
                     streaming=True,
+                    priority_class=self._flow[0],
+                    tenant=self._flow[1],
                 )
                 self._served = await loop_call.serve(self._open_attempt)
                 self._loop_call = loop_call

@@ -317,6 +317,8 @@ class EmbeddingClient(GovernedClient):
         on_progress: ProgressCallback | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> EmbeddingResponse: ...
 
@@ -329,6 +331,8 @@ class EmbeddingClient(GovernedClient):
         on_progress: ProgressCallback | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> PartialEmbeddingResponse: ...
 
@@ -341,6 +345,8 @@ class EmbeddingClient(GovernedClient):
         on_progress: ProgressCallback | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> EmbeddingResponse | PartialEmbeddingResponse: ...
 
@@ -352,6 +358,8 @@ class EmbeddingClient(GovernedClient):
         on_progress: ProgressCallback | None = None,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> EmbeddingResponse | PartialEmbeddingResponse:
         """Vectors of ``texts`` in input order; ``params`` (dimensions, user, ...) checked, sent.
@@ -401,6 +409,7 @@ class EmbeddingClient(GovernedClient):
                 f"partial must be True or False, not {type(partial).__name__}", scope=self._scope
             )
         _check_progress(on_progress, self._scope)
+        flow = self._mw.check_flow(priority_class, tenant, "embed")
         self._life.check_open()
         spans = plan_batches(
             items, max_batch_size=self._max_batch_size, max_batch_tokens=self._max_batch_tokens
@@ -411,7 +420,7 @@ class EmbeddingClient(GovernedClient):
             call = self._life.begin()
             try:
                 async with call.running():
-                    await self._run_batches(items, outcomes, params, fail_fast, deadline_at)
+                    await self._run_batches(items, outcomes, params, fail_fast, deadline_at, flow)
             except GatewayError as exc:
                 # Fail closed, or closed under the call: what was computed still goes back.
                 exc.partial = outcomes.partial()
@@ -436,6 +445,7 @@ class EmbeddingClient(GovernedClient):
         params: Mapping[str, Any],
         fail_fast: bool,
         deadline_at: float | None,
+        flow: tuple[str, str],
     ) -> None:
         """Every batch through the loop, concurrently, each to its end; a backend failure stops all.
 
@@ -467,7 +477,7 @@ class EmbeddingClient(GovernedClient):
                         return
                 try:
                     served = await self._embed_batch(
-                        items, span, params, fail_fast and index == 0, deadline_at, admit
+                        items, span, params, fail_fast and index == 0, deadline_at, admit, flow
                     )
                 except GovernanceBackendError as exc:
                     exc.batch = span
@@ -506,6 +516,7 @@ class EmbeddingClient(GovernedClient):
         fail_fast: bool,
         deadline_at: float | None,
         on_admitted: Callable[[], None],
+        flow: tuple[str, str],
     ) -> Served[_Batch]:
         """One batch through the governance loop; a wrong vector count is a malformed answer."""
         start, stop = span
@@ -528,4 +539,6 @@ class EmbeddingClient(GovernedClient):
             fail_fast=fail_fast,
             deadline_s=left,
             op_name="embed",
+            priority_class=flow[0],
+            tenant=flow[1],
         )

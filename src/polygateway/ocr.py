@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from polygateway.errors import RequestRejected
-from polygateway.middleware.lifecycle import GovernedClient
+from polygateway.middleware.lifecycle import GovernedClient, priority_shares
 from polygateway.middleware.retry import RetryMW
 from polygateway.models import LayoutBlock, LayoutResult, TextResult
 from polygateway.transport import monkey_ocr, vision_ocr
@@ -127,6 +127,8 @@ class OcrClient(GovernedClient):
         *,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
     ) -> TextResult:
         """The text of an image (PNG, JPEG) or PDF.
 
@@ -142,7 +144,8 @@ class OcrClient(GovernedClient):
             GatewayError: the client is closed.
         """
         upload = self._check(image_or_pdf_bytes, filename, "recognize_text")
-        served = await self._run(upload, "recognize_text", fail_fast, deadline_s)
+        flow = self._mw.check_flow(priority_class, tenant, "ocr.recognize_text")
+        served = await self._run(upload, "recognize_text", fail_fast, deadline_s, flow)
         read = served.value
         return TextResult(
             text=read.text, source=served.source, attempts=served.attempts, raw=read.raw
@@ -155,6 +158,8 @@ class OcrClient(GovernedClient):
         *,
         fail_fast: bool = False,
         deadline_s: float | None = None,
+        priority_class: str | None = None,
+        tenant: str | None = None,
     ) -> LayoutResult:
         """Typed blocks (type, text, bbox, page) in reading order, and the same as markdown.
 
@@ -169,7 +174,8 @@ class OcrClient(GovernedClient):
             GatewayError: the client is closed.
         """
         upload = self._check(image_or_pdf_bytes, filename, "parse_layout")
-        served = await self._run(upload, "parse_layout", fail_fast, deadline_s)
+        flow = self._mw.check_flow(priority_class, tenant, "ocr.parse_layout")
+        served = await self._run(upload, "parse_layout", fail_fast, deadline_s, flow)
         read = served.value
         return LayoutResult(
             blocks=read.blocks,
@@ -248,13 +254,20 @@ class OcrClient(GovernedClient):
                 sleep=self._sleep,
                 rng=self._rng,
                 emitter=self._emitter,
+                priority_classes=priority_shares(self._config),
+                default_priority_class=self._config.default_priority_class,
             )
         return loop
 
     # --- through the loop ----------------------------------------------------------
 
     async def _run(
-        self, upload: _Upload, op: _Op, fail_fast: bool, deadline_s: float | None
+        self,
+        upload: _Upload,
+        op: _Op,
+        fail_fast: bool,
+        deadline_s: float | None,
+        flow: tuple[str, str],
     ) -> Served[_Read]:
         """One governed call, on the sources that can take the upload."""
         transport = self._transport
@@ -287,6 +300,8 @@ class OcrClient(GovernedClient):
                     fail_fast=fail_fast,
                     deadline_s=deadline_s,
                     op_name=f"ocr.{op}",
+                    priority_class=flow[0],
+                    tenant=flow[1],
                 )
         finally:
             self._life.end(call)

@@ -271,6 +271,14 @@ class SourceConfig(BaseModel):
                 yield name, value
 
 
+class PriorityClassConfig(BaseModel):
+    """A priority class of a scope: its share of the scope's permits while its calls wait."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    share: PositiveFloat
+
+
 class ScopeConfig(BaseModel):
     """A named pool of interchangeable sources for one capability, with its 429 policy."""
 
@@ -281,6 +289,41 @@ class ScopeConfig(BaseModel):
     # embed and ocr: research-wiki/designs/stall-budget.md §3), so it is always a bool.
     exempt_429: bool = True
     sources: tuple[SourceConfig, ...]
+    priority_classes: dict[str, PriorityClassConfig] = Field(default_factory=dict)
+    default_priority_class: str | None = None
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _check_class_names(
+        cls, classes: dict[str, PriorityClassConfig]
+    ) -> dict[str, PriorityClassConfig]:
+        """Class names are kept to the alphabet of source names (they name queues and flows)."""
+        for name in classes:
+            if not NAME_RE.match(name):
+                raise config_problem(
+                    "a priority class name is 1-64 characters of letters, digits, '_', '-' "
+                    "and '.', starting with a letter or digit",
+                    at=f".{name}",
+                )
+        return classes
+
+    @model_validator(mode="after")
+    def _check_default_class(self) -> Self:
+        """Classes need a default class among them; a default without classes means nothing."""
+        classes = self.priority_classes
+        default = self.default_priority_class
+        if classes and default is None:
+            raise config_problem(
+                f"default_priority_class must name one of the scope's classes "
+                f"({', '.join(sorted(classes))})"
+            )
+        if default is not None and default not in classes:
+            known = ", ".join(sorted(classes)) or "none declared"
+            raise config_problem(
+                f"default_priority_class {default!r} is not a priority class of this scope "
+                f"(classes: {known})"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
     from polygateway.transport.http import Transport
 
-__all__ = ["ClientParts", "GovernedClient", "InFlight", "Lifecycle"]
+__all__ = ["ClientParts", "GovernedClient", "InFlight", "Lifecycle", "priority_shares"]
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -236,6 +236,8 @@ class GovernedClient:
             sleep=self._sleep,
             rng=self._rng,
             emitter=telemetry,
+            priority_classes=priority_shares(config),
+            default_priority_class=config.default_priority_class,
         )
         self._emitter = telemetry
         if telemetry is not None:
@@ -328,3 +330,8 @@ def _default_transport(settings: GatewaySettings, sources: Sequence[SourceConfig
         return make_transport(settings.transport, sources, max_connections=total)
     except ImportError as exc:
         raise ConfigError(str(exc), field="transport") from exc
+
+
+def priority_shares(config: ScopeConfig) -> dict[str, float]:
+    """The scope's priority classes and their shares (empty: no classes)."""
+    return {name: c.share for name, c in config.priority_classes.items()}

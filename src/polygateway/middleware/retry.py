@@ -37,6 +37,7 @@ check is off. ``deadline_s`` is a hard bound (``middleware/deadline.py``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -214,6 +215,8 @@ class RetryMW:
     __slots__ = (
         "_backend",
         "_by_name",
+        "_classes",
+        "_default_class",
         "_emitter",
         "_free_ttl",
         "_names",
@@ -239,6 +242,8 @@ class RetryMW:
         sleep: Sleep,
         rng: random.Random,
         emitter: AttemptEmitter | None = None,
+        priority_classes: Mapping[str, float] | None = None,
+        default_priority_class: str | None = None,
     ) -> None:
         sources = tuple(sources)
         self._scope = scope
@@ -260,6 +265,10 @@ class RetryMW:
         )
         # The process's queue of the scope's waiting calls, shared by every client of it.
         self._room = room_for(backend, scope)
+        # Priority classes and their shares (none: one class, "", arrival order).
+        self._classes: Mapping[str, float] = dict(priority_classes or {})
+        self._default_class = default_priority_class or ""
+        self._room.shares.update(self._classes)
         specs = [
             SourceSpec(
                 name=s.name,
@@ -324,9 +333,24 @@ class RetryMW:
         deadline_s: float | None = None,
         op_name: str = "call",
         streaming: bool = False,
+        priority_class: str | None = None,
+        tenant: str | None = None,
     ) -> Call:
-        """A new call on this scope; ``RequestRejected`` for a deadline that is not a number."""
-        return Call(self, op_name, cost_tokens, fail_fast, deadline_s, streaming)
+        """A new call on this scope.
+
+        Raises ``RequestRejected`` for a deadline that is not a number, a
+        priority class the scope does not declare, or a tenant that is not a string.
+        """
+        return Call(
+            self,
+            op_name=op_name,
+            cost_tokens=cost_tokens,
+            fail_fast=fail_fast,
+            deadline_s=deadline_s,
+            streaming=streaming,
+            priority_class=priority_class,
+            tenant=tenant,
+        )
 
     async def run(
         self,
@@ -336,9 +360,18 @@ class RetryMW:
         fail_fast: bool = False,
         deadline_s: float | None = None,
         op_name: str = "call",
+        priority_class: str | None = None,
+        tenant: str | None = None,
     ) -> Served[T]:
         """Serve one request/response call; the permit is released before this returns."""
-        call = Call(self, op_name, cost_tokens, fail_fast, deadline_s, False)
+        call = self.begin(
+            cost_tokens=cost_tokens,
+            fail_fast=fail_fast,
+            deadline_s=deadline_s,
+            op_name=op_name,
+            priority_class=priority_class,
+            tenant=tenant,
+        )
         served = await call.serve(attempt_fn)
         served.complete()
         await call.finish(served, None)
@@ -353,6 +386,8 @@ class RetryMW:
         deadline_s: float | None = None,
         op_name: str = "call",
         streaming: bool = False,
+        priority_class: str | None = None,
+        tenant: str | None = None,
     ) -> AbstractAsyncContextManager[Served[T]]:
         """Run the loop until an attempt succeeds, then hand it to the body with the permit held.
 
@@ -363,9 +398,46 @@ class RetryMW:
         (a timeout once no time is left) releases as cancelled and ends the
         call with ``AllSourcesExhausted(reason="deadline")`` instead.
         """
-        return _Session(self, attempt_fn, (op_name, cost_tokens, fail_fast, deadline_s, streaming))
+        return _Session(
+            functools.partial(
+                self.begin,
+                cost_tokens=cost_tokens,
+                fail_fast=fail_fast,
+                deadline_s=deadline_s,
+                op_name=op_name,
+                streaming=streaming,
+                priority_class=priority_class,
+                tenant=tenant,
+            ),
+            attempt_fn,
+        )
 
     # --- what is fixed for the scope ---------------------------------------------
+
+    def check_flow(self, priority_class: object, tenant: object, op_name: str) -> tuple[str, str]:
+        """A call's (priority class, tenant), checked: ``RequestRejected`` naming what is wrong.
+
+        No class named: the scope's ``default_priority_class`` (``""`` for a
+        scope without classes). No tenant: ``""``, one flow for all.
+        """
+        if tenant is not None and not isinstance(tenant, str):
+            raise RequestRejected(
+                f"{op_name}: tenant must be a string naming the call's flow, not {tenant!r}",
+                scope=self._scope,
+                sources=self._names,
+            )
+        if priority_class is None or priority_class == self._default_class:
+            return self._default_class, tenant or ""
+        if isinstance(priority_class, str) and priority_class in self._classes:
+            return priority_class, tenant or ""
+        known = ", ".join(sorted(self._classes))
+        detail = f"its classes are {known}" if known else "it declares no priority classes"
+        raise RequestRejected(
+            f"{op_name}: priority_class {priority_class!r} is not a class of scope "
+            f"{self._scope!r}: {detail}",
+            scope=self._scope,
+            sources=self._names,
+        )
 
     def _candidates(self, tried: set[str]) -> Sequence[_Candidate]:
         """The sources in selection order, those a call has not tried yet first."""
@@ -460,18 +532,23 @@ class Call:
         "fail_fast",
         "fails",
         "op_name",
+        "priority_class",
         "records",
         "streaming",
+        "tenant",
     )
 
     def __init__(
         self,
         mw: RetryMW,
-        op_name: str,
-        cost_tokens: int,
-        fail_fast: bool,
-        deadline_s: float | None,
-        streaming: bool,
+        *,
+        op_name: str = "call",
+        cost_tokens: int = 0,
+        fail_fast: bool = False,
+        deadline_s: float | None = None,
+        streaming: bool = False,
+        priority_class: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         if deadline_s is not None and not check_deadline_s(deadline_s):
             raise RequestRejected(
@@ -480,6 +557,7 @@ class Call:
                 scope=mw._scope,
                 sources=mw._names,
             )
+        self.priority_class, self.tenant = mw.check_flow(priority_class, tenant, op_name)
         self._mw = mw
         self.op_name = op_name
         self.cost_tokens = cost_tokens
@@ -569,12 +647,12 @@ class Call:
                 outcome = _outcome_of(exc)
             self._ended(outcome, served.source)
 
-    def leave(self) -> None:
-        """Give up the call's place in the queue, if it holds one."""
+    def leave(self, *, granted: bool = False) -> None:
+        """Give up the call's place in the queue, if it holds one (``granted``: with a permit)."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            self._mw._room.leave(waiter)
+            self._mw._room.leave(waiter, granted=granted)
 
     # --- the steps ---------------------------------------------------------------
 
@@ -591,7 +669,9 @@ class Call:
         room = mw._room
         waiter = self._waiter
         if waiter is None and not self.fail_fast and not room.may_ask_at_once:
-            waiter = self._waiter = room.enter(self._ticket)
+            waiter = self._waiter = room.enter(
+                self._ticket, priority_class=self.priority_class, tenant=self.tenant
+            )
         if waiter is not None and not room.is_head(waiter):
             return None
         candidates = mw._candidates(self._tried)
@@ -616,7 +696,7 @@ class Call:
         if lease is None:
             self._last_at = mw._now()  # retry_after_s is aged from here
             return None
-        self.leave()
+        self.leave(granted=True)
         return lease
 
     async def wait(self) -> None:
@@ -638,7 +718,9 @@ class Call:
         room = mw._room
         waiter = self._waiter
         if waiter is None:
-            waiter = self._waiter = room.enter(self._ticket)
+            waiter = self._waiter = room.enter(
+                self._ticket, priority_class=self.priority_class, tenant=self.tenant
+            )
         if room.is_head(waiter):
             poll = mw._policy.poll_interval_s
             timeout = mw._rng.uniform(0.5 * poll, poll)
@@ -965,22 +1047,16 @@ class Call:
 class _Session(Generic[T]):
     """What ``RetryMW.session`` returns: the call's loop on entry, its ``finish`` on exit."""
 
-    __slots__ = ("_args", "_attempt_fn", "_call", "_mw", "_served")
+    __slots__ = ("_attempt_fn", "_begin", "_call", "_served")
 
-    def __init__(
-        self,
-        mw: RetryMW,
-        attempt_fn: AttemptFn[T],
-        args: tuple[str, int, bool, float | None, bool],
-    ) -> None:
-        self._mw = mw
+    def __init__(self, begin: Callable[[], Call], attempt_fn: AttemptFn[T]) -> None:
+        self._begin = begin
         self._attempt_fn = attempt_fn
-        self._args = args
         self._call: Call | None = None
         self._served: Served[T] | None = None
 
     async def __aenter__(self) -> Served[T]:
-        call = self._call = Call(self._mw, *self._args)
+        call = self._call = self._begin()
         served = self._served = await call.serve(self._attempt_fn)
         return served
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import itertools
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -79,12 +79,14 @@ def _resolve(signal: asyncio.Future[None]) -> None:
 
 
 class Waiter:
-    """One call's place in the queue, ordered by its ticket (arrival order)."""
+    """One call's place in the queue: its priority class, its tenant, its ticket (arrival)."""
 
-    __slots__ = ("_pending", "_signal", "failure", "left", "ticket")
+    __slots__ = ("_pending", "_signal", "failure", "left", "priority_class", "tenant", "ticket")
 
-    def __init__(self, ticket: int) -> None:
+    def __init__(self, ticket: int, priority_class: str = "", tenant: str = "") -> None:
         self.ticket = ticket
+        self.priority_class = priority_class
+        self.tenant = tenant
         self._signal: asyncio.Future[None] | None = None
         self._pending = False
         self.left = False
@@ -100,14 +102,52 @@ class Waiter:
             self._pending = True
 
 
+class _Class:
+    """The waiters of one priority class: a queue per tenant, tenants served in turn."""
+
+    __slots__ = ("flows", "pass_", "rotation", "share", "waiting")
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.flows: dict[str, list[Waiter]] = {}  # per tenant, sorted by ticket
+        self.rotation: deque[str] = deque()  # tenants with waiters, the next served first
+        self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
+        self.waiting = 0
+
+
 class WaitingRoom:
-    """The queue of waiting calls for one scope in this process, in arrival order."""
+    """The queue of waiting calls for one scope in this process.
 
-    __slots__ = ("_queue", "_tickets", "asking", "wakeups")
+    Without priority classes (the default) it is one FIFO in arrival order.
+    With them (``shares``), the next call to ask is chosen by stride
+    scheduling over the classes that have waiters: each permit a class gets
+    moves its virtual time on by ``1 / share``, and the class furthest behind
+    goes next, so classes get permits in proportion to their shares while
+    they wait; a class with nobody waiting takes no part (its share is lent
+    to the others) and comes back at the current virtual time, with no
+    credit saved up. Inside a class, tenants are served in turn (round robin),
+    each tenant's calls in arrival order.
+    """
 
-    def __init__(self) -> None:
-        # Sorted by ticket; almost every entry is an append (a list: inserts are by bisect).
-        self._queue: list[Waiter] = []
+    __slots__ = (
+        "_classes",
+        "_count",
+        "_head",
+        "_stale",
+        "_tickets",
+        "_vtime",
+        "asking",
+        "shares",
+        "wakeups",
+    )
+
+    def __init__(self, shares: dict[str, float] | None = None) -> None:
+        self.shares: dict[str, float] = dict(shares or {})
+        self._classes: dict[str, _Class] = {}
+        self._count = 0
+        self._vtime = 0.0
+        self._head: Waiter | None = None
+        self._stale = False
         self._tickets = itertools.count()
         self.wakeups = 0  # releases that found a head to wake; for tests and telemetry
         # Acquires in flight for this scope in this process (kept by the loop): past
@@ -115,53 +155,110 @@ class WaitingRoom:
         self.asking = 0
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self._count
 
     @property
     def empty(self) -> bool:
         """No call is waiting."""
-        return not self._queue
+        return not self._count
 
     @property
     def may_ask_at_once(self) -> bool:
         """Whether a new call may ask the backend without queueing: nobody waits, room to ask."""
-        return not self._queue and self.asking < MAX_ASKING - 1
+        return not self._count and self.asking < MAX_ASKING - 1
+
+    def waiting_by_class(self) -> dict[str, int]:
+        """How many calls wait, per priority class (``""``: a scope without classes)."""
+        return {name: c.waiting for name, c in self._classes.items() if c.waiting}
 
     def ticket(self) -> int:
         """A place in the arrival order, taken when a call starts looking for a permit."""
         return next(self._tickets)
 
-    def enter(self, ticket: int | None = None) -> Waiter:
-        """Join the queue at the place of ``ticket`` (behind every call that arrived earlier).
+    def enter(
+        self, ticket: int | None = None, *, priority_class: str = "", tenant: str = ""
+    ) -> Waiter:
+        """Join the queue of ``priority_class`` and ``tenant`` at the place of ``ticket``.
 
-        Without a ticket: at the tail, with a ticket taken now.
+        Behind every call of that tenant that arrived earlier; without a
+        ticket, at its tail with a ticket taken now.
         """
-        waiter = Waiter(self.ticket() if ticket is None else ticket)
+        waiter = Waiter(self.ticket() if ticket is None else ticket, priority_class, tenant)
+        klass = self._classes.get(priority_class)
+        if klass is None:
+            klass = self._classes[priority_class] = _Class(self.shares.get(priority_class, 1.0))
+        if not klass.waiting:
+            # Back from idle: no credit for the time it did not wait. It starts level
+            # with the classes waiting now, or where the last one served left off.
+            active = [c.pass_ for c in self._classes.values() if c.waiting]
+            klass.pass_ = max(klass.pass_, min(active) if active else self._vtime)
+        flow = klass.flows.get(tenant)
+        if flow is None:
+            flow = klass.flows[tenant] = []
+            klass.rotation.append(tenant)
         ticket = waiter.ticket
-        queue = self._queue
-        if not queue or queue[-1].ticket < ticket:
-            queue.append(waiter)
+        if not flow or flow[-1].ticket < ticket:
+            flow.append(waiter)
         else:
-            queue.insert(bisect.bisect(queue, ticket, key=_ticket_of), waiter)
+            flow.insert(bisect.bisect(flow, ticket, key=_ticket_of), waiter)
+        klass.waiting += 1
+        self._count += 1
+        self._stale = True
         return waiter
+
+    def head(self) -> Waiter | None:
+        """The call that asks next, or ``None`` when nobody waits."""
+        if self._stale:
+            self._stale = False
+            best: _Class | None = None
+            for klass in self._classes.values():
+                if klass.waiting and (
+                    best is None
+                    or klass.pass_ < best.pass_
+                    or (klass.pass_ == best.pass_ and klass.share > best.share)
+                ):
+                    best = klass
+            self._head = None if best is None else best.flows[best.rotation[0]][0]
+        return self._head
 
     def is_head(self, waiter: Waiter) -> bool:
         """Only the head asks the backend for a permit."""
-        queue = self._queue
-        return bool(queue) and queue[0] is waiter
+        return waiter is self.head()
 
-    def leave(self, waiter: Waiter) -> None:
-        """Leave the queue (served, failed or cancelled); promote the next head if needed."""
+    def leave(self, waiter: Waiter, *, granted: bool = False) -> None:
+        """Leave the queue (``granted``: with a permit; else failed or cancelled).
+
+        A permit granted moves its class's virtual time on and sends its
+        tenant to the back of the class's turn. Whoever is head next is woken:
+        the permit that served the old head may not have been the last free.
+        """
         if waiter.left:
             return
         waiter.left = True
-        was_head = self.is_head(waiter)
-        with contextlib.suppress(ValueError):
-            self._queue.remove(waiter)
-        if was_head and self._queue:
-            # The new head must ask at once: the permit that served the old head
-            # may not have been the last one free.
-            self._queue[0]._fire()
+        was_head = waiter is self.head()
+        klass = self._classes[waiter.priority_class]
+        tenant = waiter.tenant
+        flow = klass.flows[tenant]
+        flow.remove(waiter)
+        klass.waiting -= 1
+        self._count -= 1
+        if granted:
+            self._vtime = klass.pass_
+            klass.pass_ += 1.0 / klass.share
+        if not flow:
+            del klass.flows[tenant]
+            klass.rotation.remove(tenant)
+        elif granted and len(klass.rotation) > 1:
+            klass.rotation.remove(tenant)
+            klass.rotation.append(tenant)
+        self._stale = True
+        if (was_head or granted) and self._count:
+            head = self.head()
+            if head is not None:
+                head._fire()
+
+    def _waiters(self) -> list[Waiter]:
+        return [w for klass in self._classes.values() for f in klass.flows.values() for w in f]
 
     def fail_all(self, failure: BaseException, *, but: Waiter | None = None) -> None:
         """The backend failed: wake every waiter (but ``but``) to fail closed at once.
@@ -169,16 +266,17 @@ class WaitingRoom:
         Without this, each queued call would become head in turn and wait out
         the backend's timeout on its own: the last of N would fail N timeouts late.
         """
-        for waiter in self._queue:
+        for waiter in self._waiters():
             if waiter is not but:
                 waiter.failure = failure
                 waiter._fire()
 
     def notify(self) -> None:
-        """A permit was released in this process: wake the head only."""
-        if self._queue:
+        """A permit was released: wake the head only."""
+        head = self.head()
+        if head is not None:
             self.wakeups += 1
-            self._queue[0]._fire()
+            head._fire()
 
     async def wait(self, waiter: Waiter, timeout_s: float, sleep: Sleep) -> None:
         """Sleep until woken (release, or promotion to head) or until ``timeout_s`` passes.
