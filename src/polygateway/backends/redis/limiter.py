@@ -60,11 +60,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
 from typing import Any, Literal, TypeVar, cast
 
 try:
@@ -94,6 +96,7 @@ from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.sentinel import SentinelPrimary
+from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups, supports
 from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.config.masking import mask_url, scrub, url_secrets
@@ -135,6 +138,15 @@ connection, what was pending fails (a permit it holds frees itself at lease
 expiry, as after a crash), and the next operation reconnects.
 """
 
+_WAITING_TTL_S = 60
+"""How long a process stays registered as waiting after its last refused acquire.
+
+Each refused poll of a room's head extends it, so it must outlast the
+longest ``poll_interval_s`` in use; it bounds how long a process that died
+waiting can be sent wake-ups meant for the living (in a Cluster only: on one
+server a wake-up nobody hears unregisters its process at once).
+"""
+
 _RELEASE_RETRY_FIRST_S = 0.05
 """The first pause before a failed release is written again; it doubles up to the socket timeout."""
 
@@ -149,6 +161,7 @@ _EMPTY = bulk("")
 _AIMD_DECREASE = bulk("1")
 _NO_AIMD_DECREASE = bulk("0")
 _STATE_TTL_ARG = bulk(str(_STATE_TTL_S))
+_WAITING_TTL_ARG = bulk(str(_WAITING_TTL_S))
 _RELEASE_TAIL = bulks(
     (repr(AIMD_COOLOFF_S), repr(AIMD_FACTOR), str(_PROGRESS_TTL_S), str(_STATE_TTL_S))
 )
@@ -196,7 +209,10 @@ class RedisBackend:
         "__weakref__",
         "_deadlines",
         "_listeners",
+        "_listening",
         "_now",
+        "_proc",
+        "_proc_arg",
         "_retries",
         "_scope_keys",
         "_scripts",
@@ -206,6 +222,8 @@ class RedisBackend:
         "_spec_keys",
         "_timeout_s",
         "_url",
+        "_wake_tail",
+        "_wakeups",
         "_wire",
     )
 
@@ -277,13 +295,50 @@ class RedisBackend:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)
         self._retries: set[asyncio.TimerHandle] = set()
         self._listeners = ReleaseListeners()
+        self._listening: set[str] = set()
+        # Fleet-wide wake-ups (wakeups.py): this object's process id, its channel's listener.
+        self._proc = os.urandom(8).hex()
+        self._proc_arg = bulk(self._proc)
+        # On one server a PUBLISH counts every subscriber; in a Cluster only the node's own.
+        self._wake_tail = bulk("0" if mode == "cluster" else "1")
+        self._wakeups = (
+            Wakeups(
+                CHANNEL_PREFIX + self._proc,
+                self._subscribe_on(endpoint),
+                self._listeners.released,
+                timeout_s=socket_timeout_s,
+            )
+            if supports(endpoint)
+            else None
+        )
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
-        self._scope_keys: dict[str, tuple[Arg, Arg]] = {}
+        self._scope_keys: dict[str, tuple[Arg, ...]] = {}
         self._serial = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"RedisBackend(url={self._url!r})"
+
+    def _subscribe_on(self, endpoint: Endpoint) -> Callable[[], Coroutine[Any, Any, Endpoint]]:
+        """Where the wake-up subscription connects: the server written to, or any cluster node."""
+        wire = self._wire
+        if isinstance(wire, SentinelPrimary):
+            return functools.partial(wire.locate, endpoint)
+        if isinstance(wire, Cluster):
+            cluster, turn = wire, itertools.count()
+
+            async def any_node() -> Endpoint:
+                # Each attempt the next node owning slots (the seed first): one gone is passed.
+                nodes = [endpoint.address, *cluster.nodes()]
+                host, _, port = nodes[next(turn) % len(nodes)].rpartition(":")
+                return replace(endpoint, host=host, port=int(port))
+
+            return any_node
+
+        async def the_server() -> Endpoint:
+            return endpoint
+
+        return the_server
 
     # -- the one boundary where redis exceptions are translated ---------------------------
 
@@ -419,11 +474,18 @@ class RedisBackend:
             self._spec_keys[(scope, source)] = cached
         return cached
 
-    def _keys_of_scope(self, scope: str) -> tuple[Arg, Arg]:
-        """A scope's own keys (its sources, its progress mark), packed once per scope."""
+    def _keys_of_scope(self, scope: str) -> tuple[Arg, ...]:
+        """A scope's own keys (sources, progress mark, waiting registry), packed once per scope."""
         cached = self._scope_keys.get(scope)
         if cached is None:
-            cached = (bulk(codec.key(scope, "sources")), bulk(codec.key(scope, "progress")))
+            cached = bulks(
+                (
+                    codec.key(scope, "sources"),
+                    codec.key(scope, "progress"),
+                    codec.key(scope, "waiting"),
+                    codec.key(scope, "waiting_until"),
+                )
+            )
             if len(self._scope_keys) >= _MAX_SPEC_CACHE:
                 self._scope_keys.clear()
             self._scope_keys[scope] = cached
@@ -462,6 +524,13 @@ class RedisBackend:
         for spec in specs:
             keys += self._keys_of(scope, spec.name)
             argv += self._args_of(spec)
+        wakeups = self._wakeups
+        if wakeups is not None and scope in self._listening:
+            # Someone here waits for this scope's releases: a refusal registers the process.
+            if not wakeups.started:
+                wakeups.start()
+            keys += self._keys_of_scope(scope)[2:]
+            argv += (self._proc_arg, _WAITING_TTL_ARG)
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
@@ -529,7 +598,7 @@ class RedisBackend:
         """
         scope = lease.scope
         pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
-        keys = (*self._keys_of(scope, lease.source), self._keys_of_scope(scope)[1])
+        keys = (*self._keys_of(scope, lease.source), *self._keys_of_scope(scope)[1:])
         argv = (
             self._now_arg(),
             bulk(lease.lease_id),
@@ -538,10 +607,14 @@ class RedisBackend:
             _EMPTY if pause is None else bulk(repr(pause)),
             _EMPTY if outcome.tokens_used is None else bulk(str(int(outcome.tokens_used))),
             *_RELEASE_TAIL,
+            self._proc_arg,
+            bulk(scope),
+            self._wake_tail,
         )
 
         def freed(reply: Any) -> None:
-            # Whether or not anyone waits: a permit freed is announced to the scope's listeners.
+            # 1: the permit is this process's turn (or nobody waits): its waiters hear of it.
+            # 2: the fleet's turn went to another process, woken on its channel.
             if codec.is_one(reply):
                 self._listeners.released(scope)
 
@@ -640,8 +713,18 @@ class RedisBackend:
         return await self._eval("snapshot", scope, bulks(keys), (now_arg,), parse)
 
     def on_release(self, scope: str, listener: ReleaseListener) -> None:
-        """Call ``listener`` on every permit of ``scope`` this backend object frees."""
+        """Call ``listener`` when a permit of ``scope`` is this process's turn.
+
+        That is a permit this backend object frees while no other process of
+        the fleet has waited longer for one, or a permit freed anywhere in the
+        fleet whose wake-up names this process (``wakeups.py``): processes with
+        waiters take the releases in turn, least recently woken first.
+        """
         self._listeners.add(scope, listener)
+        self._listening.add(scope)
+        if self._wakeups is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: at the first acquire
+                self._wakeups.start()
 
     async def aclose(self) -> None:
         """Read the replies still due (releases written behind, work left behind), then close.
@@ -653,6 +736,8 @@ class RedisBackend:
         for handle in self._retries:
             handle.cancel()  # a closing backend stops writing; the leases expire
         self._retries.clear()
+        if self._wakeups is not None:
+            await self._wakeups.aclose()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._timeout_s):
                 await self._wire.drain()

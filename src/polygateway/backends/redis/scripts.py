@@ -29,6 +29,15 @@ Conventions shared by every script:
 - Leases: zset ``pgw:{scope}:leases:<source>`` (lease id -> expiry) and hash
   ``pgw:{scope}:lease_meta:<source>`` (lease id -> ``"<tokens> <ttl_s>"``);
   a lease with ``expiry <= now`` is dead and dropped at every operation.
+- Waiting registry (Redis-only queueing state, not policy: the memory backend
+  has no twin; research-wiki/designs/fleet-wakeups.md): zset
+  ``pgw:{scope}:waiting`` (process id -> when it was registered or last woken,
+  least recently woken first) and zset ``pgw:{scope}:waiting_until`` (process
+  id -> expiry, swept like leases). ACQUIRE registers a process it refuses for
+  want of a release and unregisters one it grants; RELEASE, when it frees a
+  permit, wakes the least recently woken live process on its channel
+  ``pgw:wake:<process id>`` (message: the scope). Both take these keys and
+  arguments last, optionally, so the policy half of each contract is unchanged.
 """
 
 from __future__ import annotations
@@ -46,10 +55,17 @@ ACQUIRE = """
 -- ARGV[4]  cost_tokens                  ARGV[5] state key TTL in seconds
 -- ARGV[6 + 9(i-1) ..] candidate i: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
 --          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit)
+-- Optional, last (n candidates; both or neither):
+-- KEYS[3n+2]       pgw:{scope}:waiting          zset: process id -> registered / last woken
+-- KEYS[3n+3]       pgw:{scope}:waiting_until    zset: process id -> registration expiry
+-- ARGV[6+9n]       the caller's process id      ARGV[7+9n] registration TTL in seconds
 -- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
 -- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
 -- half-open probe, then one (reason, reopen_in_s or "") pair per rejected candidate,
 -- in order. Candidates after the granted one are not examined (nor registered).
+-- With a process id: a grant unregisters the process; a refusal in which some candidate
+-- waits for a release (concurrency, probe_in_flight) registers it (a new member's score
+-- is now, an existing one keeps its score) and extends its registration by the TTL.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -217,7 +233,12 @@ local function examine(i, a)
 end
 
 local result = {0, 0}
-local count = (#ARGV - 5) / 9
+local count = math.floor((#ARGV - 5) / 9)
+local proc, wk, wuk
+if #ARGV - 5 - 9 * count == 2 then
+  proc, wk, wuk = ARGV[6 + 9 * count], KEYS[3 * count + 2], KEYS[3 * count + 3]
+end
+local for_release = false
 for i = 1, count do
   local reason, reopen, probe = examine(i, 5 + 9 * (i - 1))
   if reason == nil then
@@ -225,7 +246,14 @@ for i = 1, count do
     if probe then
       result[2] = 1
     end
+    if proc then
+      redis.call('ZREM', wk, proc)
+      redis.call('ZREM', wuk, proc)
+    end
     return result
+  end
+  if reason == 'concurrency' or reason == 'probe_in_flight' then
+    for_release = true
   end
   table.insert(result, reason)
   if reopen == nil then
@@ -233,6 +261,15 @@ for i = 1, count do
   else
     table.insert(result, fmt(reopen))
   end
+end
+-- Refused: a process waiting for a release is registered to be woken by one.
+if proc and for_release then
+  local wttl = tonumber(ARGV[7 + 9 * count])
+  redis.call('ZADD', wk, 'NX', now_s, proc)
+  redis.call('ZADD', wuk, fmt(now + wttl), proc)
+  local keep = math.ceil(wttl) + 1
+  redis.call('EXPIRE', wk, keep)
+  redis.call('EXPIRE', wuk, keep)
 end
 return result
 """
@@ -250,8 +287,17 @@ RELEASE = """
 --         set for rate_limited always and for success / transient only when hinted
 -- ARGV[6] tokens_used ("" = not reported)   ARGV[7] AIMD cool-off s   ARGV[8] AIMD factor
 -- ARGV[9] progress key TTL s               ARGV[10] state key TTL s
+-- Optional, last (all or none):
+-- KEYS[5] pgw:{scope}:waiting   KEYS[6] pgw:{scope}:waiting_until   (see ACQUIRE)
+-- ARGV[11] the releasing process's id   ARGV[12] the scope (the wake-up's message)
+-- ARGV[13] "1" when a PUBLISH that reaches no subscriber means the process is gone
+--          (one server); "0" when receivers are not counted here (a cluster's bus)
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
--- (then nothing but the dropping of dead leases happened).
+-- (then nothing but the dropping of dead leases happened). With the optional arguments,
+-- a freed permit wakes one registered process, the least recently woken live one (its
+-- score becomes now): itself, or nobody registered, returns 1 (the releasing process
+-- wakes its own waiters); another process is sent the scope on ``pgw:wake:<id>`` and 2
+-- is returned (the releasing process leaves the permit to it).
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -282,6 +328,43 @@ end
 redis.call('ZREM', lk, lease_id)
 redis.call('HDEL', mk, lease_id)
 
+-- The freed permit's one wake-up: the least recently woken live registered process.
+local function wake()
+  if #ARGV < 13 then
+    return 1
+  end
+  local wk, wuk, me = KEYS[5], KEYS[6], ARGV[11]
+  if redis.call('ZCARD', wk) == 0 then
+    return 1  -- nobody waits anywhere: the usual case costs one command
+  end
+  local gone = redis.call('ZRANGEBYSCORE', wuk, '-inf', now_s)
+  for first = 1, #gone, 1000 do
+    local last = math.min(first + 999, #gone)
+    redis.call('ZREM', wk, unpack(gone, first, last))
+    redis.call('ZREM', wuk, unpack(gone, first, last))
+  end
+  while true do
+    local head = redis.call('ZRANGE', wk, 0, 0)[1]
+    if head == nil then
+      return 1
+    end
+    if not redis.call('ZSCORE', wuk, head) then
+      redis.call('ZREM', wk, head)  -- its expiry was lost with its key: not live
+    else
+      redis.call('ZADD', wk, 'XX', now_s, head)
+      if head == me then
+        return 1
+      end
+      if redis.call('PUBLISH', 'pgw:wake:' .. head, ARGV[12]) > 0 or ARGV[13] ~= '1' then
+        return 2
+      end
+      -- Nobody listens on its channel: the process is gone (or not yet listening).
+      redis.call('ZREM', wk, head)
+      redis.call('ZREM', wuk, head)
+    end
+  end
+end
+
 local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_failures',
   'cooldown_s', 'cooldown_max_s', 'breaker', 'failures', 'trips', 'open_until', 'probe_id',
   'probe_until', 'limit', 'last_decrease', 'not_before', 'tpm_tokens', 'reopen_probe',
@@ -289,7 +372,7 @@ local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_
 local maxc = tonumber(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
-  return 1
+  return wake()
 end
 local tpm, tpm_cap = tonumber(h[2]), tonumber(h[3])
 local threshold, cooldown, cooldown_max = tonumber(h[4]), tonumber(h[5]), tonumber(h[6])
@@ -388,7 +471,7 @@ redis.call('EXPIRE', sk, math.max(tonumber(ARGV[10]), math.ceil(cooldown_max) + 
 if kind == 'success' then
   redis.call('SET', KEYS[4], now_s, 'EX', ARGV[9])
 end
-return 1
+return wake()
 """
 
 RENEW = """

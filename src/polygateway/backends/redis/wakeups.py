@@ -1,0 +1,201 @@
+"""Fleet-wide wake-ups: the backend hears on its own channel that a permit is its turn.
+
+Each ``RedisBackend`` has a process id (random, made at construction). While
+its waiting room of a scope is not empty, ACQUIRE keeps the id registered in
+the scope's waiting set (``scripts.py``), and a RELEASE anywhere in the fleet
+that frees a permit wakes the least recently woken registered process by
+publishing the scope on ``pgw:wake:<process id>``. This module is the
+listening half: one subscription per backend, opened when the first waiting
+room subscribes to the backend, through redis-py's ``PubSub`` (rare messages,
+no hot path; the pattern ``sentinel.py`` uses for ``+switch-master``). A
+message calls the backend's release listeners of its scope, so the head of
+that room asks at once. research-wiki/designs/fleet-wakeups.md has the why.
+
+Plain ``PUBLISH`` / ``SUBSCRIBE``, one channel per process whatever the
+number of scopes: the subscription is made once, to one server, and every
+scope's wake-ups reach it. On one server and behind Sentinel (where a
+primary's ``PUBLISH`` reaches its replicas' subscribers too) that server is
+the one the backend writes to; in a Cluster any node will do, since the
+cluster bus carries a ``PUBLISH`` to every node. Sharded pub/sub
+(``SPUBLISH``) would spare the bus but needs a channel per scope and slot and
+a subscription per node owning one, followed through every resharding: the
+design page says why that waits.
+
+A lost message costs its waiter one poll interval at most: the head of every
+room still polls, so this subscription only ever makes waiting shorter. It
+is remade after any failure, with a pause; a server that stops answering is
+noticed by a ``PING`` the subscription sends when it has been silent for a
+while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from polygateway.backends.redis import codec
+from polygateway.backends.redis.endpoint import Endpoint
+
+__all__ = ["CHANNEL_PREFIX", "Wakeups", "supports"]
+
+logger = logging.getLogger("polygateway.backends.redis")
+
+CHANNEL_PREFIX: Final = "pgw:wake:"
+"""A process's channel is this and its id (RELEASE publishes there; ``scripts.py``)."""
+
+_IDLE_PING_S: Final = 10.0
+"""A subscription silent this long is asked for a ``PONG``, which must come within the timeout."""
+
+_RETRY_S: Final = 1.0
+"""Pause before the subscription is made again after it failed or was lost."""
+
+_TICK_S: Final = 0.25
+"""How often the listening loop looks up from its reads: to ping, and to stop when closed.
+
+It stops on a flag rather than by cancellation: redis-py can swallow a
+cancellation that lands while it connects and leave its task waiting for
+ever, so the task is only cancelled when it does not stop by itself.
+"""
+
+
+class Wakeups:
+    """One backend's subscription to its own wake-up channel.
+
+    Args:
+        channel: ``pgw:wake:<process id>``.
+        where: the server to subscribe on, asked before each connection.
+        woken: called with the scope of each wake-up.
+        timeout_s: bounds connecting, subscribing and each ``PONG``.
+    """
+
+    __slots__ = (
+        "_channel",
+        "_closing",
+        "_listening",
+        "_timeout_s",
+        "_where",
+        "_woken",
+        "subscribed",
+    )
+
+    def __init__(
+        self,
+        channel: str,
+        where: Callable[[], Awaitable[Endpoint]],
+        woken: Callable[[str], None],
+        *,
+        timeout_s: float,
+    ) -> None:
+        self._channel = channel
+        self._where = where
+        self._woken = woken
+        self._timeout_s = timeout_s
+        self._listening: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        self.subscribed = asyncio.Event()
+        """Set while the subscription is confirmed by the server (tests wait for it)."""
+
+    @property
+    def started(self) -> bool:
+        """Whether the subscription was started (it is started once)."""
+        return self._listening is not None
+
+    def start(self) -> None:
+        """Start listening in the background (in the running event loop)."""
+        if self._listening is None and not self._closing.is_set():
+            self._listening = asyncio.get_running_loop().create_task(self._listen())
+
+    async def _listen(self) -> None:
+        """Subscribe, hand each message's scope to ``woken``; remake it after any failure."""
+        while not self._closing.is_set():
+            try:
+                endpoint = await self._where()
+                client = _client(endpoint, self._timeout_s)
+            except (RedisError, OSError, ValueError) as exc:
+                logger.debug("wake-up subscription: no server to subscribe on: %s", exc)
+            else:
+                try:
+                    await self._session(client)
+                except (RedisError, OSError, TimeoutError) as exc:
+                    # Waiters poll meanwhile; the next attempt is a pause away.
+                    logger.debug("wake-up subscription lost: %s", type(exc).__name__)
+                finally:
+                    self.subscribed.clear()
+                    with contextlib.suppress(RedisError, OSError):
+                        await client.aclose()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_RETRY_S):
+                    await self._closing.wait()
+
+    async def _session(self, client: aioredis.Redis) -> None:
+        async with client.pubsub() as pubsub:
+            async with asyncio.timeout(self._timeout_s):
+                await pubsub.subscribe(self._channel)
+                while await pubsub.get_message(timeout=self._timeout_s) is None:
+                    pass  # the subscription's confirmation
+            self.subscribed.set()
+            loop = asyncio.get_running_loop()
+            pinged_at: float | None = None
+            heard_at = loop.time()
+            while not self._closing.is_set():
+                message = await pubsub.get_message(timeout=_TICK_S)
+                now = loop.time()
+                if message is not None:
+                    heard_at, pinged_at = now, None
+                    self._handle(message)
+                elif pinged_at is not None and now - pinged_at > self._timeout_s:
+                    raise TimeoutError("no PONG on the wake-up subscription")
+                elif pinged_at is None and now - heard_at > _IDLE_PING_S:
+                    pinged_at = now
+                    await pubsub.ping()
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        if message.get("type") != "message":
+            return  # a PONG, a subscription's confirmation
+        self._woken(codec.text(message.get("data", b"")))
+
+    async def aclose(self) -> None:
+        """Stop listening and close the subscription's connection."""
+        self._closing.set()
+        listening, self._listening = self._listening, None
+        if listening is None or listening.done():
+            return
+        if listening.get_loop() is asyncio.get_running_loop():
+            # A connection under way is given its timeout, a read its tick (see _TICK_S).
+            await asyncio.wait({listening}, timeout=self._timeout_s + _TICK_S)
+        if not listening.done():
+            listening.cancel()
+
+
+def _client(endpoint: Endpoint, timeout_s: float) -> aioredis.Redis:
+    """A redis-py client for ``endpoint``'s server and login (not TLS: see ``supports``)."""
+    if endpoint.tls is not None:
+        raise ValueError("a TLS endpoint is not subscribed on")
+    common: dict[str, Any] = {
+        "username": endpoint.username,
+        "password": endpoint.password,
+        "credential_provider": endpoint.credential_provider,
+        "client_name": endpoint.client_name,
+        "socket_connect_timeout": endpoint.connect_timeout_s or timeout_s,
+        "retry": Retry(NoBackoff(), 0),  # a failure ends the session; _listen remakes it
+    }
+    if endpoint.path is not None:
+        return aioredis.Redis(unix_socket_path=endpoint.path, **common)
+    return aioredis.Redis(host=endpoint.host, port=endpoint.port, **common)
+
+
+def supports(endpoint: Endpoint) -> bool:
+    """Whether wake-ups can be heard from ``endpoint``'s server.
+
+    A ``rediss://`` server is not: redis-py's client takes TLS settings, not
+    the built context an ``Endpoint`` keeps, so its waiters poll as before.
+    """
+    return endpoint.tls is None

@@ -1,0 +1,237 @@
+"""Fleet-wide wake-ups on a real Redis: a release anywhere wakes one waiting process, in turn.
+
+Each ``RedisBackend`` object is a process of the fleet here (its own process
+id, its own subscription); the waiting rooms are the loop's own
+(``room_for``). research-wiki/designs/fleet-wakeups.md is the design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
+from polygateway.backends.redis import RedisBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings
+from polygateway.middleware.waiting import WaitingRoom, room_for
+from polygateway.simulator import FaultProfile, SimulatedUpstream
+from polygateway.testing import FakeClock
+
+SCOPE = "wake"
+SUCCESS = AttemptOutcome("success")
+BOUND_S = 10.0
+"""Bound on anything a test awaits, far below the poll intervals the tests set."""
+
+
+def spec(max_concurrency: int) -> SourceSpec:
+    return SourceSpec(name="a", max_concurrency=max_concurrency)
+
+
+@pytest.fixture
+async def fleet(redis_url: str) -> AsyncIterator[Callable[..., RedisBackend]]:
+    """Backends on one Redis, each a process of the fleet; closed after the test."""
+    made: list[RedisBackend] = []
+
+    def make(**kwargs: Any) -> RedisBackend:
+        backend = RedisBackend(redis_url, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        await backend.aclose()
+
+
+@pytest.fixture
+async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def listening(admin: aioredis.Redis, n: int) -> None:
+    """Wait until ``n`` processes are subscribed to their wake-up channels."""
+    async with asyncio.timeout(BOUND_S):
+        while len(await admin.pubsub_channels("pgw:wake:*")) < n:
+            await asyncio.sleep(0.01)
+
+
+async def waiting_ids(admin: aioredis.Redis) -> list[str]:
+    """The registered processes, least recently woken first."""
+    ids: list[str] = await admin.zrange(f"pgw:{{{SCOPE}}}:waiting", 0, -1)
+    return ids
+
+
+async def hold(backend: RedisBackend, n: int, capacity: int) -> list[Lease]:
+    """Take ``n`` permits of a source with ``capacity``."""
+    leases = []
+    for _ in range(n):
+        lease = (await backend.acquire(SCOPE, [spec(capacity)], ttl_s=1000.0)).lease
+        assert lease is not None
+        leases.append(lease)
+    return leases
+
+
+async def refused(backend: RedisBackend, capacity: int) -> None:
+    """An acquire refused for concurrency (as a waiting room's head's poll is)."""
+    result = await backend.acquire(SCOPE, [spec(capacity)], ttl_s=60.0)
+    assert result.lease is None
+    assert result.rejections[0].reason == "concurrency"
+
+
+def queued(backend: RedisBackend) -> WaitingRoom:
+    """The backend's room of the scope, with a call waiting in it (so a wake-up is counted)."""
+    room = room_for(backend, SCOPE)
+    room.enter()
+    return room
+
+
+async def woken(room: WaitingRoom, count: int) -> None:
+    async with asyncio.timeout(BOUND_S):
+        while room.wakeups < count:
+            await asyncio.sleep(0.005)
+
+
+async def test_a_release_wakes_a_waiter_of_another_process_long_before_its_poll(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """B's head waits on a 30 s timer; A's release elsewhere wakes it within a second."""
+    a, b = fleet(), fleet()
+    room_for(a, SCOPE)
+    room = room_for(b, SCOPE)
+    await listening(admin, 2)
+    (lease,) = await hold(a, 1, 1)
+    head = room.enter()
+    await refused(b, 1)
+    waiting = asyncio.ensure_future(room.wait(head, 30.0, asyncio.sleep))
+    began = time.monotonic()
+    await a.release(lease, SUCCESS)
+    async with asyncio.timeout(BOUND_S):
+        await waiting
+    assert time.monotonic() - began < 1.0
+    assert room.wakeups == 1
+    assert room_for(a, SCOPE).wakeups == 0, "A left the permit to B: no second asker"
+    room.leave(head)
+
+
+async def test_a_client_waiting_with_a_30s_poll_is_served_at_the_next_release_elsewhere(
+    redis_url: str,
+) -> None:
+    """Two clients, two backends, one permit: B's call is served right after A's, not at 15-30 s."""
+    async with SimulatedUpstream({"a": FaultProfile(latency_s=0.5)}) as sim:
+        source = {
+            "name": "a",
+            "protocol": "openai",
+            "base_url": sim.base_url("a"),
+            "model": "sim",
+            "api_key": "sk-wake-0123456789",
+            "max_concurrency": 1,
+        }
+        settings = GatewaySettings(
+            _env_file=None,
+            backend="redis",
+            redis_url=redis_url,
+            poll_interval_s=30.0,
+            scopes={SCOPE: {"kind": "chat", "sources": [source]}},
+        )
+        backends = (RedisBackend(redis_url), RedisBackend(redis_url))
+        clients = [ChatClient(settings, SCOPE, backend=b) for b in backends]
+        try:
+            messages = [{"role": "user", "content": "hi"}]
+            first = asyncio.ensure_future(clients[0].complete(messages, max_tokens=4))
+            await asyncio.sleep(0.2)  # A holds the one permit
+            began = time.monotonic()
+            async with asyncio.timeout(BOUND_S):
+                await clients[1].complete(messages, max_tokens=4)
+                await first
+            assert time.monotonic() - began < 2.0
+            assert sim.stats("a").max_concurrent == 1
+        finally:
+            for client in clients:
+                await client.aclose()
+            for backend in backends:
+                await backend.aclose()
+
+
+async def test_releases_wake_waiting_processes_in_turn_least_recently_woken_first(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Three waiting processes, four releases elsewhere: each woken once, then the first again."""
+    holder = fleet()
+    waiters = [fleet() for _ in range(3)]
+    rooms = [queued(w) for w in waiters]
+    await listening(admin, 3)
+    leases = await hold(holder, 4, 4)
+    for waiter in waiters:
+        await refused(waiter, 4)
+    assert len(await waiting_ids(admin)) == 3
+    for i, lease in enumerate(leases[:3]):
+        await holder.release(lease, SUCCESS)
+        await woken(rooms[i], 1)
+    assert [room.wakeups for room in rooms] == [1, 1, 1]
+    await holder.release(leases[3], SUCCESS)
+    await woken(rooms[0], 2)
+    await asyncio.sleep(0.1)
+    assert [room.wakeups for room in rooms] == [2, 1, 1]
+
+
+async def test_an_expired_registration_is_skipped_and_dropped(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A process not heard from for the registration TTL gets no wake-up; the next one does."""
+    clock = FakeClock()
+    holder, gone, alive = fleet(now=clock), fleet(now=clock), fleet(now=clock)
+    rooms = [queued(gone), queued(alive)]
+    await listening(admin, 2)
+    (lease,) = await hold(holder, 1, 1)
+    await refused(gone, 1)
+    clock.advance(50.0)
+    await refused(alive, 1)
+    clock.advance(20.0)  # gone's registration (60 s) has lapsed; alive's has not
+    await holder.release(lease, SUCCESS)
+    await woken(rooms[1], 1)
+    assert rooms[0].wakeups == 0
+    assert len(await waiting_ids(admin)) == 1
+
+
+async def test_a_registered_process_that_stopped_listening_is_skipped_at_once(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """On one server a wake-up nobody hears unregisters its process and goes to the next."""
+    holder, gone, alive = fleet(), fleet(), fleet()
+    queued(gone)
+    room = queued(alive)
+    await listening(admin, 2)
+    (lease,) = await hold(holder, 1, 1)
+    await refused(gone, 1)
+    await refused(alive, 1)
+    await gone.aclose()  # its registration stays behind, as a killed process's would
+    async with asyncio.timeout(BOUND_S):
+        while len(await admin.pubsub_channels("pgw:wake:*")) > 1:
+            await asyncio.sleep(0.01)
+    assert len(await waiting_ids(admin)) == 2
+    await holder.release(lease, SUCCESS)
+    await woken(room, 1)
+    assert len(await waiting_ids(admin)) == 1
+
+
+async def test_a_grant_unregisters_and_a_call_that_never_waits_registers_nothing(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Only a refusal registers a process; its next grant takes it off the waiting set."""
+    holder, waiter = fleet(), fleet()
+    room_for(waiter, SCOPE)
+    await listening(admin, 1)
+    (lease,) = await hold(holder, 1, 1)
+    assert await waiting_ids(admin) == []
+    await refused(waiter, 1)
+    assert len(await waiting_ids(admin)) == 1
+    await holder.release(lease, SUCCESS)
+    await hold(waiter, 1, 1)
+    assert await waiting_ids(admin) == []
