@@ -268,3 +268,162 @@ async def test_a_binding_emitter_learns_each_client_it_is_passed_to() -> None:
     assert [s.name for s in info.sources] == ["primary"]
     assert info.backend is backend
     assert info.waiting() == 0
+
+
+# --- every way a call can end has its outcome --------------------------------------------------
+
+
+async def _read_all(chat: ChatClient, **options: Any) -> None:
+    async with chat.stream(MESSAGES, **options) as stream:
+        async for _ in stream:
+            pass
+
+
+async def test_a_cut_stream_is_interrupted_and_one_past_its_deadline_is_deadline() -> None:
+    """A stream failing mid-way ends ``interrupted``; one flowing at its deadline, ``deadline``."""
+    from polygateway.errors import StreamInterrupted
+
+    clock = FakeClock()
+    recorder = Recorder()
+    events = chat_chunk_events(["a", "b", "c"])
+    script = [
+        StreamScript(events, fail_after=2),
+        StreamScript(events, gap_s=10.0),
+    ]
+    chat, _ = make_chat(clock, script, emitter=recorder)
+    with pytest.raises(StreamInterrupted):
+        await _read_all(chat)
+    with pytest.raises(AllSourcesExhausted) as caught:
+        await _read_all(chat, deadline_s=15.0)
+    assert caught.value.reason == "deadline"
+    assert recorder.call_outcomes() == ["interrupted", "deadline"]
+
+
+async def test_a_backend_failure_is_backend_error_and_a_bug_is_error() -> None:
+    """The backend failing ends ``backend_error``; an unexpected exception ends ``error``."""
+    from polygateway.errors import GovernanceBackendError
+    from polygateway.middleware.retry import LoopPolicy, RetryMW
+
+    clock = FakeClock()
+    recorder = Recorder()
+
+    class Broken(MemoryBackend):
+        __slots__ = ()
+
+        async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+            raise GovernanceBackendError("redis went away", operation="acquire")
+
+    chat, _ = make_chat(clock, [], backend=Broken(now=clock), emitter=recorder)
+    with pytest.raises(GovernanceBackendError):
+        await chat.complete(MESSAGES)
+    settings = gateway_settings("primary")
+    mw = RetryMW(
+        scope="chat",
+        sources=settings.scope("chat").sources,
+        policy=LoopPolicy(),
+        backend=MemoryBackend(now=clock),
+        now=clock,
+        sleep=BoundedSleep(clock, max_calls=10),
+        rng=random.Random(1),
+        emitter=recorder,
+    )
+
+    async def buggy(source: Any, ctx: Any) -> Any:
+        raise KeyError("a bug in the attempt function")
+
+    with pytest.raises(KeyError):
+        await mw.run(buggy)
+    assert recorder.call_outcomes() == ["backend_error", "error"]
+
+
+async def test_waits_add_up_over_the_queue_and_the_back_offs() -> None:
+    """Two failures with their back-offs, each counted into ``waited_s``, none lost."""
+    clock = FakeClock()
+    recorder = Recorder()
+    backend = MemoryBackend(now=clock)
+    chat = closing(
+        ChatClient(
+            gateway_settings(
+                {"name": "primary"}, max_attempts=3, backoff_base_s=2.0, backoff_cap_s=2.0
+            ),
+            backend=backend,
+            transport=FakeTransport(
+                [
+                    TransientError(status_code=500),
+                    TransientError(status_code=500),
+                    chat_completion(),
+                ],
+                clock=clock,
+            ),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=50),
+            rng=random.Random(3),
+            emitter=recorder,
+        )
+    )
+    await chat.complete(MESSAGES)
+    [call] = recorder.calls
+    # Two back-offs, each in [1, 2] s (equal jitter of a 2 s cap): their sum, not the last.
+    assert 2.0 <= call.waited_s <= 4.0
+    assert call.waited_s == pytest.approx(call.duration_s)
+
+
+class _RaisingAttempts:
+    """An emitter handed straight to a loop (no fan-out around it) that raises."""
+
+    def emit_attempt(self, record: AttemptRecord) -> None:
+        raise RuntimeError("down")
+
+    def emit_call(self, record: CallRecord) -> None:
+        raise RuntimeError("down")
+
+
+async def test_an_emitter_given_straight_to_the_loop_is_isolated_too() -> None:
+    """``RetryMW(emitter=...)`` wraps a bare emitter in the safe fan-out: the call is served."""
+    from polygateway.middleware.retry import LoopPolicy, RetryMW
+
+    clock = FakeClock()
+    settings = gateway_settings("primary")
+    mw = RetryMW(
+        scope="chat",
+        sources=settings.scope("chat").sources,
+        policy=LoopPolicy(),
+        backend=MemoryBackend(now=clock),
+        now=clock,
+        sleep=BoundedSleep(clock, max_calls=10),
+        rng=random.Random(1),
+        emitter=_RaisingAttempts(),
+    )
+
+    async def ok(source: Any, ctx: Any) -> str:
+        return "served"
+
+    assert (await mw.run(ok)).value == "served"
+
+
+async def test_a_cancelled_attempt_whose_release_fails_is_logged_scrubbed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cancelled mid-attempt and the release fails: CancelledError passes, the log has no key."""
+    from polygateway.errors import GovernanceBackendError
+
+    clock = FakeClock()
+    gate = Gate()
+
+    class BrokenRelease(MemoryBackend):
+        __slots__ = ()
+
+        async def release(self, *args: Any, **kwargs: Any) -> None:
+            raise GovernanceBackendError(
+                "release failed near sk-test-primary-secret", operation="release"
+            )
+
+    chat, _ = make_chat(clock, [gate], backend=BrokenRelease(now=clock))
+    task = asyncio.create_task(chat.complete(MESSAGES))
+    await gate.wait_entered()
+    with caplog.at_level(logging.WARNING, logger="polygateway.retry"):
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    [line] = [r.getMessage() for r in caplog.records if "release of a cancelled" in r.getMessage()]
+    assert "sk-test-primary-secret" not in line

@@ -56,10 +56,6 @@ class Deadline:
         """Whether the caller set a deadline."""
         return self.at != math.inf
 
-    def left(self) -> float:
-        """Seconds left (``inf`` without a deadline; negative once passed)."""
-        return self.at - self._now()
-
     def left_or_none(self) -> float | None:
         """Seconds left, or ``None`` without a deadline (what records and requests carry)."""
         return None if self.at == math.inf else self.at - self._now()

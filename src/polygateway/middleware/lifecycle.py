@@ -214,7 +214,6 @@ class GovernedClient:
                 field=f"scopes.{scope}.kind",
                 scope=scope,
             )
-        self._settings = settings
         self._config: ScopeConfig = config
         self._scope = scope
         self._now: Callable[[], float] = now if now is not None else time.monotonic  # edge
