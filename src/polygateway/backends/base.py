@@ -233,10 +233,13 @@ class Backend(Protocol):
         ...
 
     def on_release(self, scope: str, listener: ReleaseListener) -> None:
-        """Call ``listener`` each time this backend frees a permit of ``scope``.
+        """Call ``listener`` when a freed permit of ``scope`` is this process's to take.
 
-        At least every release made through this backend object; a backend
-        shared by a fleet may also report releases made elsewhere.
+        A backend of one process announces every permit it frees. A backend
+        shared by a fleet announces the permits whose turn falls to this
+        process: releases made elsewhere that woke it, and its own releases
+        unless it handed their turn to a process that waits (the Redis
+        backend's round robin, research-wiki/designs/fleet-wakeups.md).
         """
         ...
 
