@@ -402,3 +402,105 @@ async def test_a_backend_that_is_gone_leaves_the_scrape() -> None:
     assert "polygateway_source_limit" in names(scrape(registry))
     del backend
     assert names(scrape(registry)) == set()
+
+
+# --- what a scrape says of each gauge, the tpm bucket, and a failed read in the log -------------
+
+HELP = {
+    "polygateway_backend_up": (
+        "Whether the last read of the scope's governance state succeeded (1) or not (0)."
+    ),
+    "polygateway_gauges_age_seconds": (
+        "Age of the snapshot the live gauges show: 0 when read at this scrape."
+    ),
+    "polygateway_scope_calls_waiting": "Calls of the scope waiting for a permit in this process.",
+    "polygateway_scope_progress_age_seconds": (
+        "Seconds since the scope last served (fleet-wide on Redis); absent if never."
+    ),
+    "polygateway_source_permits_in_use": "Permits held at the source (fleet-wide on Redis).",
+    "polygateway_source_limit": "The source's current AIMD concurrency limit (permits).",
+    "polygateway_source_max_concurrency": (
+        "The source's configured max_concurrency: the ceiling of its AIMD limit."
+    ),
+    "polygateway_source_breaker_state": (
+        "The source's circuit breaker: 1 for its current state, 0 for the others."
+    ),
+    "polygateway_source_breaker_reopen_seconds": (
+        "Seconds until an open breaker admits its probe; 0 when not open."
+    ),
+    "polygateway_source_consecutive_failures": (
+        "Failures in a row the breaker has counted at the source."
+    ),
+    "polygateway_source_paused_seconds": (
+        "Seconds the source stays paused (Retry-After, overload); 0 when not paused."
+    ),
+    "polygateway_source_rpm_tokens": (
+        "Requests left in the source's rpm bucket; absent without an rpm limit."
+    ),
+    "polygateway_source_tpm_tokens": (
+        "Tokens left in the source's tpm bucket; absent without a tpm limit."
+    ),
+}
+
+
+async def test_every_gauge_says_what_it_measures_in_its_help_line() -> None:
+    """The ``# HELP`` a scrape carries for each gauge: what the metric browser shows users."""
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    chat, _ = make_chat(
+        clock,
+        [chat_completion("ok")],
+        registry,
+        sources=({"name": "primary", "max_concurrency": 4, "rpm": 600, "tpm": 6000},),
+    )
+    await chat.complete(MESSAGES)
+    documented = {
+        family.name: family.documentation
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    for name, help_text in HELP.items():
+        assert documented.get(name) == help_text, name
+
+
+async def test_a_tpm_limit_shows_the_tokens_left_in_its_bucket() -> None:
+    """With tpm = 6000 (a 100-token burst) and a call that used 10: about 90 tokens left."""
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    chat, _ = make_chat(
+        clock,
+        [chat_completion("ok", prompt_tokens=6, completion_tokens=4)],
+        registry,
+        sources=({"name": "primary", "max_concurrency": 4, "tpm": 6000},),
+    )
+    await chat.complete(MESSAGES)
+    left = value(scrape(registry), "polygateway_source_tpm_tokens", scope="chat", source="primary")
+    assert left == pytest.approx(90.0)
+
+
+async def test_a_read_failing_from_a_bug_is_logged_with_its_scope_and_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A backend's own failure is a debug line; anything else a warning naming scope and error."""
+    import logging
+
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    backend = _Unreadable(clock)
+    backend.error = None
+    chat, _ = make_chat(clock, [chat_completion("ok")], registry, backend=backend)
+    await chat.complete(MESSAGES)
+    with caplog.at_level(logging.DEBUG, logger="polygateway"):
+        backend.error = GovernanceBackendError("connection refused", operation="snapshot")
+        scrape(registry)
+        backend.error = RuntimeError("a bug in a backend")
+        scrape(registry)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "live gauges" in r.getMessage()]
+    debug = [message for level, message in lines if level == logging.DEBUG]
+    assert any(
+        m.startswith("live gauges of scope chat: backend read failed: ") and "refused" in m
+        for m in debug
+    ), lines
+    assert (
+        logging.WARNING,
+        "live gauges of scope chat: read failed: RuntimeError('a bug in a backend')",
+    ) in lines
