@@ -109,7 +109,9 @@ class _Class:
 
     def __init__(self, share: float) -> None:
         self.share = share
-        self.flows: dict[str, list[Waiter]] = {}  # per tenant, sorted by ticket
+        # Per tenant, sorted by ticket. A deque: the head leaves in O(1) however many
+        # wait (the target "10,000 waiting calls cost no more CPU per call than 1,000").
+        self.flows: dict[str, deque[Waiter]] = {}
         self.rotation: deque[str] = deque()  # tenants with waiters, the next served first
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
@@ -194,7 +196,7 @@ class WaitingRoom:
             klass.pass_ = max(klass.pass_, min(active) if active else self._vtime)
         flow = klass.flows.get(tenant)
         if flow is None:
-            flow = klass.flows[tenant] = []
+            flow = klass.flows[tenant] = deque()
             klass.rotation.append(tenant)
         ticket = waiter.ticket
         if not flow or flow[-1].ticket < ticket:
@@ -239,7 +241,10 @@ class WaitingRoom:
         klass = self._classes[waiter.priority_class]
         tenant = waiter.tenant
         flow = klass.flows[tenant]
-        flow.remove(waiter)
+        if flow[0] is waiter:
+            flow.popleft()
+        else:
+            flow.remove(waiter)
         klass.waiting -= 1
         self._count -= 1
         if granted:
