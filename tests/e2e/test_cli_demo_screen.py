@@ -10,16 +10,12 @@ The same check by hand (README, "The demo's last screen")::
 from __future__ import annotations
 
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 from cli_run import DEMO_TIMEOUT_S, cli_command, cli_env
 
 from polygateway.cli.demo_report import LEGEND
-
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 WIDTH, HEIGHT = 120, 40
 

@@ -20,18 +20,14 @@ import asyncio
 import contextlib
 import re
 import shlex
-import shutil
 from pathlib import Path
 
-import pytest
 from cli_run import cli_command, cli_env
 
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
 from polygateway.errors import GatewayError
 from polygateway.simulator import FaultProfile, SimulatedUpstream
-
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 WIDTH, HEIGHT = 120, 40
 SCOPE = "fleet"

@@ -172,7 +172,7 @@ class SentinelPrimary:
                 finally:
                     await client.aclose()
             self._subscribed.set()  # tried them all: the first connection waits no longer
-            await asyncio.sleep(self._timeout_s)
+            await asyncio.sleep(self._timeout_s)  # edge: a real pause between real Sentinel rounds
 
     def _announced(self, message: dict[str, Any]) -> None:
         """``<master> <old ip> <old port> <new ip> <new port>``: leave a primary not the new one."""
