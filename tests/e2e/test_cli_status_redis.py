@@ -213,10 +213,12 @@ def test_status_watch_reports_every_period_and_ends_cleanly_on_ctrl_c(
 ) -> None:
     """``status --watch --json``: a document per period until SIGINT, which ends it with exit 0."""
     (tmp_path / "polygateway.toml").write_text(status_config(redis_url))
+    # faulthandler: a process still running 15 s after SIGINT is sent SIGABRT, and the
+    # failure then shows where every thread of it was.
     proc = subprocess.Popen(
         cli_command("status", "--watch", "0.2", "--json"),
         cwd=tmp_path,
-        env=cli_env(),
+        env={**cli_env(), "PYTHONFAULTHANDLER": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -225,7 +227,12 @@ def test_status_watch_reports_every_period_and_ends_cleanly_on_ctrl_c(
         assert proc.stdout is not None
         first = [proc.stdout.readline() for _ in range(3)]
         proc.send_signal(signal.SIGINT)
-        rest, stderr = proc.communicate(timeout=15)
+        try:
+            rest, stderr = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, stacks = proc.communicate(timeout=15)
+            pytest.fail(f"status --watch --json still ran 15 s after SIGINT:\n{stacks}")
     finally:
         if proc.poll() is None:
             proc.kill()
