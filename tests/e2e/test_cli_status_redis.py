@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cli_run import DEMO_TIMEOUT_S, RunCli, cli_command, cli_env
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
