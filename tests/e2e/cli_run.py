@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,15 @@ def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env.pop("COLUMNS", None)
     env.update(extra or {})
     return env
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a CLI a test ends with SIGINT: Ctrl+C's default disposition.
+
+    A test run started in the background of a non-interactive shell ignores
+    SIGINT, and a child inherits that: without this, SIGINT would not reach it.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def cli_command(*args: str) -> list[str]:

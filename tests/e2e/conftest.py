@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from cli_run import Ran, RunCli, cli_command, cli_env
+from cli_run import Ran, RunCli, cli_command, cli_env, interruptible
 
 
 @pytest.fixture
@@ -43,6 +43,7 @@ def simulator() -> Iterator[str]:
     proc = subprocess.Popen(
         cli_command("simulate", "--sources", "a", "--port", "0"),
         env=cli_env(),
+        preexec_fn=interruptible,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_run import DEMO_TIMEOUT_S, RunCli, cli_command, cli_env
+from cli_run import DEMO_TIMEOUT_S, RunCli, cli_command, cli_env, interruptible
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -220,6 +220,7 @@ def test_status_watch_reports_every_period_and_ends_cleanly_on_ctrl_c(
         cli_command("status", "--watch", "0.2", "--json"),
         cwd=tmp_path,
         env={**cli_env(), "PYTHONFAULTHANDLER": "1"},
+        preexec_fn=interruptible,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
