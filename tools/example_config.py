@@ -41,6 +41,8 @@ GATEWAY_NOTES: dict[str, str] = {
     "redis_mode": '"standalone", "cluster" (redis_url: any node) or "sentinel"',
     "redis_sentinels": 'sentinel mode: ["host:26379", ...]; redis_url = "redis://:PW@/DB"',
     "redis_sentinel_master": "sentinel mode: the name the Sentinels monitor the primary under",
+    "redis_replica_acks": "replicas that must WAIT-acknowledge a grant; 0: off (not cluster)",
+    "redis_replica_ack_timeout_s": "their deadline; 0: half of redis_socket_timeout_s",
     "transport": '"httpx" or "aiohttp" (the aiohttp extra)',
     "stall_window_s": "non-productive waiting per call (<= 3600)",
     "max_attempts": "failed attempts (429 excepted in chat) before retry_exhausted",

@@ -1,4 +1,4 @@
-"""Real Redis topologies for the tests: a 3-master Cluster, a primary with a replica and a Sentinel.
+"""Real Redis topologies for tests: a 3-master Cluster, a Sentinel setup, a replica made to lag.
 
 Every process listens on a free loopback port with its own temporary
 directory, and is stopped (thawed first when frozen) by the fixture that
@@ -8,11 +8,13 @@ fails the test with the servers' logs, never a skip.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -319,4 +321,144 @@ class SentinelSetup:
 
     def stop(self) -> None:
         for process in (self.sentinel, self.replica, self.primary):
+            process.stop()
+
+
+class DelayLine:
+    """A TCP relay on 127.0.0.1 that can hold what flows one way: a replica made to lag.
+
+    A replica told to replicate from ``port`` receives its primary's stream
+    through here. ``lag(seconds)`` delays every byte from the primary by that
+    much from then on (the replica falls that far behind; its acknowledgements
+    flow back at once); ``cut()`` drops what is held and closes every
+    connection, as a primary's death loses the stream it had not delivered
+    yet. It runs its own event loop in a thread, so the test's loop may block
+    on a synchronous client meanwhile.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._lag_s = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+        future.result(timeout=_START_S)
+
+    async def _serve(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One replica connection: to the primary at once, from the primary after the lag."""
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self._writers += (writer, up_writer)
+        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._tasks += (
+            loop.create_task(self._pump(reader, up_writer)),
+            loop.create_task(self._hold(up_reader, held)),
+            loop.create_task(self._release(held, writer)),
+        )
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+        writer.close()
+
+    async def _hold(
+        self, reader: asyncio.StreamReader, held: asyncio.Queue[tuple[float, bytes]]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        while data := await reader.read(65536):
+            held.put_nowait((loop.time() + self._lag_s, data))
+
+    async def _release(
+        self, held: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
+    ) -> None:
+        """Deliver in arrival order, each chunk once its time has come."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due, data = await held.get()
+            await asyncio.sleep(max(0.0, due - loop.time()))  # edge: a real delay line
+            writer.write(data)
+
+    def lag(self, seconds: float) -> None:
+        """Delay what the primary sends from now on by ``seconds``."""
+        self._lag_s = seconds
+
+    def cut(self) -> None:
+        """Drop what is held, close every connection and stop accepting new ones."""
+        asyncio.run_coroutine_threadsafe(self._cut(), self._loop).result(timeout=_STOP_S)
+
+    async def _cut(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._writers:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        await asyncio.sleep(0)  # one turn: the aborted transports close their sockets
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.cut()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=_STOP_S)
+        self._loop.close()
+
+
+class LaggingReplica:
+    """A primary and a replica that replicates through a ``DelayLine``, promoted by hand."""
+
+    def __init__(self, directory: Path) -> None:
+        # The first full sync at once, not after the default 5 s wait for more replicas.
+        self.primary = Process(
+            directory / "primary", "redis-server", "--repl-diskless-sync-delay", "0"
+        )
+        self.replica = Process(directory / "replica", "redis-server")
+        self.line: DelayLine | None = None
+
+    def start(self) -> None:
+        self.primary.start()
+        self.line = DelayLine(self.primary.port)
+        self.line.start()
+        self.replica.args = ("--replicaof", "127.0.0.1", str(self.line.port))
+        self.replica.start()
+        # Synced is not enough: after a diskless sync the primary counts the replica for WAIT
+        # only from its first acknowledgement (one a second).
+        wait_for("the replica to acknowledge", self._acknowledging)
+
+    def _acknowledging(self) -> bool:
+        with self.primary.client() as client:
+            return bool(client.execute_command("WAIT", 1, 100) == 1)
+
+    def caught_up(self) -> None:
+        """Wait until the replica acknowledged everything the primary wrote."""
+        with self.primary.client() as client:
+            assert client.execute_command("WAIT", 1, 5000) == 1
+
+    def fail_over(self) -> None:
+        """The primary dies with the stream it had not delivered; the replica is promoted."""
+        assert self.line is not None
+        self.line.cut()
+        self.primary.kill()
+        with self.replica.client() as client:
+            client.execute_command("REPLICAOF", "NO", "ONE")
+
+    def stop(self) -> None:
+        if self.line is not None:
+            self.line.stop()
+        for process in (self.replica, self.primary):
             process.stop()

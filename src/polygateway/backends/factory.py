@@ -29,8 +29,8 @@ __all__ = ["shared_backend"]
 _MEMORY: dict[int, Backend] = {}
 """``id(settings)`` -> its memory backend, for as long as the settings object lives."""
 
-_REDIS: dict[tuple[str, str, tuple[str, ...], str], Backend] = {}
-"""Redis URL (password included, never printed) and topology -> its backend."""
+_REDIS: dict[tuple[str, str, tuple[str, ...], str, int, float], Backend] = {}
+"""Redis URL (password included, never printed), topology and replica acks -> its backend."""
 
 
 def shared_backend(settings: GatewaySettings) -> Backend:
@@ -49,7 +49,14 @@ def shared_backend(settings: GatewaySettings) -> Backend:
         return backend
     url = settings.get_redis_url()
     sentinels = tuple(settings.redis_sentinels)
-    topology = (url, settings.redis_mode, sentinels, settings.redis_sentinel_master)
+    topology = (
+        url,
+        settings.redis_mode,
+        sentinels,
+        settings.redis_sentinel_master,
+        settings.redis_replica_acks,
+        settings.redis_replica_ack_timeout_s,
+    )
     backend = _REDIS.get(topology)
     if backend is None:
         backend = _REDIS[topology] = _redis_backend(url, settings)
@@ -72,5 +79,7 @@ def _redis_backend(url: str, settings: GatewaySettings) -> Backend:
         mode=settings.redis_mode,
         sentinels=settings.redis_sentinels,
         sentinel_master=settings.redis_sentinel_master,
+        replica_acks=settings.redis_replica_acks,
+        replica_ack_timeout_s=settings.redis_replica_ack_timeout_s,
     )
     return backend

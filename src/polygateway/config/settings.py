@@ -16,6 +16,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     Field,
+    NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     SecretStr,
@@ -49,6 +51,7 @@ __all__ = [
     "PROGRESS_TTL_S",
     "GatewaySettings",
     "RedisMode",
+    "redis_replica_acks_problem",
     "redis_topology_problem",
     "sentinel_address",
 ]
@@ -119,6 +122,39 @@ def redis_topology_problem(
     return None
 
 
+def redis_replica_acks_problem(
+    mode: str, acks: int, ack_timeout_s: float, socket_timeout_s: float
+) -> tuple[str, str] | None:
+    """What makes the replica-ack opt-in unusable, as ``(field, message)``; ``None`` when fine.
+
+    The one rule for the settings (at load) and for a ``RedisBackend`` built in
+    code (research-wiki/guides/redis-fleet.md, "Replica lag").
+    """
+    if acks < 0:
+        return "redis_replica_acks", f"redis_replica_acks must be >= 0 (0: off), not {acks}"
+    if ack_timeout_s < 0:
+        return "redis_replica_ack_timeout_s", (
+            f"redis_replica_ack_timeout_s must be >= 0 (0: half of redis_socket_timeout_s), "
+            f"not {ack_timeout_s:g}"
+        )
+    if acks == 0:
+        return None
+    if mode == "cluster":
+        # A script redirected to another node (MOVED, ASK) would leave its WAIT behind on the
+        # node it was first sent to, which would acknowledge another shard's replication.
+        return "redis_replica_acks", (
+            'redis_replica_acks is not supported with redis_mode = "cluster" (a redirected '
+            "acquire would be acknowledged by the wrong shard's replicas); use 0"
+        )
+    if ack_timeout_s >= socket_timeout_s:
+        return "redis_replica_ack_timeout_s", (
+            f"redis_replica_ack_timeout_s ({ack_timeout_s:g}) must be below "
+            f"redis_socket_timeout_s ({socket_timeout_s:g}): an acquire waits for both its "
+            "script and its acknowledgement within the socket timeout"
+        )
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class _Loading:
     """What ``load`` hands to the constructor: the file's values and its name for messages."""
@@ -184,6 +220,8 @@ class GatewaySettings(BaseSettings):
     redis_mode: RedisMode = "standalone"
     redis_sentinels: list[str] = Field(default_factory=list)
     redis_sentinel_master: str = ""
+    redis_replica_acks: NonNegativeInt = 0
+    redis_replica_ack_timeout_s: NonNegativeFloat = 0.0
     transport: Literal["httpx", "aiohttp"] = "httpx"
     stall_window_s: PositiveFloat = 300.0
     max_attempts: PositiveInt = 3
@@ -221,6 +259,7 @@ class GatewaySettings(BaseSettings):
         check_env_names(type(self).model_fields, key_names, env_file, settings_cls=GatewaySettings)
         self._check_stall_covers_ttft(origin("stall_window_s"))
         self._check_redis_topology(origin)
+        self._check_replica_acks(origin)
         # .env is read with GatewaySettings' own configuration, as for the class itself.
         resolved = resolve_api_keys(self.scopes, env_file, path, settings_cls=GatewaySettings)
         if resolved is not self.scopes:
@@ -357,6 +396,19 @@ class GatewaySettings(BaseSettings):
         """Refuse a Redis topology that cannot work (``redis_topology_problem``), at load."""
         problem = redis_topology_problem(
             self.redis_mode, self.get_redis_url(), self.redis_sentinels, self.redis_sentinel_master
+        )
+        if problem is not None:
+            field, message = problem
+            path, env = origin(field)
+            raise ConfigError(message, field=field, path=path, env=env)
+
+    def _check_replica_acks(self, origin: Callable[[str], Origin]) -> None:
+        """Refuse a replica-ack opt-in that cannot work (``redis_replica_acks_problem``)."""
+        problem = redis_replica_acks_problem(
+            self.redis_mode,
+            self.redis_replica_acks,
+            self.redis_replica_ack_timeout_s,
+            self.redis_socket_timeout_s,
         )
         if problem is not None:
             field, message = problem

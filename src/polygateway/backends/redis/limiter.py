@@ -45,6 +45,19 @@ again, with a growing pause, until its lease would have expired anyway: a
 lease id is released once, whoever runs it twice, so the permit is freed on
 whichever primary serves next instead of being lost for a lease's TTL.
 
+Replica acknowledgements (``replica_acks``, off by default): Redis
+replicates asynchronously, so a replica promoted while behind has not seen
+the leases its old primary granted last, and the fleet may then admit them
+twice (research-wiki/guides/redis-fleet.md, "Replica lag"). With
+``replica_acks = N`` every ACQUIRE is followed, in the same write, by
+``WAIT N timeout``: one round trip still, as Redis runs the WAIT after the
+script and answers both together. A grant acknowledged by fewer than N
+replicas within the timeout is given back at once and the acquire fails
+closed (``GovernanceBackendError``), so no call runs on a lease a promoted
+replica would not know. A refusal's WAIT is ignored. The price: WAIT holds
+this process's connection until the replicas answer, so its commands queue
+behind each acquire for a replica round trip. Off, no WAIT is ever sent.
+
 Late replies: an operation's caller waits for its reply at most
 ``socket_timeout_s`` (``_wait``, ``bounded.py``). A caller that stops waiting
 (its timeout, or its own cancellation) leaves the operation behind: the
@@ -100,7 +113,12 @@ from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups, supports
 from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.config.masking import mask_url, scrub, url_secrets
-from polygateway.config.settings import RedisMode, redis_topology_problem, sentinel_address
+from polygateway.config.settings import (
+    RedisMode,
+    redis_replica_acks_problem,
+    redis_topology_problem,
+    sentinel_address,
+)
 from polygateway.errors import ConfigError, GovernanceBackendError
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
 from polygateway.governance.pacer import pause_for
@@ -203,10 +221,18 @@ class RedisBackend:
             password and database; the Sentinels name the primary).
         sentinels: ``host:port`` of each Sentinel (``mode="sentinel"`` only).
         sentinel_master: the name the Sentinels monitor the primary under.
+        replica_acks: replicas that must acknowledge a grant (``WAIT``) before
+            it is handed out; 0, the default, sends no ``WAIT`` (see the module
+            docstring, "Replica acknowledgements"). Not with ``mode="cluster"``.
+        replica_ack_timeout_s: how long the replicas may take; 0 means half of
+            ``socket_timeout_s``, and it must stay below it.
     """
 
     __slots__ = (
         "__weakref__",
+        "_ack_command",
+        "_ack_timeout_s",
+        "_acks",
         "_deadlines",
         "_listeners",
         "_listening",
@@ -237,6 +263,8 @@ class RedisBackend:
         mode: RedisMode = "standalone",
         sentinels: Sequence[str] = (),
         sentinel_master: str | None = None,
+        replica_acks: int = 0,
+        replica_ack_timeout_s: float = 0.0,
     ) -> None:
         self._url = mask_url(url)
         self._secrets = url_secrets(url)
@@ -248,6 +276,10 @@ class RedisBackend:
         problem = redis_topology_problem(mode, url, tuple(sentinels), sentinel_master)
         if problem is None and client is not None and mode != "standalone":
             problem = ("redis_mode", f"redis_mode = {mode!r} takes a URL, not a client")
+        if problem is None:
+            problem = redis_replica_acks_problem(
+                mode, replica_acks, replica_ack_timeout_s, socket_timeout_s
+            )
         if problem is not None:
             raise ConfigError(problem[1], field=problem[0])
         # socket_timeout_s (or an injected client's own connect timeout) bounds connecting:
@@ -267,6 +299,11 @@ class RedisBackend:
             ) from exc
 
         self._timeout_s = socket_timeout_s
+        self._acks = replica_acks
+        self._ack_timeout_s = replica_ack_timeout_s or socket_timeout_s / 2
+        # WAIT's timeout is whole milliseconds, and 0 would mean "for ever".
+        wait_ms = max(1, round(self._ack_timeout_s * 1000))
+        self._ack_command = command("WAIT", str(replica_acks), str(wait_ms))
         self._deadlines = Deadlines(socket_timeout_s)
         self._now = now
         self._scripts = {
@@ -560,7 +597,56 @@ class RedisBackend:
             if lease is not None:
                 self._release(lease, _CANCELLED, waited=False)
 
+        if self._acks:
+            return await self._acquire_acknowledged(scope, keys, argv, parse, give_back)
         return await self._eval("acquire", scope, keys, argv, parse, give_back)
+
+    async def _acquire_acknowledged(
+        self,
+        scope: str,
+        keys: Sequence[Arg],
+        argv: Sequence[Arg],
+        parse: Callable[[Any], AcquireResult],
+        give_back: Late,
+    ) -> AcquireResult:
+        """ACQUIRE and ``WAIT`` written together; a grant the replicas did not acknowledge fails.
+
+        Module docstring, "Replica acknowledgements". Raises
+        ``GovernanceBackendError`` after giving the grant back.
+        """
+
+        def parse_acknowledged(replies: tuple[Any, Any]) -> AcquireResult:
+            result = parse(replies[0])
+            lease = result.lease
+            acks = replies[1]
+            if lease is None or (isinstance(acks, int) and acks >= self._acks):
+                return result  # a refusal wrote nothing worth waiting for
+            self._release(lease, _CANCELLED, waited=False)
+            heard = f"{acks} of {self._acks}" if isinstance(acks, int) else f"none ({acks})"
+            raise GovernanceBackendError(
+                f"redis acquire failed at {self._url}: granted, but acknowledged by {heard}"
+                f" replicas within {self._ack_timeout_s:g} s, so given back"
+                " (redis_replica_acks)",
+                operation="acquire",
+                scope=scope,
+            )
+
+        def late(replies: tuple[Any, Any]) -> None:
+            give_back(replies[0])
+
+        reply = Reply(
+            asyncio.get_running_loop().create_future(),
+            late,
+            "acquire",
+            scope,
+            self._late_failure,
+        )
+        wire = self._wire.route(scope)
+        both = _Acknowledged(reply, wire, self._ack_command)
+        script = self._scripts["acquire"]
+        wire.send(script.command(keys, argv), both.ran, script)
+        wire.send(self._ack_command, both.acknowledged)
+        return await self._wait("acquire", scope, reply, parse_acknowledged)
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit and record the outcome in one RELEASE run, written behind.
@@ -742,6 +828,48 @@ class RedisBackend:
             async with asyncio.timeout(self._timeout_s):
                 await self._wire.drain()
         await self._wire.aclose()
+
+
+_NOT_YET: Any = object()
+
+
+class _Acknowledged:
+    """An ACQUIRE's reply and its ``WAIT``'s, handed on together to one ``Reply``.
+
+    Redis runs one connection's commands in order, so a ``WAIT`` answered
+    after its script counts the replicas holding what the script wrote. One
+    answered first acknowledged older writes: the script was sent again behind
+    it (loaded again after ``NOSCRIPT``, or to a new primary after
+    ``READONLY``), so another ``WAIT`` follows the script's reply, a second
+    round trip in that rare case only.
+    """
+
+    __slots__ = ("_ack_command", "_early", "_ran", "_reply", "_wire")
+
+    def __init__(self, reply: Reply, wire: Wire, ack_command: bytes) -> None:
+        self._reply = reply
+        self._wire = wire
+        self._ack_command = ack_command
+        self._ran: Any = _NOT_YET
+        self._early = False
+
+    def ran(self, reply: Any) -> None:
+        """The script's reply (a value, or an exception)."""
+        self._ran = reply
+        if self._early:
+            self._early = False
+            if isinstance(reply, BaseException):
+                self._reply(reply)
+            else:
+                self._wire.send(self._ack_command, self.acknowledged)
+
+    def acknowledged(self, reply: Any) -> None:
+        """The ``WAIT``'s reply: the replicas that acknowledged, or an exception."""
+        ran = self._ran
+        if ran is _NOT_YET:
+            self._early = True
+            return
+        self._reply(ran if isinstance(ran, BaseException) else (ran, reply))
 
 
 def _worth_retrying(exc: BaseException) -> bool:
