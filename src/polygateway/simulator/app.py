@@ -559,7 +559,7 @@ class _Endpoint:
             job = await self.parse(request, body, source)
         if isinstance(job, _Job) and job.plan is not None:
             route = f"{route}_stream"
-        recorder.arrive(route)
+        recorder.arrive(route, request.headers.get("traceparent"))
         try:
             if isinstance(job, Response):
                 recorder.finish("bad_request", job.status_code)

@@ -58,6 +58,9 @@ class SourceStats:
         arrivals: monotonic arrival time (``time.monotonic()``) of each request
             that reached the source, in order, whatever its outcome.
         since: monotonic time the record began (creation or ``reset_stats``).
+        traceparents: the W3C ``traceparent`` header of each request that carried
+            one, in arrival order (what a client's trace propagation sent; no
+            other header is kept: they may hold keys).
     """
 
     name: str
@@ -70,6 +73,7 @@ class SourceStats:
     max_concurrent: int
     arrivals: tuple[float, ...]
     since: float
+    traceparents: tuple[str, ...] = ()
 
     def outcome(self, outcome: Outcome) -> int:
         """Requests that ended with ``outcome`` (0 when none did)."""
@@ -109,13 +113,16 @@ class SourceRecorder:
     max_concurrent: int = 0
     arrivals: list[float] = field(default_factory=list)
     since: float = 0.0
+    traceparents: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Start the record at creation time."""
         self.since = self.now()
 
-    def arrive(self, route: str) -> None:
-        """Count a request that reached the source and is now open."""
+    def arrive(self, route: str, traceparent: str | None = None) -> None:
+        """Count a request that reached the source and is now open (with its ``traceparent``)."""
+        if traceparent is not None:
+            self.traceparents.append(traceparent)
         self.requests += 1
         self.by_route[route] += 1
         self.arrivals.append(self.now())
@@ -141,6 +148,7 @@ class SourceRecorder:
         self.limits_hit.clear()
         self.max_concurrent = self.current_concurrent
         self.arrivals.clear()
+        self.traceparents.clear()
         self.since = self.now()
 
     def snapshot(self) -> SourceStats:
@@ -156,6 +164,7 @@ class SourceRecorder:
             max_concurrent=self.max_concurrent,
             arrivals=tuple(self.arrivals),
             since=self.since,
+            traceparents=tuple(self.traceparents),
         )
 
 
