@@ -43,6 +43,7 @@ from polygateway.models import (
 from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.openai import ParsedChat
 from polygateway.transport.wire import (
+    add_headers,
     endpoint,
     key_header,
     malformed_body,
@@ -51,6 +52,7 @@ from polygateway.transport.wire import (
     req_list,
     req_obj,
     req_str,
+    response_model,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MessagesStreamReader",
     "event_has_content",
+    "event_model",
     "finish_reason",
     "messages_request",
     "parse_messages_response",
@@ -354,6 +357,7 @@ def messages_request(
     ttft_timeout_s: float | None = None,
     idle_timeout_s: float | None = None,
     on_hint: HintSink | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
     """The request of one chat completion to an Anthropic ``source`` (``POST {base_url}/messages``).
 
@@ -366,7 +370,8 @@ def messages_request(
     last, winning over any of the same name (as the openai SDK merges it).
     A stream carries the TTFT timeout as its ``timeout_s``, which runs to the
     first content (``event_has_content``), and the idle timeout separately;
-    each defaults to ``timeout_s``.
+    each defaults to ``timeout_s``. ``extra_headers`` (trace context) are
+    added where the request has no header of the name (``wire.add_headers``).
 
     Raises:
         TransientError: ``request_rejected``, for messages or parameters the
@@ -398,11 +403,14 @@ def messages_request(
         body["stream"] = True
     if extra := params.get("extra_body"):
         body.update(extra)
+    headers = _headers(source)
+    if extra_headers:
+        add_headers(headers, extra_headers)
     return HttpRequest(
         name,
         endpoint(source, "messages"),
         (ttft_timeout_s or timeout_s) if stream else timeout_s,  # timeout_s
-        headers=_headers(source),
+        headers=headers,
         json=body,
         idle_timeout_s=(idle_timeout_s or timeout_s) if stream else None,
         connect_timeout_s=source.connect_timeout_s,
@@ -526,6 +534,13 @@ def streamed_arguments(joined: str) -> str:
 
 
 # --- The stream ----------------------------------------------------------------------------
+
+
+def event_model(event: Any) -> str | None:
+    """The model a stream names: in its ``message_start`` event, else ``None``."""
+    if type(event) is dict and event.get("type") == "message_start":
+        return response_model(event.get("message"))
+    return None
 
 
 def event_has_content(event: Any) -> bool:

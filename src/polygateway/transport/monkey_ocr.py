@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from polygateway.models import LayoutBlock
 from polygateway.transport.files import detect_kind, filename_for, media_type_for
 from polygateway.transport.http import HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
+    add_headers,
     endpoint,
     malformed_body,
     opt_int,
@@ -58,15 +60,23 @@ def _upload(
     *,
     timeout_s: float,
     params: dict[str, str] | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
-    """A multipart upload of ``data`` as the ``file`` part; the client sets the boundary."""
+    """A multipart upload of ``data`` as the ``file`` part; the client sets the boundary.
+
+    ``extra_headers`` (trace context) are added where the request has no
+    header of the name (``wire.add_headers``).
+    """
     kind = detect_kind(data)
     media_type = media_type_for(kind) if kind is not None else _OCTET_STREAM
+    headers = source_headers(source)
+    if extra_headers:
+        add_headers(headers, extra_headers)
     return HttpRequest(
         source=source.name,
         url=endpoint(source, path),
         timeout_s=timeout_s,
-        headers=source_headers(source),
+        headers=headers,
         files={"file": (filename, data, media_type)},
         params=params,
         connect_timeout_s=source.connect_timeout_s,
@@ -74,18 +84,36 @@ def _upload(
 
 
 def text_request(
-    source: SourceConfig, data: bytes, filename: str, *, timeout_s: float
+    source: SourceConfig,
+    data: bytes,
+    filename: str,
+    *,
+    timeout_s: float,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
     """The request recognising the text of one image or PDF (``POST {base_url}/ocr/text``)."""
-    return _upload(source, "ocr/text", data, filename, timeout_s=timeout_s)
+    return _upload(
+        source, "ocr/text", data, filename, timeout_s=timeout_s, extra_headers=extra_headers
+    )
 
 
 def parse_request(
-    source: SourceConfig, data: bytes, filename: str, *, timeout_s: float
+    source: SourceConfig,
+    data: bytes,
+    filename: str,
+    *,
+    timeout_s: float,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
     """The request parsing a document's layout (``POST {base_url}/parse``, content list JSON)."""
     return _upload(
-        source, "parse", data, filename, timeout_s=timeout_s, params={"return_type": _CONTENT_LIST}
+        source,
+        "parse",
+        data,
+        filename,
+        timeout_s=timeout_s,
+        params={"return_type": _CONTENT_LIST},
+        extra_headers=extra_headers,
     )
 
 

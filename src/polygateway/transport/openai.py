@@ -25,6 +25,7 @@ from polygateway.models import (
 )
 from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
 from polygateway.transport.wire import (
+    add_headers,
     json_target,
     malformed_body,
     opt_int,
@@ -32,6 +33,7 @@ from polygateway.transport.wire import (
     req_list,
     req_obj,
     req_str,
+    response_model,
 )
 
 if TYPE_CHECKING:
@@ -81,6 +83,20 @@ class ParsedChat:
     choices: tuple[Choice, ...] = ()
     """Every choice; the fields above are those of the first (``n > 1`` asks for more)."""
 
+    def response_model(self) -> str | None:
+        """The model the answer names (``model``), for telemetry; ``None`` when it names none."""
+        return response_model(self.raw)
+
+    def finish_reasons(self) -> tuple[str, ...]:
+        """The finish reason of each choice that has one, for telemetry."""
+        choices = self.choices
+        if len(choices) == 1:  # the common answer, without a generator
+            reason = choices[0].finish_reason
+            return (reason,) if reason else ()
+        if not choices:
+            return (self.finish_reason,) if self.finish_reason else ()
+        return tuple(c.finish_reason for c in choices if c.finish_reason)
+
 
 def _passthrough(params: Mapping[str, Any]) -> dict[str, Any]:
     """Caller parameters for the body; ``None`` means unset, and ours cannot be overridden.
@@ -111,6 +127,7 @@ def chat_request(
     ttft_timeout_s: float | None = None,
     idle_timeout_s: float | None = None,
     on_hint: HintSink | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
     """The request of one chat completion to ``source``.
 
@@ -120,7 +137,8 @@ def chat_request(
     asks for usage in its last chunk and carries the TTFT timeout as its
     ``timeout_s`` and the idle timeout separately; each defaults to
     ``timeout_s``. Its TTFT runs to the first chunk with content
-    (``chunk_has_content``).
+    (``chunk_has_content``). ``extra_headers`` (trace context) are added
+    where the request has no header of the name (``wire.add_headers``).
     """
     body: dict[str, Any] = _passthrough(params) if params else {}
     body["model"] = source.model
@@ -133,6 +151,8 @@ def chat_request(
     if params:
         _with_extra(body, params)
     url, headers = json_target(source, "chat/completions")
+    if extra_headers:
+        add_headers(headers, extra_headers)
     return HttpRequest(
         source.name,
         url,
@@ -431,13 +451,19 @@ def embedding_request(
     *,
     timeout_s: float,
     on_hint: HintSink | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
-    """The request embedding one batch of ``texts`` at ``source``; ``extra_body`` merged last."""
+    """The request embedding one batch of ``texts`` at ``source``; ``extra_body`` merged last.
+
+    ``extra_headers`` are added as ``chat_request`` adds them.
+    """
     body: dict[str, Any] = _passthrough(params)
     body["model"] = source.model
     body["input"] = list(texts)
     _with_extra(body, params)
     url, headers = json_target(source, "embeddings")
+    if extra_headers:
+        add_headers(headers, extra_headers)
     return HttpRequest(
         source=source.name,
         url=url,

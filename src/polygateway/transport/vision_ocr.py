@@ -9,6 +9,7 @@ job, and the OCR client rejects them before any request is built.
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from polygateway.transport.files import FileKind, media_type_for
@@ -50,8 +51,11 @@ def text_request(
     *,
     timeout_s: float,
     on_hint: HintSink | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> HttpRequest:
     """The chat completion request transcribing one image at ``source``.
+
+    ``extra_headers`` (trace context) are added as ``chat_request`` adds them.
 
     Raises:
         ValueError: for a PDF (the client must reject it before this point).
@@ -63,6 +67,7 @@ def text_request(
         stream=False,
         timeout_s=timeout_s,
         on_hint=on_hint,
+        extra_headers=extra_headers,
     )
 
 

@@ -9,6 +9,7 @@ client.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
 __all__ = [
+    "add_headers",
     "endpoint",
     "json_target",
     "key_header",
@@ -27,6 +29,7 @@ __all__ = [
     "req_list",
     "req_obj",
     "req_str",
+    "response_model",
     "source_headers",
 ]
 
@@ -68,6 +71,48 @@ def source_headers(source: SourceConfig, *, content_type: str | None = None) -> 
         headers[key[0]] = key[1]
     headers.update(source.headers)
     return headers
+
+
+_NEVER_ADDED = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "host",
+    }
+)
+"""Names ``add_headers`` never takes: credentials, and what the transport writes itself."""
+
+
+def add_headers(headers: dict[str, str], extra: Mapping[str, str] | None) -> dict[str, str]:
+    """``headers`` with ``extra`` added where the request has no header of the name (any case).
+
+    For what telemetry adds to an attempt (trace context): it never replaces
+    the source's key or a header the source configured, and never adds a
+    credential or framing header (``_NEVER_ADDED``: a multipart upload's
+    content type is the transport's, with its boundary).
+    """
+    if extra:
+        have = {name.lower() for name in headers}
+        for name, value in extra.items():
+            lower = name.lower()
+            if lower not in have and lower not in _NEVER_ADDED:
+                headers[name] = value
+    return headers
+
+
+def response_model(body: Any) -> str | None:
+    """The ``model`` an answer (or a stream's chunk) names, when it names one as a string."""
+    if type(body) is dict:
+        model = body.get("model")
+        if type(model) is str and model:
+            return model
+    return None
 
 
 _JSON = "application/json"
