@@ -39,6 +39,7 @@ from polygateway.middleware.lifecycle import GovernedClient, InFlight
 from polygateway.models import AttemptRecord, ChatChunk, ChatResponse
 from polygateway.transport.anthropic import (
     MessagesStreamReader,
+    event_model,
     messages_request,
     parse_messages_response,
     streamed_arguments,
@@ -54,6 +55,7 @@ from polygateway.transport.openai import (
 )
 from polygateway.transport.params import ChatCheck
 from polygateway.transport.structured import AnswerFormat, answer_format
+from polygateway.transport.wire import response_model
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -101,6 +103,7 @@ class _RequestBuilder(Protocol):
         ttft_timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         on_hint: HintSink | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> HttpRequest: ...
 
 
@@ -112,12 +115,14 @@ class _ChatWire:
     back the same function every time, a stateful one a fresh reader.
     ``stream_arguments`` writes a streamed tool call's joined argument pieces
     as the protocol's completion writes them (``None``: as they came).
+    ``event_model`` reads the model a stream event names, if it names one.
     """
 
     request: _RequestBuilder
     parse_response: Callable[[Any], ParsedChat]
     chunk_reader: Callable[[], _ChunkParser]
     stream_arguments: Callable[[str], str] | None = None
+    event_model: Callable[[Any], str | None] = response_model
 
 
 def _openai_chunks() -> _ChunkParser:
@@ -131,7 +136,11 @@ def _anthropic_chunks() -> _ChunkParser:
 _WIRES: dict[str, _ChatWire] = {
     "openai": _ChatWire(chat_request, parse_chat_response, _openai_chunks),
     "anthropic": _ChatWire(
-        messages_request, parse_messages_response, _anthropic_chunks, streamed_arguments
+        messages_request,
+        parse_messages_response,
+        _anthropic_chunks,
+        streamed_arguments,
+        event_model,
     ),
 }
 """The wire of each chat protocol, looked up once per attempt (never per chunk)."""
@@ -227,12 +236,20 @@ class ChatClient(GovernedClient):
             wire = _WIRES[source.protocol]
             sent = params if answer is None else answer.params(source.protocol, params)
             request = wire.request(
-                source, checked, sent, stream=False, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+                source,
+                checked,
+                sent,
+                stream=False,
+                timeout_s=ctx.timeout_s,
+                on_hint=ctx.see_hint,
+                extra_headers=ctx.headers,
             )
             parsed = wire.parse_response(await transport.send(request))
             if answer is not None:
                 parsed = answer.read(source.protocol, parsed)
             ctx.usage = parsed.usage
+            ctx.response_model = parsed.response_model()
+            ctx.finish_reasons = parsed.finish_reasons()
             return parsed
 
         try:
@@ -412,6 +429,7 @@ class ChatStream:
             ttft_timeout_s=ctx.ttft_timeout_s,
             idle_timeout_s=ctx.idle_timeout_s,
             on_hint=ctx.see_hint,
+            extra_headers=ctx.headers,
         )
         if ctx.deadline_in_s is not None:
             # The stream's end: the transport cuts it there, however well it flows.
@@ -444,11 +462,16 @@ class ChatStream:
                     opened.ended = True
                     break
                 raise
+            if not self._delivered and ctx.response_model is None:
+                # Named by the events before the first chunk (every OpenAI chunk, Anthropic's
+                # message_start): looked for no further, as it is per event.
+                ctx.response_model = opened.wire.event_model(event)
             chunk = opened.parse(event, source)
             if chunk.usage is not None:
                 ctx.usage = chunk.usage
             if chunk.finish_reason is not None:
                 opened.finish_seen = True
+                ctx.finish_reasons = (chunk.finish_reason,)
             # Worth handing to the caller: content, or usage once content has begun. A bare
             # role announcement is not, nor usage before any content (vLLM's continuous
             # usage stats): a source that stalls after it still fails over, as its TTFT says.

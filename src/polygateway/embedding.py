@@ -59,6 +59,7 @@ from polygateway.transport.openai import (
     parse_embedding_response,
 )
 from polygateway.transport.params import check_embedding_params
+from polygateway.transport.wire import response_model
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
@@ -526,10 +527,17 @@ class EmbeddingClient(GovernedClient):
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> _Batch:
             on_admitted()
             request = embedding_request(
-                source, texts, params, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+                source,
+                texts,
+                params,
+                timeout_s=ctx.timeout_s,
+                on_hint=ctx.see_hint,
+                extra_headers=ctx.headers,
             )
-            vectors, usage = parse_embedding_response(await transport.send(request), len(texts))
+            body = await transport.send(request)
+            vectors, usage = parse_embedding_response(body, len(texts))
             ctx.usage = usage
+            ctx.response_model = response_model(body)
             return _Batch(vectors, usage)
 
         left = None if deadline_at is None else max(0.0, deadline_at - self._now())

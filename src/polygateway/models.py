@@ -57,6 +57,9 @@ class AttemptRecord:
 
     ``outcome`` is ``"success"``, a failure class, or ``"cancelled"``.
     Times are seconds of the injected monotonic clock; ``ttft_s`` is set for streams.
+    ``response_model`` is the model the answer names (a provider may serve an
+    alias with a dated model), and ``finish_reasons`` the finish reason of
+    each choice, as far as the attempt read them: metadata, never content.
     """
 
     call_id: str
@@ -72,6 +75,8 @@ class AttemptRecord:
     permit_wait_s: float = 0.0
     stalled_s: float = 0.0
     error: str | None = None
+    response_model: str | None = None
+    finish_reasons: tuple[str, ...] = ()
 
 
 CallOutcome = Literal[

@@ -276,18 +276,29 @@ class OcrClient(GovernedClient):
         async def attempt(source: SourceConfig, ctx: AttemptContext) -> _Read:
             if source.protocol == "vision_ocr":
                 request = vision_ocr.text_request(
-                    source, data, kind, timeout_s=ctx.timeout_s, on_hint=ctx.see_hint
+                    source,
+                    data,
+                    kind,
+                    timeout_s=ctx.timeout_s,
+                    on_hint=ctx.see_hint,
+                    extra_headers=ctx.headers,
                 )
                 parsed = parse_chat_response(await transport.send(request))
                 ctx.usage = parsed.usage
+                ctx.response_model = parsed.response_model()
+                ctx.finish_reasons = parsed.finish_reasons()
                 return _Read(parsed.text, (), "", parsed.raw)
             name = filename_for(kind)
             if op == "parse_layout":
-                request = monkey_ocr.parse_request(source, data, name, timeout_s=ctx.timeout_s)
+                request = monkey_ocr.parse_request(
+                    source, data, name, timeout_s=ctx.timeout_s, extra_headers=ctx.headers
+                )
                 body = await transport.send(request)
                 blocks, markdown = monkey_ocr.parse_layout_response(body)
                 return _Read("", blocks, markdown, body)
-            request = monkey_ocr.text_request(source, data, name, timeout_s=ctx.timeout_s)
+            request = monkey_ocr.text_request(
+                source, data, name, timeout_s=ctx.timeout_s, extra_headers=ctx.headers
+            )
             body = await transport.send(request)
             return _Read(monkey_ocr.parse_text_response(body), (), "", body)
 

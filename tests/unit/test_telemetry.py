@@ -110,6 +110,8 @@ class TestRecords:
         )
         ctx.usage = Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10)
         ctx.ttft_s = 0.125
+        ctx.response_model = "model-2024"
+        ctx.finish_reasons = ("length",)
         made = attempt_record(
             ctx, scope="chat", outcome="transient", status_code=502, error="boom", ended_at=104.0
         )
@@ -127,6 +129,8 @@ class TestRecords:
             "permit_wait_s": 0.25,
             "stalled_s": 0.5,
             "error": "boom",
+            "response_model": "model-2024",
+            "finish_reasons": ("length",),
         }
 
     def test_records_are_frozen(self) -> None:

@@ -11,7 +11,7 @@ cancellation-safe (``backends/base.py``), and a failing backend is logged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from polygateway.backends.base import AttemptOutcome, Backend, Lease
@@ -40,9 +40,14 @@ _log = logging.getLogger("polygateway.retry")
 class AttemptContext:
     """One attempt's effective timeouts (clipped to the deadline) and what it reports back.
 
-    The attempt function sets ``usage`` (tpm reconciliation, telemetry) and,
-    for streams, ``ttft_s``; ``see_hint`` (a request's ``on_hint``) keeps what
-    the answer's headers announce about the source's limits. ``permit_wait_s``
+    The attempt function sets ``usage`` (tpm reconciliation, telemetry),
+    ``response_model`` and ``finish_reasons`` when its answer names them
+    (telemetry), and, for streams, ``ttft_s``; ``see_hint`` (a request's
+    ``on_hint``) keeps what the answer's headers announce about the source's
+    limits. ``headers`` are extra request headers telemetry asks this attempt
+    to send (trace context, research-wiki/guides/observability.md): the
+    attempt function hands them to its request builder, which never lets
+    them replace a header of the source's own. ``permit_wait_s``
     and ``stalled_s`` describe the wait before the attempt, for its telemetry
     record. ``deadline_in_s`` is the time left before the call's deadline when
     the attempt began (``None``: no deadline): a stream's request carries it,
@@ -53,10 +58,13 @@ class AttemptContext:
         "attempt",
         "call_id",
         "deadline_in_s",
+        "finish_reasons",
+        "headers",
         "hint",
         "idle_timeout_s",
         "lease",
         "permit_wait_s",
+        "response_model",
         "stalled_s",
         "started_at",
         "timeout_s",
@@ -91,6 +99,9 @@ class AttemptContext:
         self.usage: Usage | None = None
         self.ttft_s: float | None = None
         self.hint: ServerHint | None = None
+        self.headers: Mapping[str, str] | None = None
+        self.response_model: str | None = None
+        self.finish_reasons: tuple[str, ...] = ()
 
     def see_hint(self, hint: ServerHint) -> None:
         """Keep what the answer's headers announced (``HttpRequest.on_hint``)."""

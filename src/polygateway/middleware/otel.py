@@ -17,13 +17,24 @@ emitted without their call span). A call's span is a child of the context
 current when the call's first record arrived: the caller's, since the loop
 runs attempts and ends calls in the caller's task.
 
+With ``propagate=True`` a header sent upstream must name a span that will be
+exported, so spans are started live instead: the emitter's
+``attempt_headers`` hook (``telemetry.HeadersEmitter``), called as each
+attempt begins, starts the call's span on the first attempt (dated from the
+call's start, a child of the caller's current span) and the attempt's span
+beneath it, and returns the attempt's ``traceparent`` (and whatever else the
+global propagator writes, ``opentelemetry.propagate.inject``); the records
+end them. Without propagation the hook is ``None`` and the loop never calls it.
+
 Operation names: ``chat.*`` is ``chat``, ``embed`` is ``embeddings``, and
 OCR (``ocr.*``: an image in, text out) is ``generate_content``, the
 conventions' multimodal operation; ``polygateway.operation`` keeps the
-client's own name. Never recorded: prompts, completions, error messages (a
-provider's error body may quote the prompt) or anything of a source's key.
-``gen_ai.response.model`` and ``gen_ai.response.finish_reasons`` are not set:
-records do not carry them.
+client's own name. ``gen_ai.response.model`` and
+``gen_ai.response.finish_reasons`` come from the attempt's record (the
+answer's ``model`` and each choice's finish reason); a call's span takes
+those of the attempt that served it. Never recorded: prompts, completions,
+error messages (a provider's error body may quote the prompt) or anything
+of a source's key.
 """
 
 from __future__ import annotations
@@ -32,13 +43,13 @@ import importlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 from polygateway.errors import ConfigError
 from polygateway.middleware.gauges import BREAKER_STATES, SyncSnapshot
-from polygateway.middleware.telemetry import ClientInfo
+from polygateway.middleware.telemetry import AttemptStart, ClientInfo
 from polygateway.models import AttemptRecord, CallRecord
 
 if TYPE_CHECKING:
@@ -157,12 +168,40 @@ class _Pending:
         self.attempts: list[tuple[AttemptRecord, int]] = []
 
 
+class _Live:
+    """A call whose spans were started as it ran (trace propagation): open until its record.
+
+    ``context`` holds the call's span, the parent of its attempts' spans;
+    ``attempts`` are the attempt spans still open, by attempt number;
+    ``last`` is the latest attempt record, the serving one once the call is served.
+    """
+
+    __slots__ = ("attempts", "context", "last", "span")
+
+    def __init__(self, span: Any, context: Any) -> None:
+        self.span = span
+        self.context = context
+        self.attempts: dict[int, Any] = {}
+        self.last: AttemptRecord | None = None
+
+    def end(self, end_ns: int) -> None:
+        """End every span still open (a call whose record never came)."""
+        for span in self.attempts.values():
+            span.end(end_time=end_ns)
+        self.attempts.clear()
+        self.span.end(end_time=end_ns)
+
+
 class OpenTelemetryEmitter:
     """A CLIENT span per call with one child per attempt, GenAI metrics, and live gauges.
 
     Args:
         tracer_provider: where spans go; the global provider when omitted.
         meter_provider: where metrics go; the global provider when omitted.
+        propagate: send the trace context of each attempt's span upstream
+            (``traceparent``, through the globally configured propagator,
+            ``opentelemetry.propagate.inject``); spans are then started as
+            the call runs rather than made from its records.
 
     Metrics: ``gen_ai.client.operation.duration`` (s, per call),
     ``gen_ai.client.token.usage`` ({token}, per call, ``gen_ai.token.type``
@@ -185,7 +224,9 @@ class OpenTelemetryEmitter:
         "_clients",
         "_context",
         "_get_tracer_provider",
+        "_inject",
         "_kind",
+        "_live",
         "_meter",
         "_no_op_providers",
         "_observation",
@@ -202,13 +243,17 @@ class OpenTelemetryEmitter:
         "_tracer",
         "_tracer_provider",
         "_ttfc",
+        "attempt_headers",
     )
 
-    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    def __init__(
+        self, tracer_provider: Any = None, meter_provider: Any = None, *, propagate: bool = False
+    ) -> None:
         try:
             trace = importlib.import_module("opentelemetry.trace")
             metrics = importlib.import_module("opentelemetry.metrics")
             context = importlib.import_module("opentelemetry.context")
+            propagation = importlib.import_module("opentelemetry.propagate")
         except ImportError as exc:
             raise ConfigError(
                 "OpenTelemetryEmitter needs opentelemetry-api: install polygateway[otel]"
@@ -225,6 +270,12 @@ class OpenTelemetryEmitter:
         self._set_span_in_context = trace.set_span_in_context
         self._status_error = trace.Status(trace.StatusCode.ERROR)
         self._observation = metrics.Observation
+        self._inject = propagation.inject
+        # The fan-out (``Emitters``) calls the hook only when it is set: without
+        # propagation the loop pays nothing for it and spans stay retroactive.
+        self.attempt_headers: Callable[[AttemptStart], Mapping[str, str] | None] | None = (
+            self._attempt_headers if propagate else None
+        )
         self._call_duration = self._meter.create_histogram(
             "gen_ai.client.operation.duration",
             unit="s",
@@ -244,6 +295,7 @@ class OpenTelemetryEmitter:
             explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
         )
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._live: OrderedDict[str, _Live] = OrderedDict()
         self._sources: dict[tuple[str, str], SourceConfig] = {}
         self._operations: dict[str, str] = {}
         """GenAI operation by scope (its clients' kind), for attempts whose call never ended."""
@@ -253,7 +305,8 @@ class OpenTelemetryEmitter:
         self._clients: list[ClientInfo] = []
 
     def __repr__(self) -> str:
-        return f"OpenTelemetryEmitter(clients={len(self._clients)})"
+        propagate = ", propagate=True" if self.attempt_headers is not None else ""
+        return f"OpenTelemetryEmitter(clients={len(self._clients)}{propagate})"
 
     # --- records -> spans and metrics ------------------------------------------------
 
@@ -279,18 +332,70 @@ class OpenTelemetryEmitter:
         self._traced = not isinstance(provider, self._no_op_providers)
         return self._traced
 
+    def _operation(self, name: str) -> str:
+        """The GenAI operation of a client operation, remembered."""
+        operation = self._op_names.get(name)
+        if operation is None:
+            operation = self._op_names[name] = _operation(name)
+        return operation
+
+    def _attempt_headers(self, start: AttemptStart) -> Mapping[str, str] | None:
+        """Start the attempt's span (and, on its first, the call's); its trace context, injected.
+
+        Runs in the caller's task as the attempt begins, so the call's span is
+        a child of the caller's current span; the call's span is dated from
+        the call's start (``call_elapsed_s`` before now). Both stay open until
+        their records arrive (``emit_attempt``, ``emit_call``), at most for the
+        latest ``_MAX_PENDING_CALLS`` calls.
+        """
+        if not self._tracing():
+            return None
+        now_ns = time.time_ns()  # the edge: spans are dated by the wall clock
+        shape = self._shape(start.scope, start.source, self._operation(start.operation))
+        live = self._live.get(start.call_id)
+        if live is None:
+            parent = self._context.get_current()
+            span = self._tracer.start_span(
+                shape.name,
+                context=parent,
+                kind=self._kind,
+                attributes=shape.metric,
+                start_time=now_ns - int(start.call_elapsed_s * 1e9),
+            )
+            live = self._live[start.call_id] = _Live(span, self._set_span_in_context(span, parent))
+            if len(self._live) > _MAX_PENDING_CALLS:
+                _, lost = self._live.popitem(last=False)
+                lost.end(now_ns)
+        span = self._tracer.start_span(
+            shape.name,
+            context=live.context,
+            kind=self._kind,
+            attributes=shape.metric,
+            start_time=now_ns,
+        )
+        live.attempts[start.attempt] = span
+        carrier: dict[str, str] = {}
+        self._inject(carrier, context=self._set_span_in_context(span, live.context))
+        return carrier
+
     def emit_attempt(self, record: AttemptRecord) -> None:
-        """Keep the attempt until its call ends; record the time to first chunk of a stream."""
+        """End the attempt's live span, or keep the record until its call ends; stream TTFT."""
         if self._tracing():
             end_ns = time.time_ns()  # the edge: spans are dated by the wall clock
-            pending = self._pending.get(record.call_id)
-            if pending is None:
-                pending = self._pending[record.call_id] = _Pending(self._context.get_current())
-                if len(self._pending) > _MAX_PENDING_CALLS:
-                    _, lost = self._pending.popitem(last=False)
-                    operation = self._operations.get(record.scope) or "chat"
-                    self._attempt_spans(lost.attempts, lost.context, operation)
-            pending.attempts.append((record, end_ns))
+            live = self._live.get(record.call_id) if self._live else None
+            span = None if live is None else live.attempts.pop(record.attempt, None)
+            if live is not None and span is not None:
+                live.last = record
+                self._end_attempt_span(span, record, end_ns)
+            else:
+                pending = self._pending.get(record.call_id)
+                if pending is None:
+                    pending = self._pending[record.call_id] = _Pending(self._context.get_current())
+                    if len(self._pending) > _MAX_PENDING_CALLS:
+                        _, lost = self._pending.popitem(last=False)
+                        operation = self._operations.get(record.scope) or "chat"
+                        self._attempt_spans(lost.attempts, lost.context, operation)
+                pending.attempts.append((record, end_ns))
         if record.ttft_s is not None:
             shape = self._shape(record.scope, record.source, "chat")
             self._ttfc.record(record.ttft_s, shape.metric)
@@ -298,16 +403,19 @@ class OpenTelemetryEmitter:
     def emit_call(self, record: CallRecord) -> None:
         """The call's span, its attempts' spans beneath it, and the call's metrics."""
         pending = self._pending.pop(record.call_id, None) if self._pending else None
-        operation = self._op_names.get(record.operation)
-        if operation is None:
-            operation = self._op_names[record.operation] = _operation(record.operation)
+        live = self._live.pop(record.call_id, None) if self._live else None
+        operation = self._operation(record.operation)
         # The span names the source that served, else the last one tried.
         name = record.source
         if name is None and pending is not None and pending.attempts:
             name = pending.attempts[-1][0].source
+        if name is None and live is not None and live.last is not None:
+            name = live.last.source
         shape = self._shape(record.scope, name, operation)
         failed = record.outcome != "served"
-        if self._tracing():
+        if live is not None:
+            self._end_call_span(live, record, shape, operation, pending, failed)
+        elif self._tracing():
             self._call_span(record, shape, operation, pending, failed)
         metric = shape.metric if not failed else {**shape.metric, "error.type": record.outcome}
         self._call_duration.record(record.duration_s, metric)
@@ -338,28 +446,68 @@ class OpenTelemetryEmitter:
         )
         # Sampled out, nothing below is kept: skip building it.
         if span.is_recording():
-            attrs: dict[str, Any] = {
-                "polygateway.operation": record.operation,
-                "polygateway.call_id": record.call_id,
-                "polygateway.outcome": record.outcome,
-                "polygateway.attempts": record.attempts,
-                "polygateway.waited_s": record.waited_s,
-                "polygateway.stalled_s": record.stalled_s,
-            }
-            if record.source is not None:
-                attrs["polygateway.source"] = record.source
-            if record.prompt_tokens:
-                attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
-            if record.completion_tokens:
-                attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
-            if failed:
-                attrs["error.type"] = record.outcome
-                span.set_status(self._status_error)
-            span.set_attributes(attrs)
+            last = pending.attempts[-1][0] if pending is not None and pending.attempts else None
+            self._call_attributes(span, record, last, failed)
             if pending is not None:
                 context = self._set_span_in_context(span, parent)
                 self._attempt_spans(pending.attempts, context, operation)
         span.end(end_time=end_ns)
+
+    def _end_call_span(
+        self,
+        live: _Live,
+        record: CallRecord,
+        shape: _Shape,
+        operation: str,
+        pending: _Pending | None,
+        failed: bool,
+    ) -> None:
+        """End the call's live span, named now for the source that served (else the last tried).
+
+        Attempts recorded without a live span (begun before an SDK was
+        installed) get their spans beneath it, after the fact.
+        """
+        end_ns = time.time_ns()  # the edge: spans are dated by the wall clock
+        span = live.span
+        if span.is_recording():
+            last = live.last
+            if pending is not None:
+                self._attempt_spans(pending.attempts, live.context, operation)
+                if last is None and pending.attempts:
+                    last = pending.attempts[-1][0]
+            span.update_name(shape.name)
+            span.set_attributes(shape.metric)
+            self._call_attributes(span, record, last, failed)
+        live.end(end_ns)
+
+    def _call_attributes(
+        self, span: Any, record: CallRecord, last: AttemptRecord | None, failed: bool
+    ) -> None:
+        """What a call's span says of the call; the answer's model and finish from ``last``."""
+        attrs: dict[str, Any] = {
+            "polygateway.operation": record.operation,
+            "polygateway.call_id": record.call_id,
+            "polygateway.outcome": record.outcome,
+            "polygateway.attempts": record.attempts,
+            "polygateway.waited_s": record.waited_s,
+            "polygateway.stalled_s": record.stalled_s,
+        }
+        if record.source is not None:
+            attrs["polygateway.source"] = record.source
+            # The serving attempt is the call's last.
+            if last is not None and last.source == record.source:
+                if last.response_model:
+                    attrs["gen_ai.response.model"] = last.response_model
+                if last.finish_reasons:
+                    attrs["gen_ai.response.finish_reasons"] = last.finish_reasons
+        if record.prompt_tokens:
+            attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
+        if record.completion_tokens:
+            attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+        if failed:
+            attrs["error.type"] = record.outcome
+            span.set_status(self._status_error)
+        span.set_attributes(attrs)
 
     def _attempt_spans(
         self, attempts: Iterable[tuple[AttemptRecord, int]], parent: Any, operation: str
@@ -374,28 +522,36 @@ class OpenTelemetryEmitter:
                 attributes=shape.metric,
                 start_time=end_ns - int(record.latency_s * 1e9),
             )
-            if span.is_recording():
-                attrs: dict[str, Any] = {
-                    "polygateway.source": record.source,
-                    "polygateway.call_id": record.call_id,
-                    "polygateway.attempt": record.attempt,
-                    "polygateway.outcome": record.outcome,
-                    "polygateway.permit_wait_s": record.permit_wait_s,
-                    "polygateway.stalled_s": record.stalled_s,
-                }
-                if record.status_code is not None:
-                    attrs["http.response.status_code"] = record.status_code
-                if record.prompt_tokens:
-                    attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
-                if record.completion_tokens:
-                    attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
-                if record.ttft_s is not None:
-                    attrs["polygateway.ttft_s"] = record.ttft_s
-                if record.outcome != "success":
-                    attrs["error.type"] = record.outcome
-                    span.set_status(self._status_error)
-                span.set_attributes(attrs)
-            span.end(end_time=end_ns)
+            self._end_attempt_span(span, record, end_ns)
+
+    def _end_attempt_span(self, span: Any, record: AttemptRecord, end_ns: int) -> None:
+        """Say what the attempt's record says on its span, and end it at ``end_ns``."""
+        if span.is_recording():
+            attrs: dict[str, Any] = {
+                "polygateway.source": record.source,
+                "polygateway.call_id": record.call_id,
+                "polygateway.attempt": record.attempt,
+                "polygateway.outcome": record.outcome,
+                "polygateway.permit_wait_s": record.permit_wait_s,
+                "polygateway.stalled_s": record.stalled_s,
+            }
+            if record.status_code is not None:
+                attrs["http.response.status_code"] = record.status_code
+            if record.response_model:
+                attrs["gen_ai.response.model"] = record.response_model
+            if record.finish_reasons:
+                attrs["gen_ai.response.finish_reasons"] = record.finish_reasons
+            if record.prompt_tokens:
+                attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
+            if record.completion_tokens:
+                attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+            if record.ttft_s is not None:
+                attrs["polygateway.ttft_s"] = record.ttft_s
+            if record.outcome != "success":
+                attrs["error.type"] = record.outcome
+                span.set_status(self._status_error)
+            span.set_attributes(attrs)
+        span.end(end_time=end_ns)
 
     def _shape(self, scope: str, source: str | None, operation: str) -> _Shape:
         """The shared attributes of ``source`` in ``scope`` for ``operation``, made on first use."""

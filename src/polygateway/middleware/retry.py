@@ -770,7 +770,13 @@ class Call:
             stalled_s=clock.stalled_s(),
             deadline_in_s=deadline.left_or_none(),
         )
+        emitter = mw._emitter
         try:
+            # Telemetry's headers for the request (trace context), asked as the attempt begins.
+            if emitter is not None and emitter.wants_headers:
+                ctx.headers = emitter.headers_for(
+                    ctx, mw._scope, self.op_name, started - self._started_at
+                )
             value = await attempt_fn(source, ctx)
         except TransientError as error:
             try:

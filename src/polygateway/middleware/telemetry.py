@@ -15,14 +15,21 @@ logged and skipped (``Emitters``); it never fails a call.
   gauges of every client it is passed to (``middleware/gauges.py``, read from
   the backend at scrape time); ``prometheus_client`` is imported only when
   one is built (the ``prometheus`` extra).
+
+An emitter may also offer an optional hook, ``attempt_headers(start:
+AttemptStart)``, called as each attempt begins, whose headers go out on
+that attempt's request (``HeadersEmitter``: how ``OpenTelemetryEmitter``
+sends trace context upstream). ``Emitters`` looks for it once; without one
+the loop pays nothing for it.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -36,10 +43,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttemptEmitter",
+    "AttemptStart",
     "BindingEmitter",
     "ClientInfo",
     "Emitter",
     "Emitters",
+    "HeadersEmitter",
     "LoggingEmitter",
     "NullEmitter",
     "PrometheusEmitter",
@@ -74,6 +83,8 @@ def attempt_record(
         permit_wait_s=ctx.permit_wait_s,
         stalled_s=ctx.stalled_s,
         error=error,
+        response_model=ctx.response_model,
+        finish_reasons=ctx.finish_reasons,
     )
 
 
@@ -96,6 +107,36 @@ class Emitter(Protocol):
 
     def emit_call(self, record: CallRecord) -> None:
         """Take one call's record (called as the call ends)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStart:
+    """An attempt about to send its request: what a header hook may know of it.
+
+    ``call_elapsed_s`` is the time since the call began (the injected clock),
+    so a hook that starts a span for the call can date it from the call's start.
+    """
+
+    call_id: str
+    scope: str
+    operation: str
+    source: str
+    attempt: int
+    call_elapsed_s: float
+
+
+@runtime_checkable
+class HeadersEmitter(Protocol):
+    """An emitter that adds headers to each attempt's request (trace context); optional.
+
+    The headers are added to the request as it is built and never replace
+    one the request already has (the source's key, its own headers). An
+    emitter whose ``attempt_headers`` is ``None`` offers no hook.
+    """
+
+    def attempt_headers(self, start: AttemptStart) -> Mapping[str, str] | None:
+        """The headers of the attempt beginning now, or ``None`` for none."""
         ...
 
 
@@ -145,14 +186,21 @@ class Emitters:
     the first time, at debug level after that), so telemetry never fails a
     call and a broken emitter does not flood the log. An emitter written
     before ``emit_call`` existed (``emit_attempt`` only) gets attempt records.
+    The emitters' header hooks (``HeadersEmitter``) are found once, here;
+    ``wants_headers`` tells the loop whether to ask for any.
     """
 
-    __slots__ = ("_attempts", "_calls", "_failed", "emitters")
+    __slots__ = ("_attempts", "_calls", "_failed", "_headers", "emitters", "wants_headers")
 
     def __init__(self, emitters: Sequence[AttemptEmitter]) -> None:
         self.emitters = tuple(emitters)
         self._attempts = tuple(e.emit_attempt for e in self.emitters)
         self._calls = tuple(e.emit_call for e in self.emitters if isinstance(e, Emitter))
+        hooks = (getattr(e, "attempt_headers", None) for e in self.emitters)
+        self._headers: tuple[Callable[[AttemptStart], Mapping[str, str] | None], ...] = tuple(
+            hook for hook in hooks if callable(hook)
+        )
+        self.wants_headers = bool(self._headers)
         self._failed: set[int] = set()
 
     def __repr__(self) -> str:
@@ -174,6 +222,36 @@ class Emitters:
             except Exception as exc:  # an emitter must never fail a call
                 self._failure(emit, exc)
 
+    def headers_for(
+        self, ctx: AttemptContext, scope: str, operation: str, call_elapsed_s: float
+    ) -> dict[str, str] | None:
+        """The headers the emitters' hooks give the attempt ``ctx`` begins; ``None`` for none.
+
+        The first hook to name a header wins it. A hook that raises, or gives
+        a name or value a transport would refuse (which would fail the
+        request), is logged and skipped.
+        """
+        start = AttemptStart(ctx.call_id, scope, operation, ctx.source, ctx.attempt, call_elapsed_s)
+        merged: dict[str, str] | None = None
+        for hook in self._headers:
+            try:
+                given = hook(start)
+                if not given:
+                    continue
+                headers = dict(given)
+                for name, value in headers.items():
+                    if not _valid_header(name, value):
+                        raise TypeError(f"header {name!r}: not a header name and ASCII value")
+            except Exception as exc:  # an emitter must never fail a call
+                self._failure(hook, exc)
+                continue
+            if merged is None:
+                merged = headers
+            else:
+                for name, value in headers.items():
+                    merged.setdefault(name, value)
+        return merged
+
     def bind(self, client: ClientInfo) -> None:
         """Tell every emitter that wants to know (``BindingEmitter``) of ``client``."""
         for emitter in self.emitters:
@@ -190,6 +268,21 @@ class Emitters:
             type(owner).__name__,
             exc,
         )
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP header name (RFC 9110 token)."""
+
+
+def _valid_header(name: object, value: object) -> bool:
+    """Whether a transport sends ``name: value`` as given: a token, printable ASCII (no CR, LF)."""
+    return (
+        isinstance(name, str)
+        and _HEADER_NAME.fullmatch(name) is not None
+        and isinstance(value, str)
+        and value.isascii()
+        and value.isprintable()
+    )
 
 
 def emitters_of(
