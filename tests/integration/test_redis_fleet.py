@@ -1,6 +1,6 @@
 """A fleet of OS processes sharing one governance budget through a real Redis.
 
-Each fleet member is ``_fleet_worker.py`` in its own process, with its own
+Each fleet member is ``bench/fleet_worker.py`` in its own process, with its own
 ``ChatClient`` built from settings naming ``backend = "redis"``; the
 simulated upstream runs in the test's event loop on 127.0.0.1 and records
 every request it sees. What one process does to the shared state (a 429, a
@@ -17,12 +17,8 @@ workers' call records and the test's own marks are on it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
 import math
-import os
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -35,127 +31,14 @@ from polygateway.backends.base import ScopeSnapshot
 from polygateway.backends.redis import RedisBackend
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 
-WORKER = Path(__file__).with_name("_fleet_worker.py")
+# The fleet member lives with the fleet benchmark (bench/ is not an installed package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.fleet_worker import ANSWER_TIMEOUT_S, Json, Worker
+
 SCOPE = "fleet"
 API_KEY = "sk-fleet-Secret-0123456789"
 PASSWORD = "fleet-redis-Pa55word"
 FAST = FaultProfile(latency_s=0.02, latency_jitter_s=0.005)
-START_TIMEOUT_S = 30.0
-"""Bound on a worker's start (interpreter, imports, first Redis round trip) on a busy machine."""
-ANSWER_TIMEOUT_S = 60.0
-"""Bound on any command's answer beyond its own planned duration."""
-
-Json = dict[str, Any]
-
-
-class Worker:
-    """One fleet member: a subprocess answering JSON commands; see ``_fleet_worker.py``."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.stderr: list[str] = []
-        self.stdout: list[str] = []
-        self._serial = 0
-        self._pending: dict[int, asyncio.Future[Json]] = {}
-        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._readers = (
-            asyncio.create_task(self._read_stdout()),
-            asyncio.create_task(self._read_stderr()),
-        )
-
-    @classmethod
-    async def start(cls, config: Json, cwd: Path) -> Worker:
-        """Start a worker and wait until its client is built and Redis answered it."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATEWAY_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(WORKER),
-            json.dumps(config),
-            cwd=cwd,
-            env=env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            limit=1 << 24,  # a `run` answer is one long line
-        )
-        worker = cls(process)
-        try:
-            async with asyncio.timeout(START_TIMEOUT_S):
-                await asyncio.shield(worker._ready)
-        except BaseException:
-            await worker.stop()
-            raise
-        return worker
-
-    async def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        async for raw in self.process.stdout:
-            line = raw.decode()
-            self.stdout.append(line)
-            message = json.loads(line)
-            if message.get("event") == "ready":
-                self._ready.set_result(None)
-                continue
-            answered = self._pending.pop(message["id"], None)
-            if answered is not None and not answered.done():
-                answered.set_result(message)
-        ended = RuntimeError(f"worker {self.process.pid} ended; stderr:\n{''.join(self.stderr)}")
-        unanswered: list[asyncio.Future[Any]] = [self._ready, *self._pending.values()]
-        for future in unanswered:
-            if not future.done():
-                future.set_exception(ended)
-                future.exception()  # retrieved here: a killed worker's answers are expected to fail
-
-    async def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        async for raw in self.process.stderr:
-            self.stderr.append(raw.decode())
-
-    def send(self, op: str, **fields: Any) -> asyncio.Future[Json]:
-        """Send one command now; the future is its answer."""
-        assert self.process.stdin is not None
-        if self._readers[0].done():
-            raise RuntimeError(f"worker {self.process.pid} has ended")
-        self._serial += 1
-        future: asyncio.Future[Json] = asyncio.get_running_loop().create_future()
-        self._pending[self._serial] = future
-        command = {"id": self._serial, "op": op, **fields}
-        self.process.stdin.write((json.dumps(command) + "\n").encode())
-        return future
-
-    async def ask(self, op: str, *, within_s: float = ANSWER_TIMEOUT_S, **fields: Any) -> Json:
-        """Send one command and wait (bounded) for its answer."""
-        async with asyncio.timeout(within_s):
-            answer = await self.send(op, **fields)
-        assert "crash" not in answer, answer
-        return answer
-
-    async def records(self, op: str, **fields: Any) -> list[Json]:
-        """The call records a ``calls`` or ``run`` command answers."""
-        within = ANSWER_TIMEOUT_S + float(fields.get("duration_s", 0.0))
-        records: list[Json] = (await self.ask(op, within_s=within, **fields))["records"]
-        return records
-
-    def kill(self) -> None:
-        """``kill -9``: the process dies at once, holding whatever it held."""
-        self.process.send_signal(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        """Ask the worker to close and exit; kill it if it does not in time. Idempotent."""
-        if self.process.returncode is None:
-            with contextlib.suppress(TimeoutError, RuntimeError, ConnectionError):
-                await self.ask("exit", within_s=10.0)
-            if self.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self.kill()
-        await self.process.wait()
-        await asyncio.gather(*self._readers)
-
-    @property
-    def output(self) -> str:
-        """Everything the worker wrote, for "never printed" checks."""
-        return "".join(self.stdout) + "".join(self.stderr)
 
 
 Spawn = Callable[..., Awaitable[list[Worker]]]
