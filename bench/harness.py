@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ __all__ = [
     "SCENARIO_CONFIGS",
     "Job",
     "Plan",
+    "command_lines",
     "make_plan",
     "reduce_runs",
     "run_rounds",
@@ -350,6 +352,23 @@ def _number(value: object) -> bool:
 def job_table(jobs: Sequence[Job]) -> list[dict[str, Any]]:
     """The plan as plain data, for the results file."""
     return [{**asdict(job), "key": job.key} for job in jobs]
+
+
+def command_lines(
+    module: str, target: str, argv: list[str], knobs: tuple[str, ...]
+) -> tuple[str, str]:
+    """(the command a person typed, the interpreter command it ran), for the page.
+
+    Under make, the command is ``make <target>`` with the ``knobs`` set in the environment.
+    """
+    python = os.path.relpath(sys.executable)
+    if python.startswith(".."):
+        python = sys.executable
+    inner = shlex.join([python, "-m", module, *argv])
+    if "MAKELEVEL" in os.environ:
+        knob_values = [f"{k}={os.environ[k]}" for k in knobs if os.environ.get(k)]
+        return shlex.join([*knob_values, "make", target]), inner
+    return inner, inner
 
 
 def log_stderr(line: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Services", "cpu_layout", "running_services"]
+__all__ = ["Services", "cpu_layout", "private_redis", "running_services"]
 
 _START_TIMEOUT_S = 30.0
 
@@ -129,6 +129,21 @@ def _start_redis(directory: Path, cpu: int | None) -> tuple[subprocess.Popen[byt
 
 
 @contextlib.contextmanager
+def private_redis(cpu: int | None = None) -> Iterator[str]:
+    """A throw-away redis-server (loopback, temporary directory) for the block; its URL.
+
+    Raises:
+        FileNotFoundError: redis-server is not installed.
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-") as directory:
+        process, url = _start_redis(Path(directory), cpu)
+        try:
+            yield url
+        finally:
+            _stop(process)
+
+
+@contextlib.contextmanager
 def running_services(python: str | None = None, *, redis: bool = True) -> Iterator[Services]:
     """Run the simulator (and redis-server unless ``redis`` is False) for the block's duration."""
     python = python or sys.executable
@@ -139,13 +154,10 @@ def running_services(python: str | None = None, *, redis: bool = True) -> Iterat
         redis_url: str | None = None
         missing: str | None = None
         if redis:
-            directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
             try:
-                process, redis_url = _start_redis(directory, service_cpu)
+                redis_url = stack.enter_context(private_redis(service_cpu))
             except FileNotFoundError as exc:
                 missing = str(exc)
-            else:
-                stack.callback(_stop, process)
         else:
             missing = "not requested"
         yield Services(
