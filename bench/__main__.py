@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from bench.harness import (
     SCENARIO_CONFIGS,
     Sizes,
+    command_lines,
     job_table,
     log_stderr,
     make_plan,
@@ -33,7 +33,7 @@ from bench.harness import (
     source_revision,
 )
 from bench.machine import describe_machine, package_versions
-from bench.report import render
+from bench.report import render, write_page
 from bench.services import running_services
 
 SCENARIOS = ("chat", "loop", "telemetry", "stream", "scale", "embed", "storm", "import")
@@ -74,19 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _command_lines(argv: list[str]) -> tuple[str, str]:
-    """(the command a person typed, the interpreter command it ran), for the page."""
-    python = os.path.relpath(sys.executable)
-    if python.startswith(".."):
-        python = sys.executable
-    inner = shlex.join([python, "-m", "bench", *argv])
-    if "MAKELEVEL" in os.environ:
-        names = ("PYTHONPATH", "BENCH_REVISION", "BENCH_N", "BENCH_ROUNDS")
-        knobs = [f"{k}={os.environ[k]}" for k in names if os.environ.get(k)]
-        return shlex.join([*knobs, "make", "bench"]), inner
-    return inner, inner
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and write the page; non-zero exit when every job failed."""
     args_list = sys.argv[1:] if argv is None else argv
@@ -112,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     # Before the harness pins itself to one CPU below: the machine as the run found it.
     machine = describe_machine()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
-    command, inner = _command_lines(args_list)
+    command, inner = command_lines(
+        "bench", "bench", args_list, ("PYTHONPATH", "BENCH_REVISION", "BENCH_N", "BENCH_ROUNDS")
+    )
     # The polygateway measured is the one this interpreter imports (an editable install here).
     import polygateway
 
@@ -161,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(results), encoding="utf-8")
+    write_page(args.out, render(results))
     log_stderr(
         f"bench: wrote {args.out} and {args.results} in {results['meta']['duration_s']:.0f} s"
     )

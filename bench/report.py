@@ -24,7 +24,18 @@ from typing import Any
 
 from bench.harness import IMPORT_MODULES, SCENARIO_CONFIGS
 
-__all__ = ["Check", "evaluate_targets", "load_notes", "main", "render"]
+__all__ = [
+    "Check",
+    "evaluate_targets",
+    "fmt_number",
+    "keep_sections",
+    "load_notes",
+    "main",
+    "md_table",
+    "render",
+    "replace_section",
+    "write_page",
+]
 
 _HERE = Path(__file__).parent
 _LABELS = {
@@ -55,6 +66,36 @@ DASH = "\u2013"
 Medians = dict[str, dict[str, Any]]
 
 
+_SECTION = re.compile(r"<!-- begin:(?P<name>[\w-]+)\b.*?<!-- end:(?P=name) -->", re.DOTALL)
+"""A section of the page another command writes (``make bench-fleet``): ``make bench`` keeps it."""
+
+
+def keep_sections(page: str, old_page: str) -> str:
+    """``page`` with each marked section replaced by the same section of ``old_page``, if any."""
+    kept = {m["name"]: m[0] for m in _SECTION.finditer(old_page)}
+    return _SECTION.sub(lambda m: kept.get(m["name"], m[0]), page)
+
+
+def replace_section(page: str, block: str) -> str:
+    """``page`` with ``block`` (one marked section) in place of its namesake, else at the end."""
+    found = _SECTION.fullmatch(block.strip())
+    if found is None:
+        raise ValueError("not one marked section: <!-- begin:NAME ... --> ... <!-- end:NAME -->")
+    name = found["name"]
+    for m in _SECTION.finditer(page):
+        if m["name"] == name:
+            return page[: m.start()] + block.strip() + page[m.end() :]
+    return page.rstrip("\n") + "\n\n" + block.strip() + "\n"
+
+
+def write_page(path: Path, page: str) -> None:
+    """Write the page, keeping the marked sections the page already there has."""
+    if path.exists():
+        page = keep_sections(page, path.read_text(encoding="utf-8"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+
+
 def _get(medians: Medians, key: str, field: str) -> float | None:
     """A median figure, or None when the job did not run or failed every round."""
     value = medians.get(key, {}).get(field)
@@ -63,7 +104,7 @@ def _get(medians: Medians, key: str, field: str) -> float | None:
     return None
 
 
-def _fmt(value: float | None, digits: int = 0) -> str:
+def fmt_number(value: float | None, digits: int = 0) -> str:
     """A number for a table cell; an em dash when missing."""
     if value is None:
         return "—"
@@ -84,7 +125,7 @@ def _xfmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}{X}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     """A GitHub-flavoured Markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -113,8 +154,8 @@ def _chat_tables(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> st
                 continue
             cpu = _get(medians, key, "cpu_us_per_op")
             spread = (
-                f"{_fmt(_get(medians, key, 'cpu_us_per_op_min'))}{DASH}"
-                f"{_fmt(_get(medians, key, 'cpu_us_per_op_max'))}"
+                f"{fmt_number(_get(medians, key, 'cpu_us_per_op_min'))}{DASH}"
+                f"{fmt_number(_get(medians, key, 'cpu_us_per_op_max'))}"
             )
             rt = _get(medians, key, "redis_round_trips_per_call")
             scripts = _get(medians, key, "redis_script_calls_per_call")
@@ -123,14 +164,14 @@ def _chat_tables(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> st
             rows.append(
                 [
                     _LABELS[name],
-                    f"**{_fmt(cpu)}**",
+                    f"**{fmt_number(cpu)}**",
                     spread,
                     _xfmt(_ratio(cpu, raw_h)),
                     _xfmt(_ratio(cpu, raw_a)),
-                    _fmt(_get(medians, key, "ops_per_s")),
-                    _fmt(_get(medians, key, "p50_ms"), 2),
-                    _fmt(_get(medians, key, "p99_ms"), 2),
-                    _fmt(_get(medians, key, "rss_mib"), 1),
+                    fmt_number(_get(medians, key, "ops_per_s")),
+                    fmt_number(_get(medians, key, "p50_ms"), 2),
+                    fmt_number(_get(medians, key, "p99_ms"), 2),
+                    fmt_number(_get(medians, key, "rss_mib"), 1),
                     "—" if rt is None else f"{rt:.2f}",
                     "—" if scripts is None else f"{scripts:.2f} / {inside:.1f}",
                     ("—" if errors is None else str(int(errors))) + _failures(medians, key),
@@ -150,7 +191,7 @@ def _chat_tables(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> st
             "Redis scripts / commands per call",
             "errors",
         ]
-        out.append(f"**Concurrency {c}** ({n:,} calls per run)\n\n" + _table(header, rows))
+        out.append(f"**Concurrency {c}** ({n:,} calls per run)\n\n" + md_table(header, rows))
     return "\n\n".join(out)
 
 
@@ -171,9 +212,9 @@ def _loop_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> str
                 [
                     _LABELS[name],
                     str(c),
-                    f"**{_fmt(_get(medians, key, 'cpu_us_per_op'))}**",
-                    _fmt(_get(medians, key, "ops_per_s")),
-                    *("—" if a is None else _fmt(0.3 * a) for a in allowed),
+                    f"**{fmt_number(_get(medians, key, 'cpu_us_per_op'))}**",
+                    fmt_number(_get(medians, key, "ops_per_s")),
+                    *("—" if a is None else fmt_number(0.3 * a) for a in allowed),
                     "—" if rt is None else f"{rt:.2f}",
                     str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
                 ]
@@ -188,7 +229,7 @@ def _loop_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> str
         "Redis round trips/call",
         "errors",
     ]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _telemetry_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -> str:
@@ -207,13 +248,13 @@ def _telemetry_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -
                 [
                     label or _LABELS[name],
                     str(c),
-                    f"**{_fmt(cpu, 1)}**",
+                    f"**{fmt_number(cpu, 1)}**",
                     "—" if added is None else f"{added:+.1f}",
                     "—" if added is None or not base else f"{100 * added / base:+.0f}%",
-                    _fmt(_get(medians, key, "cpu_us_per_op_min"), 1)
+                    fmt_number(_get(medians, key, "cpu_us_per_op_min"), 1)
                     + f" {DASH} "
-                    + _fmt(_get(medians, key, "cpu_us_per_op_max"), 1),
-                    _fmt(_get(medians, key, "ops_per_s")),
+                    + fmt_number(_get(medians, key, "cpu_us_per_op_max"), 1),
+                    fmt_number(_get(medians, key, "ops_per_s")),
                     str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
                 ]
             )
@@ -227,7 +268,7 @@ def _telemetry_table(medians: Medians, n: int, concurrencies: tuple[int, ...]) -
         "calls/s",
         "errors",
     ]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _stream_table(medians: Medians, n: int, c: int) -> str:
@@ -246,15 +287,15 @@ def _stream_table(medians: Medians, n: int, c: int) -> str:
         rows.append(
             [
                 _LABELS[name],
-                f"**{_fmt(_get(medians, key, 'cpu_us_per_op'))}**",
-                _fmt(per_chunk, 1),
+                f"**{fmt_number(_get(medians, key, 'cpu_us_per_op'))}**",
+                fmt_number(per_chunk, 1),
                 _xfmt(_ratio(per_chunk, raw_h)),
                 _xfmt(_ratio(per_chunk, raw_a)),
-                _fmt(_get(medians, key, "chunks_per_stream"), 1),
-                _fmt(ttft, 3),
+                fmt_number(_get(medians, key, "chunks_per_stream"), 1),
+                fmt_number(ttft, 3),
                 "—" if over is None else f"{over:+.3f}",
-                _fmt(_get(medians, key, "ttft_p99_ms"), 3),
-                _fmt(_get(medians, key, "ops_per_s")),
+                fmt_number(_get(medians, key, "ttft_p99_ms"), 3),
+                fmt_number(_get(medians, key, "ops_per_s")),
                 str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
             ]
         )
@@ -271,7 +312,7 @@ def _stream_table(medians: Medians, n: int, c: int) -> str:
         "streams/s",
         "errors",
     ]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _scale_table(medians: Medians, ns: tuple[int, ...]) -> str:
@@ -286,12 +327,12 @@ def _scale_table(medians: Medians, ns: tuple[int, ...]) -> str:
                 [
                     _LABELS[name],
                     f"{n:,}",
-                    _fmt(_get(medians, key, "cpu_s"), 2),
-                    f"**{_fmt(_get(medians, key, 'cpu_us_per_op'))}**",
-                    _fmt(_get(medians, key, "ops_per_s")),
-                    _fmt(_get(medians, key, "p50_ms"), 1),
-                    _fmt(_get(medians, key, "p99_ms"), 1),
-                    _fmt(_get(medians, key, "peak_rss_mib"), 1),
+                    fmt_number(_get(medians, key, "cpu_s"), 2),
+                    f"**{fmt_number(_get(medians, key, 'cpu_us_per_op'))}**",
+                    fmt_number(_get(medians, key, "ops_per_s")),
+                    fmt_number(_get(medians, key, "p50_ms"), 1),
+                    fmt_number(_get(medians, key, "p99_ms"), 1),
+                    fmt_number(_get(medians, key, "peak_rss_mib"), 1),
                     str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
                 ]
             )
@@ -306,7 +347,7 @@ def _scale_table(medians: Medians, ns: tuple[int, ...]) -> str:
         "peak RSS MiB",
         "errors",
     ]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _embed_table(medians: Medians, n: int) -> str:
@@ -321,11 +362,11 @@ def _embed_table(medians: Medians, n: int) -> str:
         rows.append(
             [
                 _LABELS[name],
-                f"**{_fmt(tps)}**",
+                f"**{fmt_number(tps)}**",
                 _xfmt(_ratio(tps, raw)),
-                _fmt(_get(medians, key, "cpu_us_per_text"), 1),
-                _fmt(_get(medians, key, "wall_s"), 2),
-                _fmt(_get(medians, key, "peak_rss_mib"), 1),
+                fmt_number(_get(medians, key, "cpu_us_per_text"), 1),
+                fmt_number(_get(medians, key, "wall_s"), 2),
+                fmt_number(_get(medians, key, "peak_rss_mib"), 1),
                 str(int(medians[key].get("errors_total", 0))) + _failures(medians, key),
             ]
         )
@@ -338,7 +379,7 @@ def _embed_table(medians: Medians, n: int) -> str:
         "peak RSS MiB",
         "errors",
     ]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _storm_table(medians: Medians, n: int) -> str:
@@ -357,8 +398,8 @@ def _storm_table(medians: Medians, n: int) -> str:
                 _LABELS[name],
                 "—" if ok is None else str(int(ok)),
                 "—" if errors is None else f"**{int(errors)}**",
-                _fmt(_get(medians, key, "wall_s"), 2),
-                _fmt(_get(medians, key, "p99_ms")),
+                fmt_number(_get(medians, key, "wall_s"), 2),
+                fmt_number(_get(medians, key, "p99_ms")),
                 "" if top is None else f"`{_cell(top[0])[:90]}`",
             ]
         )
@@ -370,7 +411,7 @@ def _storm_table(medians: Medians, n: int) -> str:
         "p99 ms of served",
         "most common error",
     ]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _import_table(medians: Medians) -> str:
@@ -386,14 +427,14 @@ def _import_table(medians: Medians) -> str:
         rows.append(
             [
                 _IMPORT_LABELS.get(module, f"`import {module}`"),
-                f"**{_fmt(None if seconds is None else seconds * 1000, 1)}**",
-                _fmt(_get(medians, key, "rss_over_bare_mib"), 1),
-                _fmt(_get(medians, key, "bare_rss_mib"), 1),
+                f"**{fmt_number(None if seconds is None else seconds * 1000, 1)}**",
+                fmt_number(_get(medians, key, "rss_over_bare_mib"), 1),
+                fmt_number(_get(medians, key, "bare_rss_mib"), 1),
                 ", ".join(extras) or "none",
             ]
         )
     header = ["import", "ms", "RSS over bare MiB", "bare RSS MiB", "optional extras it loaded"]
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _cell(text: str) -> str:
@@ -424,7 +465,11 @@ def evaluate_targets(medians: Medians, meta: dict[str, Any]) -> list[Check]:
         id_: str, text: str, a: float | None, b: float | None, limit: float, what: str
     ) -> None:
         r = _ratio(a, b)
-        measured = "not measured" if r is None else f"{r:.2f}{X} ({_fmt(a)} / {_fmt(b)} µs{what})"
+        measured = (
+            "not measured"
+            if r is None
+            else f"{r:.2f}{X} ({fmt_number(a)} / {fmt_number(b)} µs{what})"
+        )
         checks.append(Check(id_, text, measured, None if r is None else r <= limit))
 
     for c in sizes["concurrencies"]:
@@ -616,7 +661,7 @@ def _targets_section(checks: list[Check], notes: dict[str, str]) -> tuple[str, s
             note = notes.get(check.id, "No analysis has been written for this miss yet.")
             why.append(f'<a id="why-{check.id}"></a>\n#### Why: {check.id}\n\n{note}')
         rows.append([check.target, check.measured, verdict, link])
-    table = _table(["target", "measured (medians of this run)", "verdict", ""], rows)
+    table = md_table(["target", "measured (medians of this run)", "verdict", ""], rows)
     return table, "\n\n".join(why) if why else "Every measured target was met."
 
 
@@ -626,7 +671,7 @@ def _versions(meta: dict[str, Any]) -> str:
     rows = [[name, version or "not installed"] for name, version in versions.items()]
     machine = meta["machine"]
     rows.append(["redis-server", machine.get("redis_server") or "not installed"])
-    return _table(["package", "version"], rows)
+    return md_table(["package", "version"], rows)
 
 
 def _machine(meta: dict[str, Any]) -> str:
@@ -729,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             if check.id.startswith("telemetry-"):
                 print(f"- {check.target}: {check.measured}, met: {check.met}")
         return 0
-    args.out.write_text(render(results), encoding="utf-8")
+    write_page(args.out, render(results))
     return 0
 
 
