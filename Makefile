@@ -87,10 +87,20 @@ bench-telemetry: $(BENCH_STAMP)
 	rm -f bench/results/telemetry-page.md
 	$(BENCH_PY) -m bench.report bench/results/telemetry.json --telemetry
 
+# The fleet benchmark (issue #18): N = 1, 8 and 50 worker processes contending for one scope on a
+# private redis-server, 20 s each, a few minutes in all. Too heavy for `make bench`'s default run
+# (50 interpreters at once), so a target of its own; `make bench` keeps the page section it writes.
+# BENCH_FLEET_N (fleet sizes), BENCH_FLEET_SECONDS and BENCH_FLEET_CALLERS (in all) size it;
+# BENCH_FLEET_NOTE in the environment adds a note to the page. Results: bench/results/fleet.json.
+.PHONY: bench-fleet
+bench-fleet: redis-server $(BENCH_STAMP)
+	BENCH_FLEET_N='$(BENCH_FLEET_N)' BENCH_FLEET_SECONDS='$(BENCH_FLEET_SECONDS)' \
+	  BENCH_FLEET_CALLERS='$(BENCH_FLEET_CALLERS)' $(BENCH_PY) -m bench.fleet
+
 # The harness end to end with tiny sizes (also part of `make test`).
 .PHONY: bench-smoke
 bench-smoke: install redis-server
-	$(PY) -m pytest -q tests/integration/test_bench_smoke.py
+	$(PY) -m pytest -q tests/integration/test_bench_smoke.py tests/integration/test_bench_fleet_smoke.py
 
 # Mutation testing of the governance core, never part of `make test` (about 40 minutes on two
 # cores): mutmut on the Python policy code against the fast tests ([tool.mutmut] in
