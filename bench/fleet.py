@@ -51,6 +51,8 @@ from polygateway.simulator import FaultProfile, SimulatedUpstream
 __all__ = ["COLUMNS", "FleetSizes", "evaluate", "main", "measure", "render_section"]
 
 SCOPE = "fleet"
+_NOTES = Path(__file__).with_name("fleet_notes.md")
+"""What a person read in the last run (written by hand, like ``notes.md`` for the rest)."""
 _API_KEY = "sk-bench-fleet-0123456789"
 _SHARE_BOUND = 0.25
 """The issue's target: every process's served calls within ±25% of the mean."""
@@ -405,6 +407,7 @@ def render_section(results: Json) -> str:
     ]
     if meta.get("note"):
         notes.append(f"- {meta['note']}")
+    reading = _NOTES.read_text(encoding="utf-8").strip() if _NOTES.exists() else ""
     rt = un["round_trips_per_call"]
     runs = "" if meta["inner_command"] == meta["command"] else f" (runs `{meta['inner_command']}`)"
     latency_ms = sizes["latency_s"] * 1000
@@ -452,7 +455,7 @@ out: {un["round_trip_pings"]}).
 
 Notes:
 
-{chr(10).join(notes)}
+{chr(10).join(notes)}{chr(10) * 2 + reading if reading else ""}
 <!-- end:fleet -->
 """
 
