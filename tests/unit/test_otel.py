@@ -330,3 +330,81 @@ def test_without_an_sdk_nothing_is_kept_per_call() -> None:
             AttemptRecord(f"c{i}", "chat", "primary", 1, "success", 200, 0.1, ttft_s=0.05)
         )
     assert len(emitter._pending) == 0
+
+
+def test_on_the_no_op_providers_the_emitter_says_it_records_nothing() -> None:
+    """Without an SDK the emitter is idle, so the loop builds no records for it."""
+    assert OpenTelemetryEmitter().is_recording() is False
+
+
+def test_an_sdk_for_spans_or_for_metrics_alone_makes_the_emitter_record(sdk: Otel) -> None:
+    """Spans to an SDK, or metrics to one, are records kept: either makes the emitter record."""
+    assert OpenTelemetryEmitter(tracer_provider=sdk.tracer_provider).is_recording() is True
+    assert OpenTelemetryEmitter(meter_provider=sdk.meter_provider).is_recording() is True
+
+
+async def test_an_idle_emitter_is_handed_no_record_by_the_loop() -> None:
+    """The loop asks ``is_recording`` and hands records only while the emitter keeps them."""
+
+    class Idle:
+        def __init__(self) -> None:
+            self.recording = False
+            self.attempts: list[AttemptRecord] = []
+            self.calls: list[Any] = []
+
+        def is_recording(self) -> bool:
+            return self.recording
+
+        def emit_attempt(self, record: AttemptRecord) -> None:
+            self.attempts.append(record)
+
+        def emit_call(self, record: Any) -> None:
+            self.calls.append(record)
+
+    clock = FakeClock()
+    idle = Idle()
+    chat = make_chat(clock, [chat_completion("one"), chat_completion("two")], idle)
+    await chat.complete(MESSAGES)
+    assert (idle.attempts, idle.calls) == ([], [])
+    idle.recording = True
+    await chat.complete(MESSAGES)
+    assert [r.outcome for r in idle.attempts] == ["success"]
+    assert [r.outcome for r in idle.calls] == ["served"]
+
+
+def test_a_global_sdk_installed_after_the_client_is_picked_up() -> None:
+    """An SDK set as the global providers after the emitter is built is found again.
+
+    In a child interpreter: a global provider can be set once per process.
+    """
+    script = """
+import asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from polygateway import OpenTelemetryEmitter
+from polygateway.middleware.otel import _RECHECK_EVERY
+from polygateway.middleware.telemetry import Emitters
+
+emitter = OpenTelemetryEmitter()
+fan_out = Emitters([emitter])
+assert not fan_out.recording()
+spans = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(spans))
+trace.set_tracer_provider(provider)
+looks = 0
+while not fan_out.recording():
+    looks += 1
+    assert looks <= _RECHECK_EVERY, looks
+print(looks)
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert 0 < int(done.stdout) <= otel._RECHECK_EVERY

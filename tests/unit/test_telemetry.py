@@ -21,6 +21,7 @@ from polygateway.errors import ConfigError
 from polygateway.middleware.attempt import AttemptContext
 from polygateway.middleware.telemetry import (
     Emitter,
+    Emitters,
     LoggingEmitter,
     NullEmitter,
     PrometheusEmitter,
@@ -224,3 +225,32 @@ def test_importing_the_clients_loads_no_optional_extra() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == ""
+
+
+def test_emitters_record_unless_every_emitter_says_it_keeps_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``recording`` is false only when each emitter's ``is_recording`` says so."""
+
+    class Saying:
+        def __init__(self, answer: bool | None) -> None:
+            self.answer = answer
+
+        def is_recording(self) -> bool:
+            if self.answer is None:
+                raise RuntimeError("cannot tell")
+            return self.answer
+
+        def emit_attempt(self, record: AttemptRecord) -> None:
+            pass
+
+    class Silent:
+        def emit_attempt(self, record: AttemptRecord) -> None:
+            pass
+
+    assert Emitters([Saying(False), Saying(False)]).recording() is False
+    assert Emitters([Saying(False), Saying(True)]).recording() is True
+    assert Emitters([Saying(False), Silent()]).recording() is True
+    with caplog.at_level(logging.WARNING, logger="polygateway.telemetry"):
+        assert Emitters([Saying(None)]).recording() is True
+    assert "Saying failed" in caplog.text

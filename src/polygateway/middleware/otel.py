@@ -223,11 +223,15 @@ class OpenTelemetryEmitter:
         "_call_duration",
         "_clients",
         "_context",
+        "_get_meter_provider",
         "_get_tracer_provider",
         "_inject",
         "_kind",
         "_live",
         "_meter",
+        "_meter_provider",
+        "_metered",
+        "_no_op_meters",
         "_no_op_providers",
         "_observation",
         "_op_names",
@@ -265,6 +269,14 @@ class OpenTelemetryEmitter:
         self._traced = False
         self._recheck_in = 1
         self._meter = metrics.get_meter(INSTRUMENTATION, meter_provider=meter_provider)
+        self._meter_provider = meter_provider
+        self._get_meter_provider = metrics.get_meter_provider
+        # The global stand-in before an SDK is installed; a private name of the API, so
+        # without it only the API's no-op counts as idle (metrics then always recorded).
+        internal = importlib.import_module("opentelemetry.metrics._internal")
+        proxy = getattr(internal, "_ProxyMeterProvider", metrics.NoOpMeterProvider)
+        self._no_op_meters = (metrics.NoOpMeterProvider, proxy)
+        self._metered = False
         self._context = context
         self._kind = trace.SpanKind.CLIENT
         self._set_span_in_context = trace.set_span_in_context
@@ -310,27 +322,47 @@ class OpenTelemetryEmitter:
 
     # --- records -> spans and metrics ------------------------------------------------
 
+    def is_recording(self) -> bool:
+        """Whether a record would go anywhere: spans or metrics to a provider that keeps them.
+
+        With the API's no-op providers (no SDK installed) nothing would, and
+        the loop (``Emitters.recording``) then builds no call record for this
+        emitter: the no-op costs a look, not a record (the 10% target of
+        research-wiki/BENCHMARKS.md, telemetry).
+        """
+        if not (self._traced and self._metered):
+            self._look()
+        return self._traced or self._metered
+
     def _tracing(self) -> bool:
-        """Whether spans go anywhere: not while the provider is the API's no-op or its stand-in.
+        """Whether spans go anywhere: not while the provider is the API's no-op or its stand-in."""
+        if not self._traced:
+            self._look()
+        return self._traced
+
+    def _look(self) -> None:
+        """Ask the providers again, every ``_RECHECK_EVERY`` looks while one of them is idle.
 
         An application may install its SDK after building clients (the global
-        stand-in then hands spans on), so while spans go nowhere the global
-        provider is asked again every ``_RECHECK_EVERY`` records: asking costs
-        an environment lookup, more than the rest of a record without an SDK
-        (the 10% target of research-wiki/BENCHMARKS.md, telemetry). Once
-        spans go somewhere they always will: a global provider is set once.
+        stand-ins then hand spans and measurements on). Asking costs an
+        environment lookup, more than the rest of a record without an SDK, so
+        it is done only every ``_RECHECK_EVERY`` looks. Once a provider keeps
+        records it always will: a global provider is set once.
         """
-        if self._traced:
-            return True
         self._recheck_in -= 1
         if self._recheck_in > 0:
-            return False
+            return
         self._recheck_in = _RECHECK_EVERY
-        provider = self._tracer_provider
-        if provider is None:
-            provider = self._get_tracer_provider()
-        self._traced = not isinstance(provider, self._no_op_providers)
-        return self._traced
+        if not self._traced:
+            tracers = self._tracer_provider
+            if tracers is None:
+                tracers = self._get_tracer_provider()
+            self._traced = not isinstance(tracers, self._no_op_providers)
+        if not self._metered:
+            meters = self._meter_provider
+            if meters is None:
+                meters = self._get_meter_provider()
+            self._metered = not isinstance(meters, self._no_op_meters)
 
     def _operation(self, name: str) -> str:
         """The GenAI operation of a client operation, remembered."""

@@ -1023,14 +1023,14 @@ class Call:
         )
         self.records.append(record)
         emitter = mw._emitter
-        if emitter is not None:
+        if emitter is not None and emitter.recording():
             emitter.emit_attempt(record)
 
     def _ended(self, outcome: CallOutcome, source: str | None) -> None:
         """The call is over: hand its record to telemetry (every call, however it ended)."""
         mw = self._mw
         emitter = mw._emitter
-        if emitter is None:
+        if emitter is None or not emitter.recording():
             return
         records = self.records
         emitter.emit_call(

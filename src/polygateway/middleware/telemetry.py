@@ -187,10 +187,23 @@ class Emitters:
     call and a broken emitter does not flood the log. An emitter written
     before ``emit_call`` existed (``emit_attempt`` only) gets attempt records.
     The emitters' header hooks (``HeadersEmitter``) are found once, here;
-    ``wants_headers`` tells the loop whether to ask for any.
+    ``wants_headers`` tells the loop whether to ask for any. ``recording``
+    tells it whether a record would go anywhere: an emitter may say it keeps
+    nothing now (``is_recording()``, as ``OpenTelemetryEmitter`` without an
+    SDK), and when every one of them says so the loop builds no record to hand
+    on; an emitter without ``is_recording`` always records.
     """
 
-    __slots__ = ("_attempts", "_calls", "_failed", "_headers", "emitters", "wants_headers")
+    __slots__ = (
+        "_attempts",
+        "_calls",
+        "_failed",
+        "_headers",
+        "_recording",
+        "emitters",
+        "recording",
+        "wants_headers",
+    )
 
     def __init__(self, emitters: Sequence[AttemptEmitter]) -> None:
         self.emitters = tuple(emitters)
@@ -201,10 +214,26 @@ class Emitters:
             hook for hook in hooks if callable(hook)
         )
         self.wants_headers = bool(self._headers)
+        checks = [getattr(e, "is_recording", None) for e in self.emitters]
+        self._recording: tuple[Callable[[], bool], ...] = tuple(c for c in checks if callable(c))
+        self.recording: Callable[[], bool] = (
+            self._any_recording if len(self._recording) == len(checks) else _always
+        )
         self._failed: set[int] = set()
 
     def __repr__(self) -> str:
         return f"Emitters({list(self.emitters)!r})"
+
+    def _any_recording(self) -> bool:
+        """Whether any emitter keeps records now; one that fails to say is counted as keeping."""
+        for check in self._recording:
+            try:
+                if check():
+                    return True
+            except Exception as exc:  # an emitter must never fail a call
+                self._failure(check, exc)
+                return True
+        return False
 
     def emit_attempt(self, record: AttemptRecord) -> None:
         """Hand the attempt's record to every emitter."""
@@ -283,6 +312,11 @@ def _valid_header(name: object, value: object) -> bool:
         and value.isascii()
         and value.isprintable()
     )
+
+
+def _always() -> bool:
+    """``Emitters.recording`` when an emitter cannot say it keeps nothing."""
+    return True
 
 
 def emitters_of(
