@@ -3,12 +3,11 @@ client metrics, live gauges from the backend, and nothing of a prompt, completio
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _closing import closing
+from _failover_chat import failover_chat
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -18,12 +17,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 import polygateway.middleware.otel as otel
 from polygateway import OpenTelemetryEmitter
-from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted
 from polygateway.models import AttemptRecord
 from polygateway.testing import (
-    BoundedSleep,
     Delay,
     FakeClock,
     FakeTransport,
@@ -31,7 +28,6 @@ from polygateway.testing import (
     TransientError,
     chat_chunk_events,
     chat_completion,
-    gateway_settings,
 )
 
 PROMPT = "tell me the launch codes, please"
@@ -80,29 +76,8 @@ def sdk() -> Iterator[Otel]:
 
 
 def make_chat(clock: FakeClock, script: Any, emitter: Any, **gateway: Any) -> ChatClient:
-    """Two chat sources on a fake clock, primary first; a breaker opens after one failure."""
-    return closing(
-        ChatClient(
-            gateway_settings(
-                {"name": "primary", "base_url": "https://llm.example.com/v1", "model": "big-1"},
-                {
-                    "name": "backup",
-                    "protocol": "anthropic",
-                    "base_url": "http://backup.internal:8080",
-                    "model": "claude-x",
-                    "priority": 1,
-                },
-                breaker_failures=1,
-                **gateway,
-            ),
-            backend=MemoryBackend(now=clock),
-            transport=FakeTransport(script, clock=clock),
-            now=clock,
-            sleep=BoundedSleep(clock, max_calls=200),
-            rng=random.Random(3),
-            emitter=emitter,
-        )
-    )
+    """The failover pair on a fake clock, answering from ``script``."""
+    return failover_chat(clock, FakeTransport(script, clock=clock), emitter, **gateway)
 
 
 def anthropic_message(text: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from _closing import closing
+from _failover_chat import failover_chat
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -20,7 +21,6 @@ from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted
 from polygateway.ocr import OcrClient
 from polygateway.testing import (
-    BoundedSleep,
     Delay,
     FakeClock,
     FakeTransport,
@@ -49,28 +49,8 @@ def spans() -> Iterator[tuple[InMemorySpanExporter, TracerProvider]]:
 
 
 def make_chat(clock: FakeClock, script: Any, emitter: Any) -> ChatClient:
-    """An OpenAI primary and an Anthropic backup on a fake clock; one failure opens a breaker."""
-    return closing(
-        ChatClient(
-            gateway_settings(
-                {"name": "primary", "base_url": "https://llm.example.com/v1", "model": "big-1"},
-                {
-                    "name": "backup",
-                    "protocol": "anthropic",
-                    "base_url": "http://backup.internal:8080",
-                    "model": "claude-x",
-                    "priority": 1,
-                },
-                breaker_failures=1,
-            ),
-            backend=MemoryBackend(now=clock),
-            transport=FakeTransport(script, clock=clock),
-            now=clock,
-            sleep=BoundedSleep(clock, max_calls=200),
-            rng=random.Random(3),
-            emitter=emitter,
-        )
-    )
+    """The failover pair on a fake clock, answering from ``script``."""
+    return failover_chat(clock, FakeTransport(script, clock=clock), emitter)
 
 
 def anthropic_message(text: str, *, model: str, stop_reason: str) -> dict[str, Any]:

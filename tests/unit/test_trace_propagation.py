@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from _closing import closing
+from _failover_chat import failover_chat
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -28,7 +29,6 @@ from polygateway.middleware.telemetry import AttemptStart, Emitters, LoggingEmit
 from polygateway.models import AttemptRecord, CallRecord
 from polygateway.ocr import OcrClient
 from polygateway.testing import (
-    BoundedSleep,
     Delay,
     FakeClock,
     FakeTransport,
@@ -68,28 +68,8 @@ def sdk() -> Iterator[Sdk]:
 
 
 def make_chat(transport: FakeTransport, clock: FakeClock, *emitters: Any) -> ChatClient:
-    """An OpenAI primary and an Anthropic backup; one failure opens a breaker."""
-    return closing(
-        ChatClient(
-            gateway_settings(
-                {"name": "primary", "base_url": "https://llm.example.com/v1", "model": "big-1"},
-                {
-                    "name": "backup",
-                    "protocol": "anthropic",
-                    "base_url": "http://backup.internal:8080",
-                    "model": "claude-x",
-                    "priority": 1,
-                },
-                breaker_failures=1,
-            ),
-            backend=MemoryBackend(now=clock),
-            transport=transport,
-            now=clock,
-            sleep=BoundedSleep(clock, max_calls=200),
-            rng=random.Random(3),
-            emitters=list(emitters),
-        )
-    )
+    """The failover pair on a fake clock, its requests kept by ``transport``."""
+    return failover_chat(clock, transport, *emitters)
 
 
 def anthropic_message(text: str) -> dict[str, Any]:

@@ -158,6 +158,21 @@ class _Shape:
         self.output = {**attrs, "gen_ai.token.type": "output"}
 
 
+def _answer_attributes(
+    attrs: dict[str, Any], answer: AttemptRecord | None, prompt_tokens: int, completion_tokens: int
+) -> None:
+    """The GenAI attributes of an answer: its model and finish reasons (from ``answer``), tokens."""
+    if answer is not None:
+        if answer.response_model:
+            attrs["gen_ai.response.model"] = answer.response_model
+        if answer.finish_reasons:
+            attrs["gen_ai.response.finish_reasons"] = answer.finish_reasons
+    if prompt_tokens:
+        attrs["gen_ai.usage.input_tokens"] = prompt_tokens
+    if completion_tokens:
+        attrs["gen_ai.usage.output_tokens"] = completion_tokens
+
+
 class _Pending:
     """A call's attempts that arrived before the call's record, and the caller's context then."""
 
@@ -524,18 +539,13 @@ class OpenTelemetryEmitter:
             "polygateway.waited_s": record.waited_s,
             "polygateway.stalled_s": record.stalled_s,
         }
+        served_by = None
         if record.source is not None:
             attrs["polygateway.source"] = record.source
             # The serving attempt is the call's last.
             if last is not None and last.source == record.source:
-                if last.response_model:
-                    attrs["gen_ai.response.model"] = last.response_model
-                if last.finish_reasons:
-                    attrs["gen_ai.response.finish_reasons"] = last.finish_reasons
-        if record.prompt_tokens:
-            attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
-        if record.completion_tokens:
-            attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+                served_by = last
+        _answer_attributes(attrs, served_by, record.prompt_tokens, record.completion_tokens)
         if failed:
             attrs["error.type"] = record.outcome
             span.set_status(self._status_error)
@@ -569,14 +579,7 @@ class OpenTelemetryEmitter:
             }
             if record.status_code is not None:
                 attrs["http.response.status_code"] = record.status_code
-            if record.response_model:
-                attrs["gen_ai.response.model"] = record.response_model
-            if record.finish_reasons:
-                attrs["gen_ai.response.finish_reasons"] = record.finish_reasons
-            if record.prompt_tokens:
-                attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
-            if record.completion_tokens:
-                attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+            _answer_attributes(attrs, record, record.prompt_tokens, record.completion_tokens)
             if record.ttft_s is not None:
                 attrs["polygateway.ttft_s"] = record.ttft_s
             if record.outcome != "success":
