@@ -44,7 +44,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Backend, Lease, SourceSpec
 from polygateway.errors import (
@@ -87,6 +87,7 @@ __all__ = [
     "AttemptContext",
     "AttemptFn",
     "Call",
+    "CallOptions",
     "FailureRule",
     "LoopPolicy",
     "RetryMW",
@@ -202,6 +203,23 @@ class _Failed:
     source: str
     verdict: Verdict
     error: TransientError
+
+
+class CallOptions(TypedDict, total=False):
+    """What a call may ask of the loop, typed once for ``begin``, ``run`` and ``session``.
+
+    ``op_name`` names the client operation (errors, telemetry); ``cost_tokens``
+    is the tpm estimate; ``streaming`` marks a call whose attempt lasts while
+    its stream is read. Defaults: those of ``Call``.
+    """
+
+    op_name: str
+    cost_tokens: int
+    fail_fast: bool
+    deadline_s: float | None
+    streaming: bool
+    priority_class: str | None
+    tenant: str | None
 
 
 class RetryMW:
@@ -325,69 +343,24 @@ class RetryMW:
 
     # --- the two ways to run a call ----------------------------------------------
 
-    def begin(
-        self,
-        *,
-        cost_tokens: int = 0,
-        fail_fast: bool = False,
-        deadline_s: float | None = None,
-        op_name: str = "call",
-        streaming: bool = False,
-        priority_class: str | None = None,
-        tenant: str | None = None,
-    ) -> Call:
+    def begin(self, **options: Unpack[CallOptions]) -> Call:
         """A new call on this scope.
 
         Raises ``RequestRejected`` for a deadline that is not a number, a
         priority class the scope does not declare, or a tenant that is not a string.
         """
-        return Call(
-            self,
-            op_name=op_name,
-            cost_tokens=cost_tokens,
-            fail_fast=fail_fast,
-            deadline_s=deadline_s,
-            streaming=streaming,
-            priority_class=priority_class,
-            tenant=tenant,
-        )
+        return Call(self, **options)
 
-    async def run(
-        self,
-        attempt_fn: AttemptFn[T],
-        *,
-        cost_tokens: int = 0,
-        fail_fast: bool = False,
-        deadline_s: float | None = None,
-        op_name: str = "call",
-        priority_class: str | None = None,
-        tenant: str | None = None,
-    ) -> Served[T]:
+    async def run(self, attempt_fn: AttemptFn[T], **options: Unpack[CallOptions]) -> Served[T]:
         """Serve one request/response call; the permit is released before this returns."""
-        call = self.begin(
-            cost_tokens=cost_tokens,
-            fail_fast=fail_fast,
-            deadline_s=deadline_s,
-            op_name=op_name,
-            priority_class=priority_class,
-            tenant=tenant,
-        )
+        call = self.begin(**options)
         served = await call.serve(attempt_fn)
         served.complete()
         await call.finish(served, None)
         return served
 
     def session(
-        self,
-        attempt_fn: AttemptFn[T],
-        *,
-        cost_tokens: int = 0,
-        fail_fast: bool = False,
-        deadline_s: float | None = None,
-        op_name: str = "call",
-        streaming: bool = False,
-        priority_class: str | None = None,
-        tenant: str | None = None,
+        self, attempt_fn: AttemptFn[T], **options: Unpack[CallOptions]
     ) -> AbstractAsyncContextManager[Served[T]]:
         """Run the loop until an attempt succeeds, then hand it to the body with the permit held.
 
@@ -398,19 +371,7 @@ class RetryMW:
         (a timeout once no time is left) releases as cancelled and ends the
         call with ``AllSourcesExhausted(reason="deadline")`` instead.
         """
-        return _Session(
-            functools.partial(
-                self.begin,
-                cost_tokens=cost_tokens,
-                fail_fast=fail_fast,
-                deadline_s=deadline_s,
-                op_name=op_name,
-                streaming=streaming,
-                priority_class=priority_class,
-                tenant=tenant,
-            ),
-            attempt_fn,
-        )
+        return _Session(functools.partial(self.begin, **options), attempt_fn)
 
     # --- what is fixed for the scope ---------------------------------------------
 
