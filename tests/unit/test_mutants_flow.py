@@ -1,0 +1,237 @@
+"""A call's flow (priority class, tenant) and the loop's bookkeeping of its waits, pinned exactly.
+
+Each test pins a behaviour that a mutation of ``middleware/retry.py`` changed
+without a test noticing (research-wiki/MUTATION.md): the exact words and
+fields of the errors ``check_flow`` raises, the flow a call is filed under,
+a call's defaults, and ``waited_s`` adding up a back-off and a queue wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+from _closing import closing
+
+from polygateway.backends.base import AttemptOutcome, Lease
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings
+from polygateway.errors import RequestRejected
+from polygateway.testing import (
+    BoundedSleep,
+    Delay,
+    FakeClock,
+    FakeTimers,
+    FakeTransport,
+    Recorder,
+    TransientError,
+    chat_completion,
+    gateway_settings,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _classes(*names: str, max_concurrency: int = 4) -> GatewaySettings:
+    """A chat scope of ``names`` (primary and backup) declaring interactive (3) and batch (1)."""
+    return GatewaySettings.model_validate(
+        {
+            "scopes": {
+                "chat": {
+                    "kind": "chat",
+                    "priority_classes": {"interactive": {"share": 3}, "batch": {"share": 1}},
+                    "default_priority_class": "batch",
+                    "sources": [
+                        {
+                            "name": n,
+                            "protocol": "openai",
+                            "base_url": f"http://127.0.0.1:9/{n}",
+                            "max_concurrency": max_concurrency,
+                        }
+                        for n in names or ("primary", "backup")
+                    ],
+                }
+            }
+        }
+    )
+
+
+def _client(settings: GatewaySettings, clock: FakeClock, **parts: Any) -> ChatClient:
+    return closing(
+        ChatClient(
+            settings,
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport([], clock=clock, default=chat_completion()),
+            now=clock,
+            rng=random.Random(5),
+            **parts,
+        )
+    )
+
+
+class TestCheckFlowErrors:
+    """The refusals of a call's class or tenant say exactly what is wrong, with the scope."""
+
+    def test_a_tenant_that_is_not_a_string(self) -> None:
+        chat = _client(gateway_settings("primary", "backup"), FakeClock())
+        with pytest.raises(RequestRejected) as caught:
+            chat._mw.begin(op_name="chat.complete", tenant=42)  # type: ignore[typeddict-item]
+        assert str(caught.value).startswith(
+            "chat.complete: tenant must be a string naming the call's flow, not 42"
+        )
+        assert caught.value.scope == "chat"
+        assert caught.value.sources == ("primary", "backup")
+
+    def test_a_class_on_a_scope_that_declares_none(self) -> None:
+        chat = _client(gateway_settings("primary", "backup"), FakeClock())
+        with pytest.raises(RequestRejected) as caught:
+            chat._mw.begin(op_name="embed", priority_class="urgent")
+        assert str(caught.value).startswith(
+            "embed: priority_class 'urgent' is not a class of scope 'chat': "
+            "it declares no priority classes"
+        )
+        assert caught.value.scope == "chat"
+        assert caught.value.sources == ("primary", "backup")
+
+    def test_an_undeclared_class_names_the_declared_ones(self) -> None:
+        chat = _client(_classes(), FakeClock())
+        with pytest.raises(RequestRejected) as caught:
+            chat._mw.begin(op_name="chat.complete", priority_class="urgent")
+        assert str(caught.value).startswith(
+            "chat.complete: priority_class 'urgent' is not a class of scope 'chat': "
+            "its classes are batch, interactive"
+        )
+        assert caught.value.scope == "chat"
+
+
+class TestTheFlowACallIsFiledUnder:
+    """The class and tenant a call carries: the default class, and ``""`` for no tenant."""
+
+    def test_no_class_and_no_tenant(self) -> None:
+        call = _client(_classes(), FakeClock())._mw.begin()
+        assert (call.priority_class, call.tenant) == ("batch", "")
+
+    def test_the_default_class_named_and_a_tenant(self) -> None:
+        call = _client(_classes(), FakeClock())._mw.begin(priority_class="batch", tenant="team-a")
+        assert (call.priority_class, call.tenant) == ("batch", "team-a")
+
+    def test_a_declared_class_and_a_tenant(self) -> None:
+        mw = _client(_classes(), FakeClock())._mw
+        call = mw.begin(priority_class="interactive", tenant="user-7")
+        assert (call.priority_class, call.tenant) == ("interactive", "user-7")
+        assert mw.begin(priority_class="interactive").tenant == ""
+
+    def test_a_scope_without_classes_files_every_call_under_one_flow(self) -> None:
+        call = _client(gateway_settings("primary"), FakeClock())._mw.begin(tenant="t")
+        assert (call.priority_class, call.tenant) == ("", "t")
+
+
+def test_a_call_begun_without_options_has_the_documented_defaults() -> None:
+    """``begin()``: operation "call", no token cost, not fail-fast, not a stream, 16 hex id."""
+    call = _client(gateway_settings("primary"), FakeClock())._mw.begin()
+    assert call.op_name == "call"
+    assert call.cost_tokens == 0
+    assert call.fail_fast is False
+    assert call.streaming is False
+    assert len(call.call_id) == 16
+    int(call.call_id, 16)
+
+
+async def test_a_back_off_and_a_queue_wait_after_it_both_count_as_waited() -> None:
+    """A failure's back-off, then a wait in the queue for the only permit: ``waited_s`` is both.
+
+    Nothing of the call is an attempt's latency here, so all of its time was
+    waiting: ``waited_s`` equals its duration, and is more than the back-off.
+    """
+    clock = FakeClock()
+    recorder = Recorder()
+    backend = MemoryBackend(now=clock)
+    bounded = BoundedSleep(clock, max_calls=200)
+    held: list[Lease] = []
+    sleeps: list[float] = []
+    chat = closing(
+        ChatClient(
+            gateway_settings(
+                {"name": "primary", "max_concurrency": 1},
+                max_attempts=3,
+                backoff_base_s=2.0,
+                backoff_cap_s=2.0,
+            ),
+            backend=backend,
+            transport=FakeTransport(
+                [TransientError(status_code=500), chat_completion()], clock=clock
+            ),
+            now=clock,
+            sleep=bounded,
+            rng=random.Random(3),
+            emitter=recorder,
+        )
+    )
+    spec = chat._mw._order.sources[0][1]
+
+    async def sleep(seconds: float) -> None:
+        if not held:
+            # The first sleep is the back-off: another call takes the only permit meanwhile.
+            got = await backend.acquire("chat", [spec], ttl_s=600.0)
+            assert got.lease is not None
+            held.append(got.lease)
+        sleeps.append(seconds)
+        await bounded(seconds)
+
+    chat._mw._sleep = sleep
+    task = asyncio.create_task(chat.complete(MESSAGES))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert held, "the call never backed off"
+    clock.advance(3.0)
+    await backend.release(held[0], AttemptOutcome("success"))
+    await task
+    [call] = recorder.calls
+    assert call.outcome == "served"
+    assert call.waited_s == pytest.approx(call.duration_s)
+    assert call.waited_s > sleeps[0] + 3.0 - 1e-9
+
+
+async def test_queued_calls_of_two_classes_get_the_permit_in_proportion_to_their_shares() -> None:
+    """Shares 3 and 1 on one permit, both queued: the grants go 3 to 1, through the loop.
+
+    A grant moves its class's virtual time on (``Call.leave(granted=True)``):
+    without it the class with the larger share would win every turn.
+    """
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    transport = FakeTransport(
+        [], clock=clock, sleep=timers.sleep, default=Delay(1.0, chat_completion("ok"))
+    )
+    chat = closing(
+        ChatClient(
+            _classes("primary", max_concurrency=1),
+            backend=MemoryBackend(now=clock),
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(5),
+        )
+    )
+
+    async def one(label: str, priority_class: str) -> None:
+        await chat.complete([{"role": "user", "content": label}], priority_class=priority_class)
+
+    first = asyncio.create_task(one("first", "batch"))  # holds the permit while the rest queue
+    for _ in range(10):
+        await asyncio.sleep(0)
+    tasks = [asyncio.create_task(one(f"i{n}", "interactive")) for n in range(8)]
+    tasks += [asyncio.create_task(one(f"b{n}", "batch")) for n in range(8)]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    for _ in range(400):
+        await timers.advance(0.5)
+        if first.done() and all(t.done() for t in tasks):
+            break
+    await asyncio.gather(first, *tasks)
+    order = [str(r.json["messages"][0]["content"])[0] for r in transport.requests][1:9]
+    assert order.count("i") == 6, order  # 3 to 1 over the first eight grants
+    assert order.count("b") == 2, order
