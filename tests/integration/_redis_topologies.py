@@ -436,13 +436,21 @@ class LaggingReplica:
         self.line.start()
         self.replica.args = ("--replicaof", "127.0.0.1", str(self.line.port))
         self.replica.start()
-        # Synced is not enough: after a diskless sync the primary counts the replica for WAIT
-        # only from its first acknowledgement (one a second).
         wait_for("the replica to acknowledge", self._acknowledging)
 
     def _acknowledging(self) -> bool:
+        """Whether the replica acknowledges writes: synced is not enough.
+
+        After a sync the primary hears the replica's offset only at its first
+        acknowledgement (one a second); until then a WAIT may count it at offset
+        0. So: an offset heard, and a write acknowledged.
+        """
         with self.primary.client() as client:
-            return bool(client.execute_command("WAIT", 1, 100) == 1)
+            client.set("replica-check", 1)
+            acknowledged = client.execute_command("WAIT", 1, 100) == 1
+            heard = client.info("replication").get("slave0", {}).get("offset")
+            client.delete("replica-check")
+            return bool(acknowledged and heard)
 
     def caught_up(self) -> None:
         """Wait until the replica acknowledged everything the primary wrote."""
