@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from polygateway.backends.factory import shared_backend
 from polygateway.config import GatewaySettings
 from polygateway.errors import ConfigError
 
@@ -68,3 +69,18 @@ def test_a_cluster_without_replica_acks_still_loads() -> None:
     """The cluster refusal is for the opt-in only."""
     settings = GatewaySettings(redis_mode="cluster", redis_url="redis://h:7000/0")
     assert settings.redis_replica_acks == 0
+
+
+def test_settings_with_replica_acks_get_a_backend_of_their_own() -> None:
+    """The opt-in reaches the backend, and settings that differ in it do not share one."""
+    url = "redis://127.0.0.1:6397/0"
+    plain = shared_backend(GatewaySettings(backend="redis", redis_url=url))
+    acked = shared_backend(
+        GatewaySettings(
+            backend="redis", redis_url=url, redis_replica_acks=1, redis_replica_ack_timeout_s=0.3
+        )
+    )
+    assert acked is not plain
+    assert acked._acks == 1  # type: ignore[attr-defined]
+    assert acked._ack_command == b"*3\r\n$4\r\nWAIT\r\n$1\r\n1\r\n$3\r\n300\r\n"  # type: ignore[attr-defined]
+    assert plain._acks == 0  # type: ignore[attr-defined]
