@@ -4,7 +4,8 @@ A primary and a replica that replicates through a delay line (``DelayLine``
 in ``_redis_topologies.py``, a relay that holds the primary's stream for a
 chosen time), so the replica really is that far behind; a failover kills the
 primary, drops the stream still held (it dies with its primary) and promotes
-the replica by hand (``REPLICAOF NO ONE``), as Sentinel would. The bound
+the replica by hand (``REPLICAOF NO ONE``), as Sentinel would. One more
+test runs the opt-in behind a real Sentinel through a failover. The bound
 under test is research-wiki/guides/redis-fleet.md's ("Replica lag").
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from _redis_topologies import LaggingReplica, Process
+from _redis_topologies import LaggingReplica, Process, SentinelSetup
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, codec
@@ -252,3 +253,69 @@ def test_an_unusable_opt_in_is_refused_by_the_backend(
     with pytest.raises(ConfigError) as info:
         RedisBackend("redis://127.0.0.1:1/0", socket_timeout_s=1.0, **values)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+async def test_behind_sentinel_acks_fail_closed_until_the_new_primary_has_a_replica(
+    tmp_path: Path,
+) -> None:
+    """Sentinel mode: grants acknowledged on the primary; after a failover the new primary has
+    no replica, so acquires fail closed, until the old primary comes back as its replica."""
+    setup = SentinelSetup(tmp_path)
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        socket_timeout_s=TIMEOUT_S,
+        replica_acks=1,
+        replica_ack_timeout_s=ACK_TIMEOUT_S,
+    )
+    try:
+        setup.start()
+        with setup.replica.client() as client:  # the rejoining node syncs at once
+            client.config_set("repl-diskless-sync-delay", 0)
+        lease = await acquire_within(backend, 10.0)
+        await backend.release(lease, SUCCESS)
+        old_port = setup.primary.port
+        setup.primary.kill()
+        new_primary = await asyncio.to_thread(setup.wait_for_failover, old_port)
+        await unacknowledged_within(backend, 10.0)  # the new primary grants; nobody acknowledges
+        # Back as the new primary's replica (what Sentinel does too, at its own slower pace).
+        setup.primary.args = ("--replicaof", "127.0.0.1", str(new_primary.port))
+        setup.primary.start()
+        lease = await acquire_within(backend, 10.0)
+        await backend.release(lease, SUCCESS)
+    finally:
+        await backend.aclose()
+        setup.stop()
+
+
+async def acquire_within(backend: RedisBackend, bound_s: float) -> Lease:
+    """Acquire, retrying while the backend fails closed, within ``bound_s``."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while True:
+        try:
+            got = await backend.acquire(SCOPE, [SPEC], ttl_s=TTL_S)
+        except GovernanceBackendError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)  # edge: a real failover's pace
+            continue
+        assert got.lease is not None, got.rejections
+        return got.lease
+
+
+async def unacknowledged_within(backend: RedisBackend, bound_s: float) -> None:
+    """Acquire until a grant fails for want of an acknowledgement (failover errors retried)."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while True:
+        try:
+            got = await backend.acquire(SCOPE, [SPEC], ttl_s=TTL_S)
+        except GovernanceBackendError as exc:
+            if "acknowledged by 0 of 1" in str(exc):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)  # edge: a real failover's pace
+            continue
+        raise AssertionError(f"granted with no replica to acknowledge it: {got}")
