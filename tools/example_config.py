@@ -60,7 +60,7 @@ SCOPE_NOTES: dict[str, str] = {
     "kind": "chat | embed | ocr",
     "exempt_429": "default: true for chat, false for embed and ocr",
     "sources": "one [[scopes.NAME.sources]] table per source, below",
-    "priority_classes": "none: one queue, arrival order; else shares",
+    "priority_classes": "none: one queue, arrival order; else shares (+ reserved permits)",
     "default_priority_class": "a call's class when it names none",
 }
 
@@ -213,7 +213,9 @@ def render() -> str:
             lines.append(_line('# default_priority_class = "interactive"', SCOPE_NOTES[name]))
         elif name == "priority_classes":
             lines.append(_line("# priority_classes = {}", SCOPE_NOTES[name]))
-            lines.append("#   e.g. [scopes.chat.priority_classes.interactive] share = 9")
+            lines.append(
+                "#   e.g. [scopes.chat.priority_classes.interactive] share = 9, reserved = 2"
+            )
             lines.append("#        [scopes.chat.priority_classes.batch]       share = 1")
     lines.append(_line("[[scopes.chat.sources]]", SCOPE_NOTES["sources"]))
     for name in _fields(SourceConfig, SOURCE_NOTES):

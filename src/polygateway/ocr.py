@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from polygateway.errors import RequestRejected
-from polygateway.middleware.lifecycle import GovernedClient, priority_shares
+from polygateway.middleware.lifecycle import GovernedClient, priority_shares, reserved_permits
 from polygateway.middleware.retry import RetryMW
 from polygateway.models import LayoutBlock, LayoutResult, TextResult
 from polygateway.transport import monkey_ocr, vision_ocr
@@ -256,6 +256,7 @@ class OcrClient(GovernedClient):
                 emitter=self._emitter,
                 priority_classes=priority_shares(self._config),
                 default_priority_class=self._config.default_priority_class,
+                reserved_permits=reserved_permits(self._config),
             )
         return loop
 

@@ -272,11 +272,27 @@ class SourceConfig(BaseModel):
 
 
 class PriorityClassConfig(BaseModel):
-    """A priority class of a scope: its share of the scope's permits while its calls wait."""
+    """A priority class of a scope: its share of the scope's permits while its calls wait.
+
+    ``reserved``: while the class holds fewer permits than this in a process
+    and has calls waiting there, they go first; a floor on who goes first,
+    never permits set aside (research-wiki/designs/priority-fairness.md).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     share: PositiveFloat
+    reserved: int = 0
+
+    @field_validator("reserved", mode="before")
+    @classmethod
+    def _check_reserved(cls, value: object) -> object:
+        """A whole number of permits, 0 or more: 1.5 or -1 permits mean nothing."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise config_problem(
+                f"reserved must be a whole number of permits, 0 or more, not {value!r}"
+            )
+        return value
 
 
 class ScopeConfig(BaseModel):
@@ -322,6 +338,21 @@ class ScopeConfig(BaseModel):
             raise config_problem(
                 f"default_priority_class {default!r} is not a priority class of this scope "
                 f"(classes: {known})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_reserved_fits(self) -> Self:
+        """Reserved permits of all classes together fit in the scope: more could never be held."""
+        classes = self.priority_classes
+        capacity = self.total_concurrency
+        reserved = sum(c.reserved for c in classes.values())
+        if reserved > capacity:
+            last = max((n for n, c in classes.items() if c.reserved), key=list(classes).index)
+            raise config_problem(
+                f"the classes reserve {reserved} permits in all, more than the scope has "
+                f"({capacity}: the sum of its sources' max_concurrency)",
+                at=f".priority_classes.{last}.reserved",
             )
         return self
 

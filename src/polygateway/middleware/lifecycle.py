@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
     from polygateway.transport.http import Transport
 
-__all__ = ["ClientParts", "GovernedClient", "InFlight", "Lifecycle", "priority_shares"]
+__all__ = [
+    "ClientParts",
+    "GovernedClient",
+    "InFlight",
+    "Lifecycle",
+    "priority_shares",
+    "reserved_permits",
+]
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -237,12 +244,20 @@ class GovernedClient:
             emitter=telemetry,
             priority_classes=priority_shares(config),
             default_priority_class=config.default_priority_class,
+            reserved_permits=reserved_permits(config),
         )
         self._emitter = telemetry
         if telemetry is not None:
             room = room_for(self._backend, scope)
             telemetry.bind(
-                ClientInfo(self.KIND, scope, tuple(config.sources), self._backend, room.__len__)
+                ClientInfo(
+                    self.KIND,
+                    scope,
+                    tuple(config.sources),
+                    self._backend,
+                    room.__len__,
+                    room.by_class,
+                )
             )
         self._life = Lifecycle(scope=scope, close_grace_s=settings.close_grace_s, sleep=self._sleep)
         self._setup()
@@ -334,3 +349,8 @@ def _default_transport(settings: GatewaySettings, sources: Sequence[SourceConfig
 def priority_shares(config: ScopeConfig) -> dict[str, float]:
     """The scope's priority classes and their shares (empty: no classes)."""
     return {name: c.share for name, c in config.priority_classes.items()}
+
+
+def reserved_permits(config: ScopeConfig) -> dict[str, int]:
+    """The permits each class of the scope goes first for while below them (empty: none)."""
+    return {name: c.reserved for name, c in config.priority_classes.items() if c.reserved}

@@ -71,7 +71,7 @@ from polygateway.middleware.telemetry import (
     attempt_record,
     emitters_of,
 )
-from polygateway.middleware.waiting import Sleep, Waiter, room_for
+from polygateway.middleware.waiting import ClassState, Sleep, Waiter, room_for
 from polygateway.models import CallRecord
 from polygateway.transport.http import TransientError, scrub, secrets_in
 from polygateway.transport.wire import source_headers
@@ -246,6 +246,7 @@ class RetryMW:
         "_scope",
         "_secrets",
         "_sleep",
+        "_slots",
         "_timeouts",
     )
 
@@ -262,6 +263,7 @@ class RetryMW:
         emitter: AttemptEmitter | None = None,
         priority_classes: Mapping[str, float] | None = None,
         default_priority_class: str | None = None,
+        reserved_permits: Mapping[str, int] | None = None,
     ) -> None:
         sources = tuple(sources)
         self._scope = scope
@@ -286,7 +288,11 @@ class RetryMW:
         # Priority classes and their shares (none: one class, "", arrival order).
         self._classes: Mapping[str, float] = dict(priority_classes or {})
         self._default_class = default_priority_class or ""
-        self._room.shares.update(self._classes)
+        self._room.declare(self._classes, reserved_permits or {})
+        # Each class's record in the room, where a call counts the permit it holds.
+        self._slots = {
+            name: self._room.slot(name) for name in (*self._classes, self._default_class)
+        }
         specs = [
             SourceSpec(
                 name=s.name,
@@ -473,6 +479,7 @@ class Call:
 
     __slots__ = (
         "_age",
+        "_held",
         "_hint_at",
         "_hint_s",
         "_last",
@@ -536,6 +543,7 @@ class Call:
         self._waited_s = 0.0  # in the queue and in back-offs
         self._ticket = mw._room.ticket()  # the call's place in the arrival order
         self._waiter: Waiter | None = None
+        self._held: ClassState | None = None  # the class the held permit is counted in, if any
         self._last: AcquireResult | None = None  # the latest acquire, for retry_after_s
         self._last_at = 0.0
         self._age: float | None = None  # the progress age read in this iteration, if any
@@ -657,7 +665,9 @@ class Call:
         if lease is None:
             self._last_at = mw._now()  # retry_after_s is aged from here
             return None
-        self.leave(granted=True)
+        self.leave(granted=True)  # first: a grant below the class's floor is not charged
+        held = self._held = mw._slots[self.priority_class]
+        room.hold(held)
         return lease
 
     async def wait(self) -> None:
@@ -746,7 +756,7 @@ class Call:
                 else:
                     verdict = self._verdict(error, source.name)
                 try:
-                    await release_quietly(mw._backend, lease, verdict.outcome, mw._text)
+                    await self._release(lease, verdict.outcome)
                 finally:
                     # Recorded even if the caller is cancelled during the release: one
                     # record per attempt, whatever instant the cancellation lands at.
@@ -759,7 +769,7 @@ class Call:
             # the permit goes back at once, then the exception passes on untouched.
             try:
                 try:
-                    await release_quietly(mw._backend, lease, _CANCELLED, mw._text)
+                    await self._release(lease, _CANCELLED)
                 finally:
                     self._record(ctx, "cancelled", None, "cancelled")
             finally:
@@ -959,11 +969,24 @@ class Call:
             outcome = _CANCELLED
             error = "cancelled"
         try:
-            await release_quietly(mw._backend, ctx.lease, outcome, mw._text)
+            await self._release(ctx.lease, outcome)
         finally:
             # A cancellation during the release must not lose the served attempt's record.
             self._record(ctx, outcome.kind, status, error)
         return cut
+
+    async def _release(self, lease: Lease, outcome: AttemptOutcome) -> None:
+        """Free the held permit: the one place a call gives its lease back.
+
+        The room's count of the class goes down first, so the room's choice of
+        head, made as the backend announces the freed permit, already sees it.
+        """
+        mw = self._mw
+        held = self._held
+        if held is not None:
+            self._held = None
+            mw._room.unhold(held)
+        await release_quietly(mw._backend, lease, outcome, mw._text)
 
     def _record(
         self,

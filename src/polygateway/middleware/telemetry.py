@@ -140,6 +140,11 @@ class HeadersEmitter(Protocol):
         ...
 
 
+def _no_classes() -> Mapping[str, tuple[int, int]]:
+    """``ClientInfo.by_class`` of a client that tells none."""
+    return {}
+
+
 @dataclass(frozen=True, slots=True)
 class ClientInfo:
     """What an emitter may learn of a client it is passed to (``bind``), once, at construction.
@@ -147,8 +152,11 @@ class ClientInfo:
     ``sources`` are the scope's settings (names, protocols, models, base URLs:
     what span attributes name); ``backend`` is the shared state live gauges
     read at scrape time; ``waiting`` counts the calls of the scope waiting in
-    this process. Nothing here holds a prompt, an answer or a secret to emit
-    (a source's key stays in its ``SecretStr``).
+    this process; ``by_class`` gives, per priority class (``""`` for a scope
+    without classes), the calls waiting and the permits in use in this
+    process (the scope's waiting room: clients of one scope share it, so
+    equal callables are one count). Nothing here holds a prompt, an answer or
+    a secret to emit (a source's key stays in its ``SecretStr``).
     """
 
     kind: str
@@ -156,6 +164,7 @@ class ClientInfo:
     sources: tuple[SourceConfig, ...]
     backend: Backend
     waiting: Callable[[], int]
+    by_class: Callable[[], Mapping[str, tuple[int, int]]] = _no_classes
 
 
 @runtime_checkable

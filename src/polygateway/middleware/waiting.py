@@ -36,12 +36,12 @@ import bisect
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 from polygateway.backends.base import Backend
 
-__all__ = ["MAX_ASKING", "Waiter", "WaitingRoom", "room_for"]
+__all__ = ["MAX_ASKING", "ClassState", "Waiter", "WaitingRoom", "room_for"]
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -102,19 +102,27 @@ class Waiter:
             self._pending = True
 
 
-class _Class:
+class ClassState:
     """The waiters of one priority class: a queue per tenant, tenants served in turn."""
 
-    __slots__ = ("flows", "pass_", "rotation", "share", "waiting")
+    __slots__ = ("flows", "in_use", "pass_", "reserved", "rotation", "share", "waiting")
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, reserved: int = 0) -> None:
         self.share = share
+        # Served before the stride choice while the class holds fewer permits than this.
+        self.reserved = reserved
         # Per tenant, sorted by ticket. A deque: the head leaves in O(1) however many
         # wait (the target "10,000 waiting calls cost no more CPU per call than 1,000").
         self.flows: dict[str, deque[Waiter]] = {}
         self.rotation: deque[str] = deque()  # tenants with waiters, the next served first
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
+        self.in_use = 0  # permits its calls hold in this process (``Call`` keeps it)
+
+    @property
+    def below_floor(self) -> bool:
+        """Calls wait and the class holds fewer permits than it reserves: it goes first."""
+        return self.in_use < self.reserved and self.waiting > 0
 
 
 class WaitingRoom:
@@ -129,6 +137,14 @@ class WaitingRoom:
     to the others) and comes back at the current virtual time, with no
     credit saved up. Inside a class, tenants are served in turn (round robin),
     each tenant's calls in arrival order.
+
+    A class with ``reserved`` permits that holds fewer than that (in this
+    process) while its calls wait goes before the stride choice, and such a
+    grant does not move its virtual time: the floor comes on top of the
+    share. It only orders who asks next, so no permit is set aside: with
+    nobody of that class waiting, the others take every permit. Permits in
+    use are counted per class (``hold``, ``unhold``: the loop calls them for
+    every permit its calls get, queued or not).
     """
 
     __slots__ = (
@@ -143,9 +159,12 @@ class WaitingRoom:
         "wakeups",
     )
 
-    def __init__(self, shares: dict[str, float] | None = None) -> None:
-        self.shares: dict[str, float] = dict(shares or {})
-        self._classes: dict[str, _Class] = {}
+    def __init__(
+        self, shares: Mapping[str, float] | None = None, reserved: Mapping[str, int] | None = None
+    ) -> None:
+        self.shares: dict[str, float] = {}
+        self._classes: dict[str, ClassState] = {}
+        self.declare(shares or {}, reserved or {})
         self._count = 0
         self._vtime = 0.0
         self._head: Waiter | None = None
@@ -173,6 +192,57 @@ class WaitingRoom:
         """How many calls wait, per priority class (``""``: a scope without classes)."""
         return {name: c.waiting for name, c in self._classes.items() if c.waiting}
 
+    def by_class(self) -> dict[str, tuple[int, int]]:
+        """(calls waiting, permits in use) in this process, per class the room knows.
+
+        Every declared class, idle ones too (a gauge keeps its series), and
+        ``""`` for a scope without classes.
+        """
+        return {name: (c.waiting, c.in_use) for name, c in self._classes.items()}
+
+    def declare(self, shares: Mapping[str, float], reserved: Mapping[str, int]) -> None:
+        """The scope's classes, their shares and reserved permits (as a client of it is built)."""
+        self.shares.update(shares)
+        for name, share in shares.items():
+            klass = self.slot(name)
+            klass.share = share
+            klass.reserved = reserved.get(name, 0)
+        self._stale = True
+
+    def slot(self, priority_class: str) -> ClassState:
+        """The record of ``priority_class`` (its queue and counts), made at first use."""
+        klass = self._classes.get(priority_class)
+        if klass is None:
+            klass = self._classes[priority_class] = ClassState(self.shares.get(priority_class, 1.0))
+        return klass
+
+    def hold(self, klass: ClassState) -> None:
+        """A call of ``klass`` got a permit, queued or not (``slot`` gives ``klass``).
+
+        A scope without reserved permits pays one integer update for it.
+        """
+        klass.in_use += 1
+        if klass.reserved:
+            self._reschedule()
+
+    def unhold(self, klass: ClassState) -> None:
+        """A permit ``hold`` counted is being released: once per permit, before the release."""
+        klass.in_use -= 1
+        if klass.reserved:
+            self._reschedule()
+
+    def _reschedule(self) -> None:
+        """A reserved class crossed its floor, perhaps: if the head changed, wake the new one.
+
+        Nobody else would: the old head, when it wakes, finds it is not head
+        and sleeps to its stall timer.
+        """
+        before = self.head()
+        self._stale = True
+        head = self.head()
+        if head is not None and head is not before:
+            head._fire()
+
     def ticket(self) -> int:
         """A place in the arrival order, taken when a call starts looking for a permit."""
         return next(self._tickets)
@@ -186,9 +256,7 @@ class WaitingRoom:
         ticket, at its tail with a ticket taken now.
         """
         waiter = Waiter(self.ticket() if ticket is None else ticket, priority_class, tenant)
-        klass = self._classes.get(priority_class)
-        if klass is None:
-            klass = self._classes[priority_class] = _Class(self.shares.get(priority_class, 1.0))
+        klass = self.slot(priority_class)
         if not klass.waiting:
             # Back from idle: no credit for the time it did not wait. It starts level
             # with the classes waiting now, or where the last one served left off.
@@ -209,17 +277,31 @@ class WaitingRoom:
         return waiter
 
     def head(self) -> Waiter | None:
-        """The call that asks next, or ``None`` when nobody waits."""
+        """The call that asks next, or ``None`` when nobody waits.
+
+        A class below its reserved floor first; among equals (all below, or
+        none), the class furthest behind in virtual time, the larger share on a tie.
+        """
         if self._stale:
             self._stale = False
-            best: _Class | None = None
+            best: ClassState | None = None
+            floor = False
             for klass in self._classes.values():
-                if klass.waiting and (
+                if not klass.waiting:
+                    continue
+                below = klass.in_use < klass.reserved
+                if (
                     best is None
-                    or klass.pass_ < best.pass_
-                    or (klass.pass_ == best.pass_ and klass.share > best.share)
+                    or below > floor
+                    or (
+                        below == floor
+                        and (
+                            klass.pass_ < best.pass_
+                            or (klass.pass_ == best.pass_ and klass.share > best.share)
+                        )
+                    )
                 ):
-                    best = klass
+                    best, floor = klass, below
             self._head = None if best is None else best.flows[best.rotation[0]][0]
         return self._head
 
@@ -230,7 +312,8 @@ class WaitingRoom:
     def leave(self, waiter: Waiter, *, granted: bool = False) -> None:
         """Leave the queue (``granted``: with a permit; else failed or cancelled).
 
-        A permit granted moves its class's virtual time on and sends its
+        A permit granted moves its class's virtual time on (unless the class
+        was below its reserved floor: call this before ``hold``) and sends its
         tenant to the back of the class's turn. Whoever is head next is woken:
         the permit that served the old head may not have been the last free.
         """
@@ -247,7 +330,7 @@ class WaitingRoom:
             flow.remove(waiter)
         klass.waiting -= 1
         self._count -= 1
-        if granted:
+        if granted and klass.in_use >= klass.reserved:
             self._vtime = klass.pass_
             klass.pass_ += 1.0 / klass.share
         if not flow:
