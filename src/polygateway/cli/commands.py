@@ -191,6 +191,11 @@ def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_
     out.print(f"backend {settings.backend} at {settings.redis_url_masked}")
     for snap in snaps:
         out.print(render.scope_status_table(snap, max_concurrency_of(settings, snap.scope)))
+    if any(settings.scopes[s.scope].priority_classes for s in snaps if s.scope in settings.scopes):
+        from polygateway.cli.watch import WAITING_NOTE
+
+        # The backend is read from outside every process: their waiting rooms are not in it.
+        out.print(WAITING_NOTE)
 
 
 # -- chat / embed / ocr -------------------------------------------------------------------

@@ -42,6 +42,7 @@ from polygateway.cli.demo_report import (
 from polygateway.cli.samples import tiny_pdf, tiny_png
 from polygateway.config import GatewaySettings
 from polygateway.errors import GatewayError
+from polygateway.middleware.waiting import room_for
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -365,6 +366,11 @@ async def _one(run: _Run, call: _Planned) -> None:
     )
 
 
+def _by_class(run: _Run, scope: str) -> render.ByClass:
+    """This process's calls waiting and permits in use per class: the memory backend is ours."""
+    return room_for(run.backend, scope).by_class()
+
+
 async def _sample(
     run: _Run, status_every: float | None, show: Callable[[Sequence[ScopeSnapshot]], None]
 ) -> None:
@@ -380,7 +386,9 @@ async def _sample(
             run.samples.append(
                 {
                     "t_s": round(at, 2),
-                    "scopes": [render.snapshot_json(s, CONCURRENCY) for s in snaps],
+                    "scopes": [
+                        render.snapshot_json(s, CONCURRENCY, _by_class(run, s.scope)) for s in snaps
+                    ],
                 }
             )
             show(snaps)
@@ -458,7 +466,7 @@ async def _with_progress(
             return
         out.print(f"live state at {run.elapsed():.1f} s:")
         for snap in snaps:
-            out.print(render.scope_status_table(snap, CONCURRENCY))
+            out.print(render.scope_status_table(snap, CONCURRENCY, _by_class(run, snap.scope)))
 
     sampler = asyncio.create_task(_sample(run, args.status_every, show_status))
     calls = [asyncio.create_task(_one(run, call)) for call in plan]

@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from polygateway.config import GatewaySettings
 
 __all__ = [
+    "ByClass",
     "CliError",
     "PlainConsole",
     "PlainTable",
+    "class_summary",
     "console",
     "dump_json",
     "error_json",
@@ -294,27 +296,59 @@ def settings_summary(settings: GatewaySettings) -> dict[str, Any]:
 # -- backend state -----------------------------------------------------------------------
 
 
-def snapshot_json(snap: ScopeSnapshot, max_concurrency: Mapping[str, int]) -> dict[str, Any]:
-    """A scope snapshot for ``--json`` (``progress_age_s`` is ``null`` when never served)."""
+ByClass = Mapping[str, tuple[int, int]]
+"""Per priority class, (calls waiting, permits in use) in one process (``WaitingRoom.by_class``)."""
+
+
+def snapshot_json(
+    snap: ScopeSnapshot, max_concurrency: Mapping[str, int], by_class: ByClass | None = None
+) -> dict[str, Any]:
+    """A scope snapshot for ``--json`` (``progress_age_s`` is ``null`` when never served).
+
+    ``by_class``, where the caller runs the scope's calls (a memory backend's
+    process), adds ``"this_process": {class: {"waiting": n, "in_use": n}}``.
+    """
     sources = []
     for source in snap.sources:
         entry = asdict(source)
         entry["max_concurrency"] = max_concurrency.get(source.name)
         sources.append(entry)
-    return {
+    out: dict[str, Any] = {
         "scope": snap.scope,
         "progress_age_s": snap.progress_age_s,
         "in_flight": snap.in_flight,
         "sources": sources,
     }
+    if by_class is not None:
+        out["this_process"] = {
+            name: {"waiting": waiting, "in_use": in_use}
+            for name, (waiting, in_use) in by_class.items()
+        }
+    return out
+
+
+def class_summary(by_class: ByClass) -> str:
+    """``interactive 2 waiting, 1 in use; batch 40 waiting, 7 in use`` (no classes: no names)."""
+    return "; ".join(
+        f"{name + ' ' if name else ''}{waiting} waiting, {in_use} in use"
+        for name, (waiting, in_use) in by_class.items()
+    )
 
 
 def scope_status_table(
-    snap: ScopeSnapshot, max_concurrency: Mapping[str, int]
+    snap: ScopeSnapshot, max_concurrency: Mapping[str, int], by_class: ByClass | None = None
 ) -> Table | PlainTable:
-    """One scope's live governance state: permits, AIMD limit, breaker, pacing, buckets."""
+    """One scope's live governance state: permits, AIMD limit, breaker, pacing, buckets.
+
+    ``by_class`` (given only where the scope's calls run: its waiting room is
+    per process) adds this process's calls waiting and permits in use per
+    priority class to the title.
+    """
+    title = f"scope {snap.scope}: {snap.in_flight} in flight, {fmt_age(snap.progress_age_s)}"
+    if by_class:
+        title += f"; this process: {class_summary(by_class)}"
     table = text_table(
-        f"scope {snap.scope}: {snap.in_flight} in flight, {fmt_age(snap.progress_age_s)}",
+        title,
         (
             "source",
             "in flight",

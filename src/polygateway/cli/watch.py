@@ -3,9 +3,10 @@
 One frame per refresh, redrawn in place on the terminal's alternate screen
 (as ``top`` does): per scope its permits in flight and progress, per source
 permits, AIMD limit against ``max_concurrency``, breaker, pacing and rate
-buckets, all read from the shared backend. Calls waiting are counted inside
-each process that makes them (the waiting room is not shared state), so the
-view names the gauge that has them instead of guessing.
+buckets, all read from the shared backend. Calls waiting, and permits in use
+per priority class, are counted inside each process that makes them (the
+waiting room is not shared state), so the view names the gauges that have
+them instead of guessing.
 
 A backend read that fails does not end the watch: the frame says so and the
 next refresh tries again. Ctrl+C ends it quietly (exit 130, the shell's code
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["WAITING_NOTE", "frame", "watch_live"]
 
 WAITING_NOTE = (
-    "calls waiting are counted in each process that makes them: "
-    "polygateway_scope_calls_waiting (PrometheusEmitter)"
+    "calls waiting are counted in each process that makes them, as are permits in use per "
+    "priority class: polygateway_scope_calls_waiting, polygateway_scope_calls_waiting_by_class "
+    "and polygateway_scope_permits_in_use (PrometheusEmitter)"
 )
 
 

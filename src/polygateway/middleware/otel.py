@@ -225,8 +225,10 @@ class OpenTelemetryEmitter:
     ``polygateway.source.permits.in_use``, ``polygateway.source.limit``,
     ``polygateway.source.breaker.state`` (1 for the current state),
     ``polygateway.source.breaker.reopen`` (s), ``polygateway.source.paused``
-    (s), ``polygateway.source.rpm_tokens``, ``polygateway.source.tpm_tokens``
-    and ``polygateway.scope.calls.waiting`` (exported to Prometheus they are
+    (s), ``polygateway.source.rpm_tokens``, ``polygateway.source.tpm_tokens``,
+    ``polygateway.scope.calls.waiting`` and, per ``polygateway.priority_class``
+    (``""`` for a scope without classes), ``polygateway.scope.calls.waiting_by_class``
+    and ``polygateway.scope.permits.in_use`` (this process; exported to Prometheus they are
     named as ``PrometheusEmitter``'s live gauges). Gauges read a backend that
     answers without I/O (``SyncSnapshot``: the memory backend) at collection
     time; the Redis backend needs its event loop, which a reader's
@@ -667,6 +669,18 @@ class OpenTelemetryEmitter:
             unit="{call}",
             description="Calls of the scope waiting in this process.",
         )
+        meter.create_observable_gauge(
+            "polygateway.scope.calls.waiting_by_class",
+            callbacks=[self._class_callback(0)],
+            unit="{call}",
+            description="Calls of the scope waiting in this process, per priority class.",
+        )
+        meter.create_observable_gauge(
+            "polygateway.scope.permits.in_use",
+            callbacks=[self._class_callback(1)],
+            unit="{permit}",
+            description="Permits the scope's calls hold in this process, per priority class.",
+        )
 
     def _snapshots(self) -> list[ScopeSnapshot]:
         """The snapshot of every bound scope whose backend reads without I/O, once per scope.
@@ -719,6 +733,28 @@ class OpenTelemetryEmitter:
                     }
                     out.append(observation(1 if source.breaker == state else 0, attrs))
         return out
+
+    def _class_callback(self, index: int) -> Any:
+        """A callback observing, per scope and class, calls waiting (0) or permits in use (1).
+
+        Clients of one scope share its waiting room: equal ``by_class`` are read once.
+        """
+        observation = self._observation
+
+        def callback(options: Any) -> list[Any]:
+            seen: list[tuple[str, Any]] = []
+            out = []
+            for client in self._clients:
+                key = (client.scope, client.by_class)
+                if key in seen:
+                    continue
+                seen.append(key)
+                for name, counts in client.by_class().items():
+                    attrs = {"polygateway.scope": client.scope, "polygateway.priority_class": name}
+                    out.append(observation(counts[index], attrs))
+            return out
+
+        return callback
 
     def _waiting_callback(self, options: Any) -> list[Any]:
         observation = self._observation
