@@ -13,6 +13,9 @@ import pytest
 from _closing import closing
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -20,6 +23,7 @@ from polygateway.cli import commands, render
 from polygateway.cli.watch import WAITING_NOTE
 from polygateway.config import GatewaySettings
 from polygateway.middleware.otel import OpenTelemetryEmitter
+from polygateway.middleware.telemetry import PrometheusEmitter
 from polygateway.middleware.waiting import room_for
 from polygateway.testing import (
     BoundedSleep,
@@ -131,6 +135,46 @@ async def test_otel_gauges_show_waiting_and_in_use_per_class_once_per_scope(
     assert _points(metrics, "polygateway.scope.calls.waiting_by_class") == {
         "interactive": 0,
         "batch": 0,
+    }
+
+
+def _scrape(registry: CollectorRegistry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of ``name`` as a Prometheus server parses the exposition, by sorted labels."""
+    text = generate_latest(registry).decode()
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def _by_class(samples: dict[tuple[tuple[str, str], ...], float]) -> dict[str, float]:
+    return {dict(labels)["priority_class"]: v for labels, v in samples.items()}
+
+
+async def test_the_prometheus_scrape_shows_waiting_and_in_use_per_class() -> None:
+    """Parsed back: per class waiting and in use, the scope's total waiting unchanged."""
+    registry = CollectorRegistry()
+    emitter = PrometheusEmitter(registry=registry)
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    gate = Gate(chat_completion("ok"))
+    settings = _settings()
+    chat = _chat(settings, clock, backend, [gate, chat_completion("ok")], emitter=emitter)
+    _chat(settings, clock, backend, [], emitter=emitter)  # a second client: one room, one count
+    held, queued = await _one_in_use_one_waiting(chat, gate)
+    waiting = _scrape(registry, "polygateway_scope_calls_waiting_by_class")
+    assert {dict(labels)["scope"] for labels in waiting} == {"chat"}
+    assert _by_class(waiting) == {"interactive": 0.0, "batch": 1.0}
+    in_use = _scrape(registry, "polygateway_scope_permits_in_use")
+    assert _by_class(in_use) == {"interactive": 1.0, "batch": 0.0}
+    assert _scrape(registry, "polygateway_scope_calls_waiting") == {(("scope", "chat"),): 1.0}
+    gate.open()
+    await asyncio.gather(held, queued)
+    assert _by_class(_scrape(registry, "polygateway_scope_permits_in_use")) == {
+        "interactive": 0.0,
+        "batch": 0.0,
     }
 
 

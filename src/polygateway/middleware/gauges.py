@@ -5,6 +5,9 @@ clients a ``PrometheusEmitter`` is passed to (``ClientInfo``) and, at every
 scrape, reads each scope's ``ScopeSnapshot`` from the backend: nothing runs
 between scrapes, and every value is the backend's, not a count this process
 kept. A memory backend describes this process; a Redis backend, the fleet.
+The exceptions are the scope's waiting room, which is per process: calls
+waiting (in all, and per priority class) and permits in use per class
+(``ClientInfo.by_class``) are this process's on every backend.
 research-wiki/guides/observability.md lists the metrics and their units.
 
 ``collect()`` is synchronous and ``Backend.snapshot`` a coroutine, so a scrape
@@ -36,7 +39,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -72,6 +75,7 @@ class _Binding:
 
     loop: asyncio.AbstractEventLoop | None
     waiting: list[Callable[[], int]] = field(default_factory=list)
+    by_class: list[Callable[[], Mapping[str, tuple[int, int]]]] = field(default_factory=list)
     latest: tuple[float, ScopeSnapshot] | None = None
     refreshing: concurrent.futures.Future[None] | None = None
 
@@ -133,6 +137,8 @@ class LiveGauges:
                 binding.loop = loop
             if all(w is not client.waiting and w != client.waiting for w in binding.waiting):
                 binding.waiting.append(client.waiting)
+            if all(c != client.by_class for c in binding.by_class):
+                binding.by_class.append(client.by_class)
             self.loopless = self.loopless or loop is None
 
     def adopt_loop(self, scope: str) -> None:
@@ -169,6 +175,7 @@ class LiveGauges:
             for _, other in bindings:
                 waiting += sum(count() for count in other.waiting)
             families["waiting"].add_metric([name], waiting)
+            _add_classes(families, name, [b for _, b in bindings])
             read = self._read(name, backend, binding)
             if read is None:
                 continue
@@ -269,6 +276,18 @@ class LiveGauges:
                 "Calls of the scope waiting for a permit in this process.",
                 labels=("scope",),
             ),
+            "class_waiting": g(
+                "polygateway_scope_calls_waiting_by_class",
+                "Calls of the scope waiting for a permit in this process, per priority class "
+                "(empty: a scope without classes).",
+                labels=("scope", "priority_class"),
+            ),
+            "class_in_use": g(
+                "polygateway_scope_permits_in_use",
+                "Permits the scope's calls hold in this process, per priority class "
+                "(empty: a scope without classes).",
+                labels=("scope", "priority_class"),
+            ),
             "progress": g(
                 "polygateway_scope_progress_age_seconds",
                 "Seconds since the scope last served (fleet-wide on Redis); absent if never.",
@@ -326,6 +345,20 @@ class LiveGauges:
                 labels=src,
             ),
         }
+
+
+def _add_classes(families: dict[str, Any], scope: str, bindings: list[_Binding]) -> None:
+    """Calls waiting and permits in use per priority class, added up over the scope's rooms."""
+    totals: dict[str, list[int]] = {}
+    for binding in bindings:
+        for read in binding.by_class:
+            for name, (waiting, in_use) in read().items():
+                total = totals.setdefault(name, [0, 0])
+                total[0] += waiting
+                total[1] += in_use
+    for name, (waiting, in_use) in totals.items():
+        families["class_waiting"].add_metric([scope, name], waiting)
+        families["class_in_use"].add_metric([scope, name], in_use)
 
 
 def _add_scope(
