@@ -41,7 +41,7 @@ import functools
 import logging
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
@@ -975,18 +975,20 @@ class Call:
             self._record(ctx, outcome.kind, status, error)
         return cut
 
-    async def _release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        """Free the held permit: the one place a call gives its lease back.
+    def _release(self, lease: Lease, outcome: AttemptOutcome) -> Coroutine[Any, Any, None]:
+        """Free the held permit (await the result): the one place a call gives its lease back.
 
         The room's count of the class goes down first, so the room's choice of
         head, made as the backend announces the freed permit, already sees it.
+        Not a coroutine itself: the release is the backend's coroutine, with no
+        frame of ours around it on a path every call takes.
         """
         mw = self._mw
         held = self._held
         if held is not None:
             self._held = None
             mw._room.unhold(held)
-        await release_quietly(mw._backend, lease, outcome, mw._text)
+        return release_quietly(mw._backend, lease, outcome, mw._text)
 
     def _record(
         self,
