@@ -103,7 +103,7 @@ class Waiter:
 
 
 class ClassState:
-    """The waiters of one priority class: a queue per tenant, tenants served in turn."""
+    """One priority class in a room: a queue per tenant, tenants served in turn, and its counts."""
 
     __slots__ = ("flows", "in_use", "pass_", "reserved", "rotation", "share", "waiting")
 
@@ -117,12 +117,7 @@ class ClassState:
         self.rotation: deque[str] = deque()  # tenants with waiters, the next served first
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
-        self.in_use = 0  # permits its calls hold in this process (``Call`` keeps it)
-
-    @property
-    def below_floor(self) -> bool:
-        """Calls wait and the class holds fewer permits than it reserves: it goes first."""
-        return self.in_use < self.reserved and self.waiting > 0
+        self.in_use = 0  # permits its calls hold in this process (``hold``, ``unhold``)
 
 
 class WaitingRoom:
