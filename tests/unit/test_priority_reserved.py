@@ -276,6 +276,17 @@ class TestPermitsInUsePerClass:
                 break
         assert _counts(chat) == IDLE
 
+    async def test_a_bare_async_for_broken_early_gives_its_count_back(self) -> None:
+        """No ``async with``: the count comes back when the loop finalizes the stream."""
+        clock = FakeClock()
+        words = [f"w{i}" for i in range(5)]
+        chat = _chat(_settings(CLASSES), clock, [StreamScript(chat_chunk_events(words))])
+        async for _chunk in chat.stream(MESSAGES, priority_class="interactive"):
+            break
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert _counts(chat) == IDLE
+
     async def test_a_stream_read_to_its_end_gives_its_count_back(self) -> None:
         """A bare ``async for`` to the end: uncounted once the stream closes."""
         clock = FakeClock()
@@ -420,6 +431,7 @@ async def _drive(steps: list[tuple[Any, ...]]) -> None:
         for klass, _ in running.values():
             in_flight[klass] += 1
         counts = {k: u for k, (_, u) in room.by_class().items()}
+        assert min(counts.values()) >= 0
         assert counts == in_flight
         assert sum(counts.values()) <= _LIMIT
         assert (await backend.snapshot("chat")).in_flight == sum(counts.values())
