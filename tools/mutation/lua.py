@@ -20,8 +20,9 @@ Operators, applied to code only (never inside a comment or a string literal):
 
 The tests: the Redis half of the contract suite and the differential test
 (both drive the scripts' ``now`` argument from a fake clock), then the Redis
-backend's server-clock tests and ``test_redis_key_expiry.py``, which see what
-only a real server shows (``TIME``, key TTLs).
+backend's server-clock tests, ``test_redis_key_expiry.py``, which see what
+only a real server shows (``TIME``, key TTLs), and ``test_redis_handoff.py``
+(RELEASE's hand-off of a permit to a woken process, ACQUIRE's claim of it).
 
 Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``.
 Run from the repository root: ``python tools/mutation/lua.py [--list] [ID ...]``.
@@ -45,12 +46,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "mutants" / "lua-results.json"
 # The contract suite's Redis half and the differential test (both on the tests' fake clock),
-# then what only a real Redis shows: the server-clock path and the expiry of every key.
+# then what only a real Redis shows: the server-clock path and the expiry of every key;
+# then the hand-off of a released permit to a woken process (fleet wake-ups).
 TESTS = [
     "tests/integration/test_backend_contract.py",
     "tests/integration/test_redis_differential.py",
     "tests/integration/test_redis_key_expiry.py",
     "tests/integration/test_redis_backend.py",
+    "tests/integration/test_redis_handoff.py",
     "-k",
     "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
 ]

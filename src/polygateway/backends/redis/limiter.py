@@ -165,6 +165,18 @@ waiting can be sent wake-ups meant for the living (in a Cluster only: on one
 server a wake-up nobody hears unregisters its process at once).
 """
 
+_HANDOFF_TTL_S = 1.0
+"""Longest time a released permit is held for the process its wake-up names.
+
+RELEASE keeps the freed permit promised to the woken process (``scripts.py``,
+research-wiki/designs/fleet-wakeups.md), so that a call elsewhere that asks at
+once cannot take it before the woken head's acquire arrives. A live process
+claims it within a pub/sub hop and one acquire, milliseconds; the hold is
+only what a dead or stalled process may cost (one permit, this long). It is
+capped by the socket timeout as well: a head whose acquire takes longer has
+failed closed anyway, so holding the permit longer serves nobody.
+"""
+
 _RELEASE_RETRY_FIRST_S = 0.05
 """The first pause before a failed release is written again; it doubles up to the socket timeout."""
 
@@ -234,6 +246,7 @@ class RedisBackend:
         "_ack_timeout_s",
         "_acks",
         "_deadlines",
+        "_handoff_arg",
         "_listeners",
         "_listening",
         "_now",
@@ -338,6 +351,7 @@ class RedisBackend:
         self._proc_arg = bulk(self._proc)
         # On one server a PUBLISH counts every subscriber; in a Cluster only the node's own.
         self._wake_tail = bulk("0" if mode == "cluster" else "1")
+        self._handoff_arg = bulk(repr(min(_HANDOFF_TTL_S, socket_timeout_s)))
         self._wakeups = (
             Wakeups(
                 CHANNEL_PREFIX + self._proc,
@@ -696,6 +710,7 @@ class RedisBackend:
             self._proc_arg,
             bulk(scope),
             self._wake_tail,
+            self._handoff_arg,
         )
 
         def freed(reply: Any) -> None:

@@ -36,8 +36,11 @@ Conventions shared by every script:
   id -> expiry, swept like leases). ACQUIRE registers a process it refuses for
   want of a release and unregisters one it grants; RELEASE, when it frees a
   permit, wakes the least recently woken live process on its channel
-  ``pgw:wake:<process id>`` (message: the scope). Both take these keys and
-  arguments last, optionally, so the policy half of each contract is unchanged.
+  ``pgw:wake:<process id>`` (message: the scope) and holds the permit for it
+  for a moment: a placeholder member ``handoff:<process id>`` in the source's
+  lease zset, which only that process's ACQUIRE may claim and which lapses like
+  a lease. Both take these keys and arguments last, optionally, so the policy
+  half of each contract is unchanged.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ ACQUIRE = """
 -- With a process id: a grant unregisters the process; a refusal in which some candidate
 -- waits for a release (concurrency, probe_in_flight) registers it (a new member's score
 -- is now, an existing one keeps its score) and extends its registration by the TTL.
+-- A candidate holding the placeholder ``handoff:<process id>`` (a permit RELEASE promised
+-- this process) skips the concurrency check, the permit being counted already; a grant
+-- there replaces the placeholder with the lease. Every other check applies as usual.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -81,6 +87,12 @@ local lease_id = ARGV[2]
 local ttl = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
 local state_ttl = tonumber(ARGV[5])
+local count = math.floor((#ARGV - 5) / 9)
+local proc, wk, wuk, promised
+if #ARGV - 5 - 9 * count == 2 then
+  proc, wk, wuk = ARGV[6 + 9 * count], KEYS[3 * count + 2], KEYS[3 * count + 3]
+  promised = 'handoff:' .. proc
+end
 
 -- Dead leases (expiry <= now) are forgotten, with their metadata.
 local function drop_expired(lk, mk)
@@ -147,6 +159,8 @@ local function examine(i, a)
   redis.call('EXPIRE', sk, math.max(state_ttl, math.ceil(cooldown_max) + 1))
 
   drop_expired(lk, mk)
+  -- A permit a release promised this process (RELEASE's hand-off) is counted already.
+  local claim = promised and redis.call('ZSCORE', lk, promised)
 
   -- 1. Breaker (breaker.admit).
   if breaker == 'open' then
@@ -177,7 +191,7 @@ local function examine(i, a)
   end
 
   -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max.
-  if redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
+  if not claim and redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
     return 'concurrency', nil, false
   end
 
@@ -214,6 +228,9 @@ local function examine(i, a)
     redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens - cost))
   end
   local expiry = now + ttl
+  if claim then
+    redis.call('ZREM', lk, promised)
+  end
   redis.call('ZADD', lk, fmt(expiry), lease_id)
   redis.call('HSET', mk, lease_id, fmt(cost) .. ' ' .. fmt(ttl))
   -- Lease keys empty themselves; the TTL only collects those of a crashed fleet.
@@ -233,11 +250,6 @@ local function examine(i, a)
 end
 
 local result = {0, 0}
-local count = math.floor((#ARGV - 5) / 9)
-local proc, wk, wuk
-if #ARGV - 5 - 9 * count == 2 then
-  proc, wk, wuk = ARGV[6 + 9 * count], KEYS[3 * count + 2], KEYS[3 * count + 3]
-end
 local for_release = false
 for i = 1, count do
   local reason, reopen, probe = examine(i, 5 + 9 * (i - 1))
@@ -292,12 +304,18 @@ RELEASE = """
 -- ARGV[11] the releasing process's id   ARGV[12] the scope (the wake-up's message)
 -- ARGV[13] "1" when a PUBLISH that reaches no subscriber means the process is gone
 --          (one server); "0" when receivers are not counted here (a cluster's bus)
+-- ARGV[14] hand-off TTL in seconds (optional: absent, no hand-off)
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
 -- (then nothing but the dropping of dead leases happened). With the optional arguments,
 -- a freed permit wakes one registered process, the least recently woken live one (its
 -- score becomes now): itself, or nobody registered, returns 1 (the releasing process
 -- wakes its own waiters); another process is sent the scope on ``pgw:wake:<id>`` and 2
--- is returned (the releasing process leaves the permit to it).
+-- is returned (the releasing process leaves the permit to it). With a hand-off TTL, and
+-- room for the permit under the source's limit (AIMD may just have lowered it), the
+-- permit is also held for the woken process, itself included: the placeholder
+-- ``handoff:<id>`` in the lease zset, expiring after the TTL, counts as a lease for
+-- everyone else. A process already holding one here has its turn pending and is passed
+-- over; when every registered process is, the first is woken with nothing held.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -328,8 +346,9 @@ end
 redis.call('ZREM', lk, lease_id)
 redis.call('HDEL', mk, lease_id)
 
--- The freed permit's one wake-up: the least recently woken live registered process.
-local function wake()
+-- The freed permit's one wake-up: the least recently woken live registered process,
+-- for whom the permit is held when there is room for it (``cap``: the source's limit).
+local function wake(cap)
   if #ARGV < 13 then
     return 1
   end
@@ -343,15 +362,26 @@ local function wake()
     redis.call('ZREM', wk, unpack(gone, first, last))
     redis.call('ZREM', wuk, unpack(gone, first, last))
   end
+  local handoff = tonumber(ARGV[14])
+  local held = cap and handoff and redis.call('ZCARD', lk) < cap
+  local i = 0
   while true do
-    local head = redis.call('ZRANGE', wk, 0, 0)[1]
+    local head = redis.call('ZRANGE', wk, i, i)[1]
     if head == nil then
-      return 1
-    end
-    if not redis.call('ZSCORE', wuk, head) then
+      if not held then
+        return 1
+      end
+      held, i = false, 0  -- each holds a promise here: wake the first, holding nothing more
+    elseif not redis.call('ZSCORE', wuk, head) then
       redis.call('ZREM', wk, head)  -- its expiry was lost with its key: not live
+    elseif held and redis.call('ZSCORE', lk, 'handoff:' .. head) then
+      i = i + 1  -- a permit here is promised to it already: its turn is pending
     else
       redis.call('ZADD', wk, 'XX', now_s, head)
+      if held then
+        redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head)
+        redis.call('EXPIRE', lk, math.max(redis.call('TTL', lk), math.ceil(handoff) + 1))
+      end
       if head == me then
         return 1
       end
@@ -361,6 +391,7 @@ local function wake()
       -- Nobody listens on its channel: the process is gone (or not yet listening).
       redis.call('ZREM', wk, head)
       redis.call('ZREM', wuk, head)
+      redis.call('ZREM', lk, 'handoff:' .. head)
     end
   end
 end
@@ -372,7 +403,7 @@ local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_
 local maxc = tonumber(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
-  return wake()
+  return wake(nil)
 end
 local tpm, tpm_cap = tonumber(h[2]), tonumber(h[3])
 local threshold, cooldown, cooldown_max = tonumber(h[4]), tonumber(h[5]), tonumber(h[6])
@@ -471,7 +502,7 @@ redis.call('EXPIRE', sk, math.max(tonumber(ARGV[10]), math.ceil(cooldown_max) + 
 if kind == 'success' then
   redis.call('SET', KEYS[4], now_s, 'EX', ARGV[9])
 end
-return wake()
+return wake(math.min(maxc, math.floor(limit)))
 """
 
 RENEW = """
