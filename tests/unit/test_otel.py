@@ -17,8 +17,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 import polygateway.middleware.otel as otel
 from polygateway import OpenTelemetryEmitter
+from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted
+from polygateway.middleware.telemetry import ClientInfo
 from polygateway.models import AttemptRecord
 from polygateway.testing import (
     Delay,
@@ -383,3 +385,18 @@ print(looks)
     )
     assert done.returncode == 0, done.stderr
     assert 0 < int(done.stdout) <= otel._RECHECK_EVERY
+
+
+def test_attempts_pushed_out_are_named_for_their_own_scope(
+    sdk: Otel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat call's attempts pushed out by an embedding call's keep the chat operation."""
+    monkeypatch.setattr(otel, "_MAX_PENDING_CALLS", 1)
+    for kind, scope in (("chat", "talk"), ("embed", "vectors")):
+        sdk.emitter.bind(ClientInfo(kind, scope, (), MemoryBackend(now=FakeClock()), lambda: 0))
+    for call_id, scope in (("c1", "talk"), ("c2", "vectors")):
+        sdk.emitter.emit_attempt(AttemptRecord(call_id, scope, "primary", 1, "success", 200, 0.1))
+    [span] = sdk.finished()
+    assert span.attributes is not None
+    assert span.attributes["gen_ai.operation.name"] == "chat"
+    assert span.attributes["polygateway.scope"] == "talk"

@@ -442,7 +442,7 @@ class OpenTelemetryEmitter:
                     pending = self._pending[record.call_id] = _Pending(self._context.get_current())
                     if len(self._pending) > _MAX_PENDING_CALLS:
                         _, lost = self._pending.popitem(last=False)
-                        operation = self._operations.get(record.scope) or "chat"
+                        operation = self._operations.get(lost.attempts[0][0].scope) or "chat"
                         self._attempt_spans(lost.attempts, lost.context, operation)
                 pending.attempts.append((record, end_ns))
         if record.ttft_s is not None:
