@@ -175,3 +175,49 @@ async def test_a_redis_that_went_away_reads_as_backend_down_without_failing_the_
     assert not any(name.startswith("polygateway_source") for name, _ in down)
     served = {"scope": "chat", "operation": "chat.complete", "outcome": "served"}
     assert value(down, "polygateway_calls_total", **served) == 1.0
+
+
+async def test_opentelemetry_gauges_read_a_redis_fleet_from_the_sdks_reader_thread(
+    redis_url: str,
+) -> None:
+    """The OTel observable gauges show a Redis scope's sources, read on the client's loop.
+
+    A metric reader collects on its own thread (the SDK's periodic reader
+    does): each read is taken on the test's event loop with a bounded wait,
+    as Prometheus scrapes are, so a fleet's state reaches OpenTelemetry too.
+    """
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from polygateway import OpenTelemetryEmitter
+
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    backend = RedisBackend(redis_url)
+    held = await backend.acquire("chat", [SourceSpec("primary", 4)], ttl_s=60.0)
+    assert held.lease is not None
+    client = ChatClient(
+        gateway_settings(*SOURCES),
+        backend=backend,
+        transport=FakeTransport([]),
+        rng=random.Random(1),
+        emitter=OpenTelemetryEmitter(meter_provider=meter_provider),
+    )
+    try:
+        data = await asyncio.to_thread(reader.get_metrics_data)
+        assert data is not None
+        points = {
+            metric.name: {
+                tuple(sorted(p.attributes.items())): p.value for p in metric.data.data_points
+            }
+            for rm in data.resource_metrics
+            for sm in rm.scope_metrics
+            for metric in sm.metrics
+        }
+        in_use = points["polygateway.source.permits.in_use"]
+        assert in_use[(("polygateway.scope", "chat"), ("polygateway.source", "primary"))] == 1
+    finally:
+        await backend.release(held.lease, AttemptOutcome("success"))
+        await client.aclose()
+        await backend.aclose()
+        meter_provider.shutdown()

@@ -400,3 +400,17 @@ def test_attempts_pushed_out_are_named_for_their_own_scope(
     assert span.attributes is not None
     assert span.attributes["gen_ai.operation.name"] == "chat"
     assert span.attributes["polygateway.scope"] == "talk"
+
+
+def test_the_emitter_holds_a_bound_clients_backend_weakly(sdk: Otel) -> None:
+    """A client's backend that is gone is neither kept alive nor read by the gauges."""
+    import gc
+    import weakref
+
+    backend = MemoryBackend(now=FakeClock())
+    sdk.emitter.bind(ClientInfo("chat", "talk", (), backend, lambda: 0))
+    gone = weakref.ref(backend)
+    del backend
+    gc.collect()
+    assert gone() is None
+    assert sdk.reader.get_metrics_data() is None  # nothing alive to read: no gauge has a point

@@ -1,14 +1,22 @@
-"""Live gauges of the governance state, read from the backend when Prometheus scrapes.
+"""Live gauges of the governance state, read from the backend when a metric reader asks.
 
-A ``LiveGauges`` collector (one per ``prometheus_client`` registry) learns the
-clients a ``PrometheusEmitter`` is passed to (``ClientInfo``) and, at every
-scrape, reads each scope's ``ScopeSnapshot`` from the backend: nothing runs
+A ``LiveReader`` learns the clients an emitter is passed to (``ClientInfo``)
+and, when asked, reads each scope's ``ScopeSnapshot`` from the backend; a
+``LiveGauges`` collector (one per ``prometheus_client`` registry) turns the
+readings into Prometheus families at every scrape, and ``OpenTelemetryEmitter``
+into observable gauges at every collection. Nothing runs
+between scrapes, and every value is the backend's, not a count this process
+kept. A memory backend describes this process; a Redis backend, the fleet.
+The exceptions are the scope's waiting room, which is per process: calls
 between scrapes, and every value is the backend's, not a count this process
 kept. A memory backend describes this process; a Redis backend, the fleet.
 The exceptions are the scope's waiting room, which is per process: calls
 waiting (in all, and per priority class) and permits in use per class
 (``ClientInfo.by_class``) are this process's on every backend.
 research-wiki/guides/observability.md lists the metrics and their units.
+
+The text below says "a scrape" for any read: a Prometheus scrape or an
+OpenTelemetry collection.
 
 ``collect()`` is synchronous and ``Backend.snapshot`` a coroutine, so a scrape
 reads in one of these ways, by where it runs:
@@ -39,7 +47,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -49,7 +57,14 @@ if TYPE_CHECKING:
     from polygateway.backends.base import Backend, ScopeSnapshot
     from polygateway.middleware.telemetry import ClientInfo
 
-__all__ = ["BREAKER_STATES", "SCRAPE_TIMEOUT_S", "LiveGauges", "SyncSnapshot"]
+__all__ = [
+    "BREAKER_STATES",
+    "SCRAPE_TIMEOUT_S",
+    "LiveGauges",
+    "LiveReader",
+    "ScopeReading",
+    "SyncSnapshot",
+]
 
 _log = logging.getLogger("polygateway.telemetry")
 
@@ -97,27 +112,42 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-class LiveGauges:
-    """A ``prometheus_client`` collector of the live governance state of every bound scope.
+@dataclass(frozen=True, slots=True)
+class ScopeReading:
+    """What one read tells of a bound scope: its waiting calls, and its backend's state.
 
-    Holds backends weakly: a client's backend that is gone leaves the scrape.
-    In one registry a scope shows one backend, the first bound that is still
-    alive (two memory backends of one scope in one process need two
-    registries); its waiting calls add up over every client of the scope.
+    ``waiting`` and ``by_class`` are this process's (every client of the
+    scope); ``up`` is ``None`` when nothing could be said of the backend (its
+    loop is gone, or no snapshot was taken yet), else whether the read
+    succeeded; ``snapshot`` is the backend's state, ``age_s`` old.
+    """
+
+    scope: str
+    waiting: int
+    by_class: dict[str, tuple[int, int]]
+    up: bool | None
+    age_s: float
+    snapshot: ScopeSnapshot | None
+    max_concurrency: dict[str, int]
+
+
+class LiveReader:
+    """Reads the live state of every bound scope from its backend, from any thread.
+
+    Holds backends weakly: a client's backend that is gone is not read. A
+    scope is read from one backend, the first bound that is still alive (two
+    memory backends of one scope in one process need two readers); its
+    waiting calls add up over every client of the scope. How a read is made
+    depends on the thread it runs on (the module's docstring).
     """
 
     def __init__(
-        self,
-        prometheus: Any,
-        *,
-        timeout_s: float = SCRAPE_TIMEOUT_S,
-        now: Callable[[], float] | None = None,
+        self, *, timeout_s: float = SCRAPE_TIMEOUT_S, now: Callable[[], float] | None = None
     ) -> None:
-        self._gauge = prometheus.metrics_core.GaugeMetricFamily
         self._timeout_s = timeout_s
         self._now: Callable[[], float] = now if now is not None else time.monotonic  # edge
         self._scopes: dict[str, _Scope] = {}
-        self._lock = threading.Lock()  # binds on a loop thread, scrapes on another
+        self._lock = threading.Lock()  # binds on a loop thread, reads on another
         self.loopless = False
         """Some binding was made outside any event loop: the next call record tells its loop."""
 
@@ -155,38 +185,29 @@ class LiveGauges:
                 b.loop is None for s in self._scopes.values() for b in s.bindings.values()
             )
 
-    def describe(self) -> list[Any]:
-        """The families ``collect`` yields, without reading anything (the registry's name check)."""
-        return list(self._families().values())
+    def read(self) -> list[ScopeReading]:
+        """Read every bound scope now (those with a live backend), in the order they were bound."""
+        readings = []
+        for name, max_concurrency, bindings in self._bound():
+            backend, binding = bindings[0]
+            waiting, by_class = _counts(b for _, b in bindings)
+            read = self._read(name, backend, binding)
+            up, age_s, snap = (None, 0.0, None) if read is None else read
+            readings.append(ScopeReading(name, waiting, by_class, up, age_s, snap, max_concurrency))
+        return readings
 
-    def collect(self) -> list[Any]:
-        """Read every bound scope's snapshot now and return the gauge families."""
-        families = self._families()
+    def counts(self) -> list[tuple[str, int, dict[str, tuple[int, int]]]]:
+        """(scope, calls waiting, per class (waiting, in use)) per bound scope, without a read."""
+        return [(name, *_counts(b for _, b in bindings)) for name, _, bindings in self._bound()]
+
+    def _bound(self) -> list[tuple[str, dict[str, int], list[tuple[Backend, _Binding]]]]:
+        """Every scope with a live backend: its limits and bindings, copied under the lock."""
         with self._lock:
             scopes = [
                 (name, dict(scope.max_concurrency), list(scope.bindings.items()))
                 for name, scope in self._scopes.items()
             ]
-        for name, max_concurrency, bindings in scopes:
-            if not bindings:
-                continue
-            backend, binding = bindings[0]
-            waiting = 0
-            for _, other in bindings:
-                waiting += sum(count() for count in other.waiting)
-            families["waiting"].add_metric([name], waiting)
-            _add_classes(families, name, [b for _, b in bindings])
-            read = self._read(name, backend, binding)
-            if read is None:
-                continue
-            up, age_s, snap = read
-            families["up"].add_metric([name], 1.0 if up else 0.0)
-            if snap is None:
-                continue
-            families["age"].add_metric([name], age_s)
-            _add_scope(families, snap, max_concurrency)
-        # Families without a sample are left out: an unbound registry exposes nothing new.
-        return [family for family in families.values() if family.samples]
+        return [scope for scope in scopes if scope[2]]
 
     def _read(
         self, scope: str, backend: Backend, binding: _Binding
@@ -256,6 +277,60 @@ class LiveGauges:
             binding.refreshing = asyncio.run_coroutine_threadsafe(coro, loop)
         except RuntimeError:  # the loop closed since it was checked
             coro.close()
+
+
+class LiveGauges:
+    """A ``prometheus_client`` collector of the live governance state of every bound scope.
+
+    The reading is a ``LiveReader``'s (backends held weakly; one backend per
+    scope, the first bound that is still alive; waiting calls added up over
+    every client of the scope); this class turns readings into families.
+    """
+
+    def __init__(
+        self,
+        prometheus: Any,
+        *,
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        now: Callable[[], float] | None = None,
+    ) -> None:
+        self._gauge = prometheus.metrics_core.GaugeMetricFamily
+        self.reader = LiveReader(timeout_s=timeout_s, now=now)
+
+    @property
+    def loopless(self) -> bool:
+        """Some binding was made outside any event loop (``LiveReader.loopless``)."""
+        return self.reader.loopless
+
+    def bind(self, client: ClientInfo) -> None:
+        """Show ``client``'s scope from its backend; told once per client (``BindingEmitter``)."""
+        self.reader.bind(client)
+
+    def adopt_loop(self, scope: str) -> None:
+        """Give the running loop to ``scope``'s bindings made outside one (from a call record)."""
+        self.reader.adopt_loop(scope)
+
+    def describe(self) -> list[Any]:
+        """The families ``collect`` yields, without reading anything (the registry's name check)."""
+        return list(self._families().values())
+
+    def collect(self) -> list[Any]:
+        """Read every bound scope's snapshot now and return the gauge families."""
+        families = self._families()
+        for r in self.reader.read():
+            families["waiting"].add_metric([r.scope], r.waiting)
+            for klass, (queued, in_use) in r.by_class.items():
+                families["class_waiting"].add_metric([r.scope, klass], queued)
+                families["class_in_use"].add_metric([r.scope, klass], in_use)
+            if r.up is None:
+                continue
+            families["up"].add_metric([r.scope], 1.0 if r.up else 0.0)
+            if r.snapshot is None:
+                continue
+            families["age"].add_metric([r.scope], r.age_s)
+            _add_scope(families, r.snapshot, r.max_concurrency)
+        # Families without a sample are left out: an unbound registry exposes nothing new.
+        return [family for family in families.values() if family.samples]
 
     def _families(self) -> dict[str, Any]:
         g = self._gauge
@@ -347,18 +422,17 @@ class LiveGauges:
         }
 
 
-def _add_classes(families: dict[str, Any], scope: str, bindings: list[_Binding]) -> None:
-    """Calls waiting and permits in use per priority class, added up over the scope's rooms."""
-    totals: dict[str, list[int]] = {}
+def _counts(bindings: Iterable[_Binding]) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Calls waiting, and per class (waiting, in use), added up over a scope's clients."""
+    waiting = 0
+    by_class: dict[str, tuple[int, int]] = {}
     for binding in bindings:
-        for read in binding.by_class:
-            for name, (waiting, in_use) in read().items():
-                total = totals.setdefault(name, [0, 0])
-                total[0] += waiting
-                total[1] += in_use
-    for name, (waiting, in_use) in totals.items():
-        families["class_waiting"].add_metric([scope, name], waiting)
-        families["class_in_use"].add_metric([scope, name], in_use)
+        waiting += sum(count() for count in binding.waiting)
+        for read_classes in binding.by_class:
+            for klass, (queued, in_use) in read_classes().items():
+                before = by_class.get(klass, (0, 0))
+                by_class[klass] = (before[0] + queued, before[1] + in_use)
+    return waiting, by_class
 
 
 def _add_scope(

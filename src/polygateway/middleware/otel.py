@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 from polygateway.errors import ConfigError
-from polygateway.middleware.gauges import BREAKER_STATES, SyncSnapshot
+from polygateway.middleware.gauges import BREAKER_STATES, LiveReader
 from polygateway.middleware.telemetry import AttemptStart, ClientInfo
 from polygateway.models import AttemptRecord, CallRecord
 
@@ -229,16 +229,17 @@ class OpenTelemetryEmitter:
     ``polygateway.scope.calls.waiting`` and, per ``polygateway.priority_class``
     (``""`` for a scope without classes), ``polygateway.scope.calls.waiting_by_class``
     and ``polygateway.scope.permits.in_use`` (this process; exported to Prometheus they are
-    named as ``PrometheusEmitter``'s live gauges). Gauges read a backend that
-    answers without I/O (``SyncSnapshot``: the memory backend) at collection
-    time; the Redis backend needs its event loop, which a reader's
-    synchronous callback cannot wait for, so its sources are skipped
-    (``PrometheusEmitter`` or ``polygateway status`` show the fleet).
+    named as ``PrometheusEmitter``'s live gauges). Gauges read the backends of
+    the bound clients as ``PrometheusEmitter``'s do (``gauges.LiveReader``,
+    backends held weakly): from the SDK's reader thread each read runs on the
+    client's event loop with a bounded wait, so a Redis fleet's state is
+    read too; on the loop's own thread a Redis scope shows its latest
+    snapshot and starts the next.
     """
 
     __slots__ = (
+        "_bound",
         "_call_duration",
-        "_clients",
         "_context",
         "_get_meter_provider",
         "_get_tracer_provider",
@@ -254,6 +255,7 @@ class OpenTelemetryEmitter:
         "_op_names",
         "_operations",
         "_pending",
+        "_reader",
         "_recheck_in",
         "_set_span_in_context",
         "_shapes",
@@ -331,11 +333,12 @@ class OpenTelemetryEmitter:
         self._op_names: dict[str, str] = {}
         """GenAI operation by client operation (``chat.stream`` -> ``chat``), filled as met."""
         self._shapes: dict[tuple[str, str | None, str], _Shape] = {}
-        self._clients: list[ClientInfo] = []
+        self._bound = 0
+        self._reader = LiveReader()
 
     def __repr__(self) -> str:
         propagate = ", propagate=True" if self.attempt_headers is not None else ""
-        return f"OpenTelemetryEmitter(clients={len(self._clients)}{propagate})"
+        return f"OpenTelemetryEmitter(clients={self._bound}{propagate})"
 
     # --- records -> spans and metrics ------------------------------------------------
 
@@ -608,8 +611,9 @@ class OpenTelemetryEmitter:
         # A source seen before its client was bound got a shape without its settings.
         self._shapes.clear()
         self._operations[client.scope] = _operation(client.kind)
-        first = not self._clients
-        self._clients.append(client)
+        first = not self._bound
+        self._bound += 1
+        self._reader.bind(client)
         if first:
             self._gauges()
 
@@ -683,26 +687,19 @@ class OpenTelemetryEmitter:
         )
 
     def _snapshots(self) -> list[ScopeSnapshot]:
-        """The snapshot of every bound scope whose backend reads without I/O, once per scope.
+        """The snapshot of every bound scope, read as ``LiveReader`` reads (``gauges.py``).
 
-        A metric reader calls back on its own thread (the SDK's periodic
-        reader) while the loop may be changing the state: the read is of
-        plain Python objects under the GIL, so at worst a value is a moment
-        stale; a read that trips over a change is skipped for this export.
+        The SDK's periodic reader calls back on its own thread: the snapshot
+        is then taken on the client's event loop, so a Redis fleet's state is
+        read as a memory backend's is; on the loop's own thread a backend that
+        must wait for I/O shows its latest snapshot and starts the next.
         """
-        seen: set[tuple[int, str]] = set()
-        snaps = []
-        for client in self._clients:
-            backend = client.backend
-            key = (id(backend), client.scope)
-            if key in seen or not isinstance(backend, SyncSnapshot):
-                continue
-            seen.add(key)
-            try:
-                snaps.append(backend.snapshot_now(client.scope))
-            except Exception as exc:  # a gauge must never break the reader
-                _log.debug("gauge snapshot of scope %s skipped: %r", client.scope, exc)
-        return snaps
+        try:
+            readings = self._reader.read()
+        except Exception as exc:  # a gauge must never break the metric reader
+            _log.debug("gauge snapshots skipped: %r", exc)
+            return []
+        return [r.snapshot for r in readings if r.snapshot is not None]
 
     def _source_callback(self, read: Any) -> Any:
         """A callback observing ``read(source snapshot)`` for every source of every bound scope."""
@@ -735,30 +732,23 @@ class OpenTelemetryEmitter:
         return out
 
     def _class_callback(self, index: int) -> Any:
-        """A callback observing, per scope and class, calls waiting (0) or permits in use (1).
-
-        Clients of one scope share its waiting room: equal ``by_class`` are read once.
-        """
+        """A callback observing, per scope and class, calls waiting (0) or permits in use (1)."""
         observation = self._observation
 
         def callback(options: Any) -> list[Any]:
-            seen: list[tuple[str, Any]] = []
-            out = []
-            for client in self._clients:
-                key = (client.scope, client.by_class)
-                if key in seen:
-                    continue
-                seen.append(key)
-                for name, counts in client.by_class().items():
-                    attrs = {"polygateway.scope": client.scope, "polygateway.priority_class": name}
-                    out.append(observation(counts[index], attrs))
-            return out
+            return [
+                observation(
+                    counts[index], {"polygateway.scope": scope, "polygateway.priority_class": name}
+                )
+                for scope, _, by_class in self._reader.counts()
+                for name, counts in by_class.items()
+            ]
 
         return callback
 
     def _waiting_callback(self, options: Any) -> list[Any]:
         observation = self._observation
-        waiting: dict[str, int] = {}
-        for client in self._clients:
-            waiting[client.scope] = waiting.get(client.scope, 0) + client.waiting()
-        return [observation(n, {"polygateway.scope": scope}) for scope, n in waiting.items()]
+        return [
+            observation(waiting, {"polygateway.scope": scope})
+            for scope, waiting, _ in self._reader.counts()
+        ]
