@@ -69,9 +69,9 @@ ACQUIRE = """
 -- With a process id: a grant unregisters the process; a refusal in which some candidate
 -- waits for a release (concurrency, probe_in_flight) registers it (a new member's score
 -- is now, an existing one keeps its score) and extends its registration by the TTL.
--- A candidate holding the placeholder ``handoff:<process id>`` (a permit RELEASE promised
--- this process) skips the concurrency check, the permit being counted already; a grant
--- there replaces the placeholder with the lease. Every other check applies as usual.
+-- A full candidate holding the placeholder ``handoff:<process id>`` (a permit RELEASE
+-- promised this process, counted already) passes the concurrency check; a grant there
+-- replaces it with the lease. Every other check applies as usual.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -159,8 +159,6 @@ local function examine(i, a)
   redis.call('EXPIRE', sk, math.max(state_ttl, math.ceil(cooldown_max) + 1))
 
   drop_expired(lk, mk)
-  -- A permit a release promised this process (RELEASE's hand-off) is counted already.
-  local claim = promised and redis.call('ZSCORE', lk, promised)
 
   -- 1. Breaker (breaker.admit).
   if breaker == 'open' then
@@ -190,9 +188,16 @@ local function examine(i, a)
     pace_probe = true
   end
 
-  -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max.
-  if not claim and redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
-    return 'concurrency', nil, false
+  -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max. A
+  -- full source still admits the process a release promised a permit to (RELEASE's
+  -- hand-off): its placeholder is counted already. Looked up only when full, so a call
+  -- that finds room pays nothing for it.
+  local claim = false
+  if redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
+    claim = promised and redis.call('ZSCORE', lk, promised)
+    if not claim then
+      return 'concurrency', nil, false
+    end
   end
 
   -- 4. rpm bucket (ratelimit.refill, then wait_for 1 token).
