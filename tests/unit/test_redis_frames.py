@@ -119,7 +119,7 @@ async def test_arguments_beyond_ascii_are_counted_in_bytes() -> None:
 
 
 async def test_release_writes_what_redis_py_encodes() -> None:
-    """RELEASE: 6 KEYS (the source's three, the progress mark, the waiting registry), 13 ARGV."""
+    """RELEASE: 6 KEYS (the source's three, the progress mark, the waiting registry), 14 ARGV."""
     lease = Lease(scope=SCOPE, source="a", lease_id="L1", ttl_s=30.0, tokens=5, probe=False)
     outcome = AttemptOutcome("transient", aimd_decrease=True, tokens_used=42)
     fake = FakeWire(1)
@@ -129,7 +129,8 @@ async def test_release_writes_what_redis_py_encodes() -> None:
     keys += ["pgw:{chat}:waiting", "pgw:{chat}:waiting_until"]
     argv = [repr(NOW), "L1", "transient", "1", "", "42"]
     argv += [repr(AIMD_COOLOFF_S), repr(AIMD_FACTOR), "3600", "86400"]
-    argv += [backend._proc, SCOPE, "1"]  # this process, the wake-up's message, prune the gone
+    # This process, the wake-up's message, prune the gone, how long a handed-off permit is held.
+    argv += [backend._proc, SCOPE, "1", "1.0"]
     assert fake.written == [encoded("EVALSHA", sha(scripts.RELEASE), 6, *keys, *argv)]
 
 
