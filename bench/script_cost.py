@@ -1,0 +1,841 @@
+"""Redis CPU of a governed call's two scripts and where it goes (designs/script-cost.md).
+
+    python -m bench.script_cost [--pairs 500] [--walk-pairs 50] [--sources 200] [--rounds 8]
+
+Starts a private redis-server (loopback, temporary directory, no
+persistence; ``bench.services.private_redis``) and drives the backend's
+ACQUIRE and RELEASE scripts (``polygateway.backends.redis.scripts``, as they
+are) straight through redis-py, with the KEYS / ARGV layout ``limiter.py``
+sends for a call that does not wait: ACQUIRE without the waiting tail,
+RELEASE (``success``, tokens used reported) with its wake-up tail, server
+time. Every source has rpm and tpm set. Cases:
+
+- ``INCR + DECR``: the issue's baseline, one pair per governed call.
+- ``1 source``: the issue's case.
+- ``2 sources`` and ``N sources``: every source but the last is full (one
+  long lease at ``max_concurrency = 1``), so each ACQUIRE walks past them.
+
+Each (case, variant) is measured twice per round, rounds interleaved and the
+best round shown (a busy machine only ever adds to a figure): split (a
+pipeline of up to 50 ACQUIREs, then one of their RELEASEs; ``INFO
+commandstats`` deltas, so ACQUIRE and RELEASE apart, and the commands the
+scripts run inside) and interleaved (ACQUIRE, RELEASE, ACQUIRE, ...
+pipelined; ``INFO cpu`` user + sys delta of the main thread over the run,
+which counts what Redis spends on the scripts plus reading and answering
+them).
+
+The variants other than ``current`` are EXPERIMENTS: copies of the scripts
+with one part cut or changed, made here by exact text edits of the real
+scripts (a script that changed under an edit stops the run, never measures
+something else). They keep only the path measured (a grant with room, no
+waiters, no probe) right, and exist only to attribute the cost; none is a
+proposal to ship as it is. ``empty`` is a script that does nothing but take
+the same KEYS and ARGV: the floor of EVALSHA itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench.machine import describe_machine
+from bench.services import private_redis
+from polygateway.backends.redis import codec, scripts
+from polygateway.config import PROGRESS_TTL_S
+from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
+
+__all__ = ["CASES", "VARIANTS", "Variant", "expected_rows", "main", "measure"]
+
+STATE_TTL_S = 86400
+"""``limiter._STATE_TTL_S``, as the backend sends it."""
+HANDOFF_TTL_S = 1.0
+"""``limiter._HANDOFF_TTL_S`` (capped there by the socket timeout, 1 s by default)."""
+LEASE_TTL_S = 60.0
+COST_TOKENS = 100
+TOKENS_USED = 80
+BATCH = 50
+"""ACQUIREs per pipeline in the split measurement; the granting source's ``max_concurrency``
+(so its lease zset stays a listpack, as a real source's of a few dozen permits does)."""
+FULL_LEASE_TTL_S = 3600.0
+"""The lease that keeps a walked-past source full for the whole run."""
+
+
+# -- the experiments: exact text edits of the real scripts ------------------------------------
+
+
+def _edit(text: str, edits: Sequence[tuple[str, str]], what: str) -> str:
+    """``text`` with each (old, new) applied; each old must occur exactly once."""
+    for old, new in edits:
+        found = text.count(old)
+        if found != 1:
+            raise SystemExit(
+                f"bench.script_cost: experiment {what!r} expects one {old.strip()[:60]!r} in the"
+                f" script, found {found}: scripts.py changed, update the experiment"
+            )
+        text = text.replace(old, new)
+    return text
+
+
+_A_SPEC_HSET = """  redis.call('HSET', sk, 'max_concurrency', ARGV[a + 2], 'rpm', ARGV[a + 3],
+    'rpm_cap', ARGV[a + 4], 'tpm', ARGV[a + 5], 'tpm_cap', ARGV[a + 6],
+    'breaker_failures', ARGV[a + 7], 'cooldown_s', ARGV[a + 8], 'cooldown_max_s', ARGV[a + 9])
+"""
+_A_EXPIRES = (
+    ("  redis.call('EXPIRE', KEYS[1], state_ttl)\n", ""),
+    ("  redis.call('EXPIRE', sk, math.max(state_ttl, math.ceil(cooldown_max) + 1))\n", ""),
+    (
+        """  for _, key in ipairs({lk, mk}) do
+    if redis.call('TTL', key) < keep then
+      redis.call('EXPIRE', key, keep)
+    end
+  end
+""",
+        "",
+    ),
+)
+_R_EXPIRE = (
+    "redis.call('EXPIRE', sk, math.max(tonumber(ARGV[10]), math.ceil(cooldown_max) + 1))\n",
+    "",
+)
+_A_SOURCES = (
+    """  if not redis.call('ZSCORE', KEYS[1], name) then
+    redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), name)
+  end
+""",
+    "",
+)
+_A_SWEEP_CALL = "  drop_expired(lk, mk)\n"
+_A_SWEEP_RANGE = "  local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)\n"
+_R_SWEEP = """local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)
+local n = #expired
+for first = 1, n, 1000 do
+  local last = math.min(first + 999, n)
+  redis.call('ZREM', lk, unpack(expired, first, last))
+  redis.call('HDEL', mk, unpack(expired, first, last))
+end
+"""
+_R_SWEEP_RANGE = "\nlocal expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)\n"
+_A_REFILL_HSETS = (
+    (
+        "    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s)\n"
+        "    if not (rpm_tokens >= 1) then\n",
+        "    if not (rpm_tokens >= 1) then\n",
+    ),
+    (
+        "    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens), 'tpm_at', now_s)\n"
+        "    local need",
+        "    local need",
+    ),
+)
+_A_COMMIT_HSETS = """  if rpm ~= nil then
+    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens - 1))
+  end
+  if tpm ~= nil then
+    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens - cost))
+  end
+"""
+_A_ONE_HSET = """  -- EXPERIMENT: refills and commit in one HSET (right on the grant path only)
+  local w = {}
+  if rpm ~= nil then
+    w[#w + 1], w[#w + 2] = 'rpm_tokens', fmt(rpm_tokens - 1)
+    w[#w + 1], w[#w + 2] = 'rpm_at', now_s
+  end
+  if tpm ~= nil then
+    w[#w + 1], w[#w + 2] = 'tpm_tokens', fmt(tpm_tokens - cost)
+    w[#w + 1], w[#w + 2] = 'tpm_at', now_s
+  end
+"""
+_A_SPEC_FIELDS = """  for k, f in ipairs({'max_concurrency', 'rpm', 'rpm_cap', 'tpm', 'tpm_cap',
+      'breaker_failures', 'cooldown_s', 'cooldown_max_s'}) do
+    w[#w + 1], w[#w + 2] = f, ARGV[a + 1 + k]
+  end
+"""
+_A_FLUSH = """  if #w > 0 then
+    redis.call('HSET', sk, unpack(w))
+  end
+"""
+_R_MAIN_HSET = """\
+redis.call('HSET', sk, 'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
+  'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
+  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe)
+"""
+_R_RECONCILE = """local used = tonumber(ARGV[6])
+if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
+  local reserved = tonumber(string.match(meta or '0', '^(%S+)'))
+  redis.call('HSET', sk, 'tpm_tokens', fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
+end
+"""
+_R_ONE_HSET = """-- EXPERIMENT: the outcome and the tpm reconciliation in one HSET
+local w = {'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
+  'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
+  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe}
+local used = tonumber(ARGV[6])
+if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
+  local reserved = tonumber(string.match(meta or '0', '^(%S+)'))
+  w[#w + 1] = 'tpm_tokens'
+  w[#w + 1] = fmt(math.min(tpm_cap, tpm_tokens + reserved - used))
+end
+redis.call('HSET', sk, unpack(w))
+"""
+
+
+_A_FIRST_SIGHT = "'probe_until', '0', 'not_before', '0')\n"
+
+
+def _spec_at_first_sight(a: str, r: str) -> tuple[str, str]:
+    """The spec written at a source's first sight only (RELEASE needs it: never cut it)."""
+    edits = [(_A_SPEC_HSET, ""), (_A_FIRST_SIGHT, _A_FIRST_SIGHT + _A_SPEC_HSET)]
+    return _edit(a, edits, "spec at first sight"), r
+
+
+def _no_expire(a: str, r: str) -> tuple[str, str]:
+    return _edit(a, _A_EXPIRES, "no EXPIRE"), _edit(r, [_R_EXPIRE], "no EXPIRE")
+
+
+def _no_sources_zscore(a: str, r: str) -> tuple[str, str]:
+    return _edit(a, [_A_SOURCES], "no sources ZSCORE"), r
+
+
+def _no_sweep(a: str, r: str) -> tuple[str, str]:
+    return (
+        _edit(a, [(_A_SWEEP_CALL, "")], "no sweep"),
+        _edit(r, [(_R_SWEEP, "")], "no sweep"),
+    )
+
+
+def _sweep_peek(a: str, r: str) -> tuple[str, str]:
+    peek_a = (
+        "  local low = redis.call('ZRANGE', lk, 0, 0, 'WITHSCORES')  -- EXPERIMENT: peek first\n"
+        "  if low[2] == nil or tonumber(low[2]) > now then\n"
+        "    return\n"
+        "  end\n" + _A_SWEEP_RANGE
+    )
+    peek_r = (
+        "\nlocal low = redis.call('ZRANGE', lk, 0, 0, 'WITHSCORES')  -- EXPERIMENT: peek first\n"
+        "local expired = {}\n"
+        "if low[2] ~= nil and tonumber(low[2]) <= now then\n"
+        "  expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)\n"
+        "end\n"
+    )
+    return (
+        _edit(a, [(_A_SWEEP_RANGE, peek_a)], "sweep peek"),
+        _edit(r, [(_R_SWEEP_RANGE, peek_r)], "sweep peek"),
+    )
+
+
+def _one_hset(a: str, r: str, *, spec: bool = True) -> tuple[str, str]:
+    commit = _A_ONE_HSET + (_A_SPEC_FIELDS if spec else "") + _A_FLUSH
+    if not spec:
+        a, r = _spec_at_first_sight(a, r)
+    else:
+        a = _edit(a, [(_A_SPEC_HSET, "")], "one HSET")
+    a = _edit(a, [*_A_REFILL_HSETS, (_A_COMMIT_HSETS, commit)], "one HSET")
+    r = _edit(r, [(_R_RECONCILE, ""), (_R_MAIN_HSET, _R_ONE_HSET)], "one HSET")
+    return a, r
+
+
+def _no_lease_meta(a: str, r: str) -> tuple[str, str]:
+    a = _edit(
+        a,
+        [("  redis.call('HSET', mk, lease_id, fmt(cost) .. ' ' .. fmt(ttl))\n", "")],
+        "no lease_meta",
+    )
+    if "ipairs({lk, mk})" in a:
+        a = _edit(a, [("ipairs({lk, mk})", "ipairs({lk})")], "no lease_meta")
+    r = _edit(
+        r,
+        [
+            (
+                "local meta = redis.call('HGET', mk, lease_id)\n",
+                "local meta = nil  -- EXPERIMENT: the reservation would travel with the lease\n",
+            ),
+            ("redis.call('HDEL', mk, lease_id)\n", ""),
+        ],
+        "no lease_meta",
+    )
+    return a, r
+
+
+def _all_stripped(a: str, r: str) -> tuple[str, str]:
+    a, r = _one_hset(a, r, spec=False)
+    for strip in (_no_expire, _no_sources_zscore, _no_sweep, _no_lease_meta):
+        a, r = strip(a, r)
+    return a, r
+
+
+_VERDICTS_READ = """
+-- EXPERIMENT: a per-scope hash (the last KEY) of sources known full: state key -> until when
+-- (the earliest expiry among its leases); read for every candidate in one HMGET.
+local vk = KEYS[#KEYS]
+local names = {}
+for i = 1, count do
+  names[i] = KEYS[3 * i - 1]
+end
+local verdicts = redis.call('HMGET', vk, unpack(names))
+
+local result = {0, 0}
+"""
+_VERDICTS_LOOP = """  local reason, reopen, probe
+  local v = verdicts[i]
+  if v and tonumber(v) > now then
+    reason = 'concurrency'
+  else
+    reason, reopen, probe = examine(i, 5 + 9 * (i - 1))
+    if reason == 'concurrency' then
+      local low = redis.call('ZRANGE', KEYS[3 * i], 0, 0, 'WITHSCORES')
+      redis.call('HSET', vk, names[i], low[2])
+    end
+  end
+"""
+
+
+def _verdicts(a: str, r: str) -> tuple[str, str]:
+    a = _edit(
+        a,
+        [
+            ("\nlocal result = {0, 0}\n", _VERDICTS_READ),
+            (
+                "  local reason, reopen, probe = examine(i, 5 + 9 * (i - 1))\n",
+                _VERDICTS_LOOP,
+            ),
+        ],
+        "verdicts",
+    )
+    r = _edit(
+        r,
+        [
+            (
+                "redis.call('ZREM', lk, lease_id)\n",
+                "redis.call('ZREM', lk, lease_id)\n"
+                "redis.call('HDEL', KEYS[7], sk)  -- EXPERIMENT: a release ends the verdict\n",
+            )
+        ],
+        "verdicts",
+    )
+    return a, r
+
+
+def _stripped_and_verdicts(a: str, r: str) -> tuple[str, str]:
+    return _verdicts(*_all_stripped(a, r))
+
+
+_EMPTY = "-- EXPERIMENT: the same KEYS and ARGV, no work: EVALSHA's own floor\nreturn 1\n"
+
+
+def _empty(a: str, r: str) -> tuple[str, str]:
+    return _EMPTY, _EMPTY
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One pair of scripts to measure: ``current`` or an experiment on it."""
+
+    key: str
+    label: str
+    make: Callable[[str, str], tuple[str, str]] | None
+    cases: tuple[str, ...]
+    verdicts: bool = False  # takes the per-scope verdict hash as its last KEY
+    checked: bool = True  # replies are the real contract's (grant, freed)
+
+
+ONE, TWO, WALK = "one", "two", "walk"
+CASES = ("baseline", ONE, TWO, WALK)
+VARIANTS = (
+    Variant("current", "current scripts", None, (ONE, TWO, WALK)),
+    Variant("spec_once", "spec HSET at first sight only", _spec_at_first_sight, (ONE,)),
+    Variant("no_expire", "- EXPIRE / TTL (both)", _no_expire, (ONE,)),
+    Variant("no_sources_zscore", "- sources ZSCORE (ACQUIRE)", _no_sources_zscore, (ONE,)),
+    Variant("no_sweep", "- lease sweep (both)", _no_sweep, (ONE,)),
+    Variant("sweep_peek", "sweep behind ZRANGE 0 0 peek", _sweep_peek, (ONE,)),
+    Variant("one_hset", "one HSET per script (spec included)", _one_hset, (ONE,)),
+    Variant("no_lease_meta", "- lease_meta hash (both)", _no_lease_meta, (ONE,)),
+    Variant("all_stripped", "all of the above cuts", _all_stripped, (ONE, TWO, WALK)),
+    Variant("verdicts", "full sources skipped by verdict", _verdicts, (TWO, WALK), verdicts=True),
+    Variant(
+        "stripped_verdicts",
+        "all cuts + verdicts",
+        _stripped_and_verdicts,
+        (TWO, WALK),
+        verdicts=True,
+    ),
+    Variant("empty", "empty script, same KEYS/ARGV", _empty, (ONE, TWO, WALK), checked=False),
+)
+
+
+def case_label(case: str, sources: int) -> str:
+    """The table's name for a case."""
+    return {
+        "baseline": "INCR + DECR",
+        ONE: "1 source",
+        TWO: "2 sources, 1st full",
+        WALK: f"{sources} sources, {sources - 1} full",
+    }[case]
+
+
+def expected_rows(sources: int) -> list[tuple[str, str]]:
+    """Every (case, variant) row the main table has, in order."""
+    rows = [(case_label("baseline", sources), "baseline")]
+    for case in (ONE, TWO, WALK):
+        rows += [(case_label(case, sources), v.label) for v in VARIANTS if case in v.cases]
+    return rows
+
+
+# -- the calls, as limiter.py lays them out ----------------------------------------------------
+
+
+def _spec_args(name: str, max_concurrency: int) -> list[str]:
+    """A candidate's nine ARGV (``RedisBackend._args_of``): rpm and tpm set."""
+    limits = ["6000000.0", "1000000.0", "1000000000.0", "1000000000.0", "5", "30.0", "300.0"]
+    return [name, str(max_concurrency), *limits]
+
+
+@dataclass(slots=True)
+class _Scope:
+    """One measured scope: its candidates and the commands' fixed parts."""
+
+    name: str
+    sources: int
+    verdicts: bool
+    acquire_keys: list[str] = field(default_factory=list)
+    acquire_specs: list[str] = field(default_factory=list)
+    release_keys: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        s = self.name
+        self.acquire_keys = [codec.key(s, "sources")]
+        for i in range(self.sources):
+            src = f"s{i:03d}"
+            self.acquire_keys += [codec.key(s, p, src) for p in ("src", "leases", "lease_meta")]
+            last = i == self.sources - 1
+            self.acquire_specs += _spec_args(src, BATCH if last else 1)
+        if self.verdicts:
+            self.acquire_keys.append(codec.key(s, "verdicts"))
+        last = f"s{self.sources - 1:03d}"
+        self.release_keys = [codec.key(s, p, last) for p in ("src", "leases", "lease_meta")]
+        self.release_keys += [codec.key(s, p) for p in ("progress", "waiting", "waiting_until")]
+        if self.verdicts:
+            self.release_keys.append(codec.key(s, "verdicts"))
+
+    def acquire(self, lease_id: str, ttl_s: float = LEASE_TTL_S) -> list[Any]:
+        keys = self.acquire_keys
+        head = ["", lease_id, repr(ttl_s), str(COST_TOKENS), str(STATE_TTL_S)]
+        return [len(keys), *keys, *head, *self.acquire_specs]
+
+    def release(self, lease_id: str) -> list[Any]:
+        keys = self.release_keys
+        outcome = ["", lease_id, "success", "0", "", str(TOKENS_USED)]
+        return [
+            len(keys),
+            *keys,
+            *outcome,
+            repr(AIMD_COOLOFF_S),
+            repr(AIMD_FACTOR),
+            str(int(PROGRESS_TTL_S)),
+            str(STATE_TTL_S),
+            "bench-process-0001",
+            self.name,
+            "1",
+            repr(HANDOFF_TTL_S),
+        ]
+
+
+def _fill(client: redis.Redis, scope: _Scope, sha: str) -> None:
+    """Make every source but the last full: one long lease each, by the real ACQUIRE."""
+    for i in range(scope.sources - 1):
+        one = _Scope(scope.name, 1, False)
+        one.acquire_keys = [scope.acquire_keys[0], *scope.acquire_keys[1 + 3 * i : 4 + 3 * i]]
+        one.acquire_specs = scope.acquire_specs[9 * i : 9 * i + 9]
+        reply = client.evalsha(sha, *one.acquire(f"full-{i}", FULL_LEASE_TTL_S))
+        if int(reply[0]) != 1:
+            raise RuntimeError(f"filling source {i} of {scope.name} was refused: {reply!r}")
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _stats(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """(calls, usec) per command so far, from ``INFO commandstats``."""
+    out = {}
+    for key, value in client.info("commandstats").items():
+        out[key.removeprefix("cmdstat_")] = (int(value["calls"]), int(value["usec"]))
+    return out
+
+
+def _delta(after: dict[str, tuple[int, int]], before: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    out: dict[str, list[int]] = {}
+    for command, (calls, usec) in after.items():
+        c0, u0 = before.get(command, (0, 0))
+        if calls - c0 and command not in ("info", "ping", "config|resetstat"):
+            out[command] = [calls - c0, usec - u0]
+    return out
+
+
+def _add(total: dict[str, list[int]], part: dict[str, list[int]]) -> None:
+    for command, (calls, usec) in part.items():
+        t = total.setdefault(command, [0, 0])
+        t[0] += calls
+        t[1] += usec
+
+
+def _cpu_s(client: redis.Redis) -> float:
+    """Redis's CPU seconds so far, its main thread's when the server tells them apart."""
+    cpu = client.info("cpu")
+    if "used_cpu_user_main_thread" in cpu:
+        return float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+@dataclass(slots=True)
+class _Run:
+    """One (case, variant) measurement of one round."""
+
+    acquire: dict[str, list[int]] = field(default_factory=dict)
+    release: dict[str, list[int]] = field(default_factory=dict)
+    split_pairs: int = 0
+    cpu_s: float = 0.0
+    cpu_pairs: int = 0
+
+
+def _check(replies: Sequence[Any], granted: int | None, what: str) -> None:
+    for reply in replies:
+        ok = int(reply[0]) == granted if granted is not None else int(reply) == 1
+        if not ok:
+            raise RuntimeError(f"{what}: unexpected reply {reply!r}")
+
+
+def _baseline(client: redis.Redis, pairs: int) -> _Run:
+    run = _Run()
+    for start in range(0, pairs, BATCH):
+        n = min(BATCH, pairs - start)
+        before = _stats(client)
+        pipe = client.pipeline(transaction=False)
+        for _ in range(n):
+            pipe.execute_command("INCR", "bench:counter")
+        pipe.execute()
+        middle = _stats(client)
+        pipe = client.pipeline(transaction=False)
+        for _ in range(n):
+            pipe.execute_command("DECR", "bench:counter")
+        pipe.execute()
+        _add(run.acquire, _delta(middle, before))
+        _add(run.release, _delta(_stats(client), middle))
+        run.split_pairs += n
+    cpu = _cpu_s(client)
+    for start in range(0, pairs, BATCH):
+        pipe = client.pipeline(transaction=False)
+        for _ in range(min(BATCH, pairs - start)):
+            pipe.execute_command("INCR", "bench:counter")
+            pipe.execute_command("DECR", "bench:counter")
+        pipe.execute()
+    run.cpu_s, run.cpu_pairs = _cpu_s(client) - cpu, pairs
+    return run
+
+
+def _scripts_run(
+    client: redis.Redis,
+    variant: Variant,
+    sources: int,
+    pairs: int,
+    shas: tuple[str, str],
+    real_acquire: str,
+    tag: str,
+) -> _Run:
+    acquire_sha, release_sha = shas
+    scope = _Scope(f"cost-{tag}", sources, variant.verdicts)
+    _fill(client, scope, real_acquire)
+    granted = sources if variant.checked else None
+    serial = 0
+
+    def ids(n: int) -> list[str]:
+        nonlocal serial
+        serial += n
+        return [f"{i:012x}bench" for i in range(serial - n, serial)]
+
+    def call(sha: str, commands: list[list[Any]], expect: int | None, what: str) -> None:
+        pipe = client.pipeline(transaction=False)
+        for args in commands:
+            pipe.evalsha(sha, *args)
+        replies = pipe.execute()
+        if variant.checked:
+            _check(replies, expect, what)
+
+    # Warm-up: first sight of every source, the verdicts learnt, scripts compiled.
+    for lease in ids(2):
+        call(acquire_sha, [scope.acquire(lease)], granted, f"{tag} acquire")
+        call(release_sha, [scope.release(lease)], None, f"{tag} release")
+    run = _Run()
+    for start in range(0, pairs, BATCH):
+        leases = ids(min(BATCH, pairs - start))
+        before = _stats(client)
+        call(acquire_sha, [scope.acquire(x) for x in leases], granted, f"{tag} acquire")
+        middle = _stats(client)
+        call(release_sha, [scope.release(x) for x in leases], None, f"{tag} release")
+        _add(run.acquire, _delta(middle, before))
+        _add(run.release, _delta(_stats(client), middle))
+        run.split_pairs += len(leases)
+    cpu = _cpu_s(client)
+    for start in range(0, pairs, BATCH):
+        pipe = client.pipeline(transaction=False)
+        for lease in ids(min(BATCH, pairs - start)):
+            pipe.evalsha(acquire_sha, *scope.acquire(lease))
+            pipe.evalsha(release_sha, *scope.release(lease))
+        replies = pipe.execute()
+        if variant.checked:
+            _check(replies[0::2], granted, f"{tag} acquire")
+            _check(replies[1::2], None, f"{tag} release")
+    run.cpu_s, run.cpu_pairs = _cpu_s(client) - cpu, pairs
+    if variant.checked and not client.exists(codec.key(scope.name, "progress")):
+        # RELEASE returns 1 on its short path too (a source without its spec): not measured.
+        raise RuntimeError(f"{tag}: RELEASE never recorded an outcome, the experiment is wrong")
+    return run
+
+
+def _script_usec(stats: dict[str, list[int]], baseline: bool) -> tuple[int, int]:
+    """(calls, usec) of the measured top-level command of a phase."""
+    name = ("incr" if "incr" in stats else "decr") if baseline else "evalsha"
+    return tuple(stats.get(name, [0, 0]))  # type: ignore[return-value]
+
+
+def _row(case: str, variant: str, runs: list[_Run], sources: int) -> dict[str, Any]:
+    """The best round of one (case, variant): a busy machine only ever adds to a figure."""
+    baseline = case == "baseline"
+    acq, rel, cpu, commands = [], [], [], []
+    for run in runs:
+        a_calls, a_usec = _script_usec(run.acquire, baseline)
+        r_calls, r_usec = _script_usec(run.release, baseline)
+        acq.append(a_usec / a_calls)
+        rel.append(r_usec / r_calls)
+        cpu.append(run.cpu_s * 1e6 / run.cpu_pairs)
+        every = sum(c for c, _ in run.acquire.values()) + sum(c for c, _ in run.release.values())
+        # Commands per pair: the script calls themselves plus what they ran inside.
+        commands.append(every / run.split_pairs)
+    return {
+        "case": case_label(case, sources),
+        "variant": variant,
+        "commands_per_pair": statistics.median(commands),
+        "acquire_us": min(acq),
+        "release_us": min(rel),
+        "pair_us": min(a + r for a, r in zip(acq, rel, strict=True)),
+        "pair_cpu_us": min(cpu),
+    }
+
+
+def measure(url: str, *, pairs: int, walk_pairs: int, sources: int, rounds: int) -> dict[str, Any]:
+    """Every row of the tables, measured on the redis-server at ``url``."""
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    real_acquire = client.script_load(scripts.ACQUIRE)
+    plan: list[tuple[str, Variant | None, int, int]] = [("baseline", None, 1, pairs)]
+    for case, n, size in ((ONE, 1, pairs), (TWO, 2, pairs), (WALK, sources, walk_pairs)):
+        plan += [(case, v, n, size) for v in VARIANTS if case in v.cases]
+    shas: dict[str, tuple[str, str]] = {}
+    for variant in VARIANTS:
+        a, r = (scripts.ACQUIRE, scripts.RELEASE)
+        if variant.make is not None:
+            a, r = variant.make(a, r)
+        shas[variant.key] = (client.script_load(a), client.script_load(r))
+    runs: dict[tuple[str, str], list[_Run]] = {}
+    started = time.monotonic()
+    for round_ in range(rounds):
+        for case, variant, n, size in plan:
+            if variant is None:
+                run = _baseline(client, size)
+            else:
+                tag = f"{case}-{variant.key}-{round_}"
+                run = _scripts_run(client, variant, n, size, shas[variant.key], real_acquire, tag)
+            runs.setdefault((case, variant.label if variant else "baseline"), []).append(run)
+        client.flushall()
+        client.script_load(scripts.ACQUIRE)
+    rows = [_row(case, label, rs, sources) for (case, label), rs in runs.items()]
+    base = rows[0]["pair_cpu_us"]
+    for row in rows:
+        row["x_baseline"] = row["pair_cpu_us"] / base
+
+    # Where the current scripts' time goes, command by command (1 source, its best round).
+    def script_usec(run: _Run) -> float:
+        return (run.acquire["evalsha"][1] + run.release["evalsha"][1]) / run.split_pairs
+
+    best = min(runs[(ONE, "current scripts")], key=script_usec)
+    return {
+        "rows": rows,
+        "commands": _commands([best]),
+        "seconds": time.monotonic() - started,
+    }
+
+
+def _commands(runs: list[_Run]) -> list[dict[str, Any]]:
+    """Per command run by the current scripts on one source: calls and µs per pair."""
+    pairs = sum(r.split_pairs for r in runs)
+    total: dict[str, dict[str, int]] = {}
+    for run in runs:
+        for phase in ("acquire", "release"):
+            for command, (calls, usec) in getattr(run, phase).items():
+                t = total.setdefault(command, {"acquire": 0, "release": 0, "usec": 0})
+                t[phase] += calls
+                t["usec"] += usec
+    out = []
+    inner = 0.0
+    for command, t in sorted(total.items(), key=lambda kv: -kv[1]["usec"]):
+        if command == "evalsha":
+            continue
+        per_pair = t["usec"] / pairs
+        inner += per_pair
+        out.append(
+            {
+                "command": command.upper(),
+                "in_acquire": t["acquire"] / pairs,
+                "in_release": t["release"] / pairs,
+                "us_per_call": t["usec"] / (t["acquire"] + t["release"]),
+                "us_per_pair": per_pair,
+            }
+        )
+    script = total["evalsha"]["usec"] / pairs
+    out.append(
+        {
+            "command": "(Lua, arguments, redis.call: EVALSHA minus the above)",
+            "in_acquire": 1.0,
+            "in_release": 1.0,
+            "us_per_call": None,
+            "us_per_pair": script - inner,
+        }
+    )
+    out.append(
+        {
+            "command": "EVALSHA in all (script time)",
+            "in_acquire": 1.0,
+            "in_release": 1.0,
+            "us_per_call": script / 2,
+            "us_per_pair": script,
+        }
+    )
+    return out
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+ROW_COLUMNS = (
+    ("case", "case"),
+    ("variant", "variant"),
+    ("commands_per_pair", "commands per pair"),
+    ("acquire_us", "ACQUIRE µs"),
+    ("release_us", "RELEASE µs"),
+    ("pair_us", "pair µs (commandstats)"),
+    ("pair_cpu_us", "pair CPU µs (INFO cpu)"),
+    ("x_baseline", "x INCR+DECR"),
+)
+COMMAND_COLUMNS = (
+    ("command", "command"),
+    ("in_acquire", "per ACQUIRE"),
+    ("in_release", "per RELEASE"),
+    ("us_per_call", "µs per call"),
+    ("us_per_pair", "µs per pair"),
+)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def _table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in columns) + " |"]
+    lines.append("|" + "---|" * len(columns))
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row[k]) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def _targets(rows: Sequence[dict[str, Any]], sources: int) -> str:
+    by = {(r["case"], r["variant"]): r for r in rows}
+    one = by[(case_label(ONE, sources), "current scripts")]["pair_cpu_us"]
+    two = by[(case_label(TWO, sources), "current scripts")]["pair_cpu_us"]
+    walk = by[(case_label(WALK, sources), "current scripts")]["pair_cpu_us"]
+    ratio = walk / two
+    return "\n".join(
+        [
+            "| target (issue 18) | measured (current scripts) | verdict |",
+            "|---|---|---|",
+            f"| ACQUIRE + RELEASE ≤ 25 µs of Redis CPU, 1 source | {one:,.1f} µs"
+            f" | {'met' if one <= 25 else '**missed**'} |",
+            f"| {sources} sources ≤ 2x 2 sources | {ratio:,.1f}x ({walk:,.0f} / {two:,.1f} µs)"
+            f" | {'met' if ratio <= 2 else '**missed**'} |",
+        ]
+    )
+
+
+def _revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def render(result: dict[str, Any], args: argparse.Namespace) -> str:
+    machine = describe_machine()
+    head = [
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; commit {_revision()};"
+        f" redis-server {machine['redis_server']}; {machine['cpus_usable']} CPUs"
+        f" ({machine['cpu_model']}); Python {machine['python']}; run took"
+        f" {result['seconds']:.0f} s.",
+        f"Sizes: {args.pairs} pairs per round (1 and 2 sources), {args.walk_pairs} at"
+        f" {args.sources} sources, {args.rounds} round(s), the best round shown.",
+        "",
+        _table(result["rows"], ROW_COLUMNS),
+        "",
+        _table(result["commands"], COMMAND_COLUMNS),
+        "",
+        _targets(result["rows"], args.sources),
+    ]
+    return "\n".join(head)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.script_cost", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--pairs", type=int, default=500, help="pairs per round, 1 and 2 sources")
+    p.add_argument("--walk-pairs", type=int, default=50, help="pairs per round, many sources")
+    p.add_argument("--sources", type=int, default=200, help="sources of the walk case")
+    p.add_argument("--rounds", type=int, default=8)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.sources < 3 or min(args.pairs, args.walk_pairs, args.rounds) < 1:
+        raise SystemExit("bench.script_cost: --sources ≥ 3, and every size ≥ 1")
+    with private_redis() as url:
+        result = measure(
+            url,
+            pairs=args.pairs,
+            walk_pairs=args.walk_pairs,
+            sources=args.sources,
+            rounds=args.rounds,
+        )
+    print(render(result, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
