@@ -1,4 +1,4 @@
-"""Redis CPU of a governed call's two scripts and where it goes (designs/script-cost.md).
+"""Redis CPU of a governed call's two scripts, and where it goes.
 
     python -m bench.script_cost [--pairs 500] [--walk-pairs 50] [--sources 200] [--rounds 8]
 
@@ -23,6 +23,8 @@ scripts run inside) and interleaved (ACQUIRE, RELEASE, ACQUIRE, ...
 pipelined; ``INFO cpu`` user + sys delta of the main thread over the run,
 which counts what Redis spends on the scripts plus reading and answering
 them).
+
+The figures and the plan they feed: research-wiki/designs/script-cost.md.
 
 The variants other than ``current`` are EXPERIMENTS: copies of the scripts
 with one part cut or changed, made here by exact text edits of the real
