@@ -1,16 +1,22 @@
-"""``backend_env``: every backend under one fake clock, for the one backend contract suite.
+"""Integration fixtures: ``backend_env`` for the backend contract suite, ``tls_redis``.
 
-Each parameter builds a fresh backend that reads ``clock`` (a ``FakeClock``
-the tests advance). A new backend is added here as a new parameter, never by
-copying a test.
+``backend_env``: each parameter builds a fresh backend that reads ``clock``
+(a ``FakeClock`` the tests advance). A new backend is added here as a new
+parameter, never by copying a test.
+
+``tls_redis``: a dedicated ``redis-server`` that also answers TLS, with a CA
+of its own, for the tests of ``rediss://`` (the wire's, the wake-ups').
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
+from _redis_tls import TLSRedis, start_tls_redis
 
 from polygateway.backends.base import Backend
 from polygateway.backends.memory import MemoryBackend
@@ -41,3 +47,9 @@ async def backend_env(request: pytest.FixtureRequest) -> AsyncIterator[BackendEn
         yield BackendEnv(name=name, backend=backend, clock=clock)
     finally:
         await backend.aclose()
+
+
+@pytest.fixture
+def tls_redis(make_redis_server: Callable[..., Any], tmp_path: Path) -> TLSRedis:
+    """A dedicated TLS redis-server with a password, stopped after the test."""
+    return start_tls_redis(make_redis_server, tmp_path)

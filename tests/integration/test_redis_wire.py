@@ -21,10 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +30,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from _redis_tls import TLSRedis
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, limiter, wire
@@ -516,51 +514,14 @@ async def test_a_refused_login_fails_closed_in_redis_pys_words(
         await backend.aclose()
 
 
-def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
-    """A CA, and a certificate it signed for 127.0.0.1 with its key (``openssl``)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.fail("openssl is not installed (needed to make the TLS test's certificates)")
-    ca, ca_key = directory / "ca.pem", directory / "ca.key"
-    cert, key, csr = directory / "server.pem", directory / "server.key", directory / "server.csr"
-    ext = directory / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    steps = (
-        f"req -x509 -newkey rsa:2048 -nodes -keyout {ca_key} -out {ca} -days 1"
-        " -subj /CN=polygateway-test-ca",
-        f"req -newkey rsa:2048 -nodes -keyout {key} -out {csr} -subj /CN=127.0.0.1",
-        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -out {cert} -days 1"
-        f" -extfile {ext}",
-    )
-    for step in steps:  # pytest's tmp_path: no space in these paths
-        subprocess.run([openssl, *step.split()], check=True, capture_output=True)
-    return ca, cert, key
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-async def test_tls_verifies_the_servers_certificate(
-    make_redis_server: Callable[..., Any], tmp_path: Path
-) -> None:
+async def test_tls_verifies_the_servers_certificate(tls_redis: TLSRedis) -> None:
     """``rediss://`` with the CA served (password, db 1); without the CA, fails closed."""
-    ca, cert, key = _tls_files(tmp_path)
-    tls_port = _free_port()
-    server = make_redis_server(
-        *("--tls-port", str(tls_port), "--tls-cert-file", str(cert)),
-        *("--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"),
-        password=PASSWORD,
-    )
-    await _serves(f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/1?ssl_ca_certs={ca}")
-    assert _keys_in(server, 1) != []
-    backend = RedisBackend(f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/1")
+    await _serves(tls_redis.url(1))
+    assert _keys_in(tls_redis.server, 1) != []
+    backend = RedisBackend(f"rediss://:{tls_redis.password}@127.0.0.1:{tls_redis.tls_port}/1")
     try:
         with pytest.raises(GovernanceBackendError, match="CERTIFICATE_VERIFY_FAILED") as caught:
             await backend.progress_age_s(SCOPE)
-        assert PASSWORD not in str(caught.value)
+        assert tls_redis.password not in str(caught.value)
     finally:
         await backend.aclose()
