@@ -8,17 +8,21 @@ id, its own subscription); the waiting rooms are the loop's own
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from _redis_tls import TLSRedis, tls_files
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
+from polygateway.errors import GovernanceBackendError
 from polygateway.middleware.waiting import WaitingRoom, room_for
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 from polygateway.testing import FakeClock
@@ -235,3 +239,78 @@ async def test_a_grant_unregisters_and_a_call_that_never_waits_registers_nothing
     await holder.release(lease, SUCCESS)
     await hold(waiter, 1, 1)
     assert await waiting_ids(admin) == []
+
+
+# --- rediss://: the subscription connects with the backend's own TLS context ----------------
+
+
+@pytest.fixture
+async def tls_admin(tls_redis: TLSRedis) -> AsyncIterator[aioredis.Redis]:
+    """A client of the TLS server's plain port, to watch its subscriptions."""
+    server = tls_redis.server
+    client = aioredis.Redis(port=server.port, password=tls_redis.password, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def test_a_rediss_waiter_is_woken_by_a_release_elsewhere_long_before_its_poll(
+    tls_redis: TLSRedis, tls_admin: aioredis.Redis
+) -> None:
+    """Over TLS (the server's own CA) B subscribes, registers and is woken, not polled at 30 s."""
+    a, b = RedisBackend(tls_redis.url()), RedisBackend(tls_redis.url())
+    try:
+        room_for(a, SCOPE)
+        room = room_for(b, SCOPE)
+        await listening(tls_admin, 2)
+        (lease,) = await hold(a, 1, 1)
+        head = room.enter()
+        await refused(b, 1)
+        assert len(await waiting_ids(tls_admin)) == 1, "B registered as waiting"
+        waiting = asyncio.ensure_future(room.wait(head, 30.0, asyncio.sleep))
+        began = time.monotonic()
+        await a.release(lease, SUCCESS)
+        async with asyncio.timeout(BOUND_S):
+            await waiting
+        assert time.monotonic() - began < 2.0
+        assert room.wakeups == 1
+        room.leave(head)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@pytest.mark.parametrize("wrong", ["ca", "host name"])
+async def test_a_rediss_subscription_that_fails_verification_fails_closed_without_a_secret(
+    tls_redis: TLSRedis,
+    tls_admin: aioredis.Redis,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    wrong: str,
+) -> None:
+    """A wrong CA or host name fails each subscription attempt in TLS, as calls fail; no secret."""
+    if wrong == "ca":
+        (tmp_path / "other").mkdir()
+        other_ca, _, _ = tls_files(tmp_path / "other")
+        url = tls_redis.url(ca=other_ca)
+    else:  # the certificate names 127.0.0.1 only
+        url = tls_redis.url().replace("@127.0.0.1:", "@localhost:")
+    backend = RedisBackend(url)
+    caplog.set_level(logging.DEBUG, logger="polygateway.backends.redis")
+
+    def failures() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "wake-up subscription" in r.getMessage()]
+
+    try:
+        room_for(backend, SCOPE)
+        with pytest.raises(GovernanceBackendError, match="CERTIFICATE_VERIFY_FAILED"):
+            await backend.acquire(SCOPE, [spec(1)], ttl_s=60.0)
+        async with asyncio.timeout(BOUND_S):
+            while len(failures()) < 2:  # the first attempt, and the one remade after a pause
+                await asyncio.sleep(0.01)
+    finally:
+        await backend.aclose()
+    # Plaintext to a TLS port would fail otherwise (a reset, a timeout), the password sent.
+    assert all("CERTIFICATE_VERIFY_FAILED" in failure for failure in failures())
+    assert await tls_admin.pubsub_channels("pgw:wake:*") == []
+    assert await waiting_ids(tls_admin) == []
+    assert tls_redis.password not in caplog.text

@@ -109,7 +109,7 @@ from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.sentinel import SentinelPrimary
-from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups, supports
+from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups
 from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.config.masking import mask_url, scrub, url_secrets
@@ -352,15 +352,11 @@ class RedisBackend:
         # On one server a PUBLISH counts every subscriber; in a Cluster only the node's own.
         self._wake_tail = bulk("0" if mode == "cluster" else "1")
         self._handoff_arg = bulk(repr(min(_HANDOFF_TTL_S, socket_timeout_s)))
-        self._wakeups = (
-            Wakeups(
-                CHANNEL_PREFIX + self._proc,
-                self._subscribe_on(endpoint),
-                self._listeners.released,
-                timeout_s=socket_timeout_s,
-            )
-            if supports(endpoint)
-            else None
+        self._wakeups = Wakeups(
+            CHANNEL_PREFIX + self._proc,
+            self._subscribe_on(endpoint),
+            self._listeners.released,
+            timeout_s=socket_timeout_s,
         )
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
@@ -576,7 +572,7 @@ class RedisBackend:
             keys += self._keys_of(scope, spec.name)
             argv += self._args_of(spec)
         wakeups = self._wakeups
-        if wakeups is not None and scope in self._listening:
+        if scope in self._listening:
             # Someone here waits for this scope's releases: a refusal registers the process.
             if not wakeups.started:
                 wakeups.start()
@@ -823,9 +819,8 @@ class RedisBackend:
         """
         self._listeners.add(scope, listener)
         self._listening.add(scope)
-        if self._wakeups is not None:
-            with contextlib.suppress(RuntimeError):  # no running loop: at the first acquire
-                self._wakeups.start()
+        with contextlib.suppress(RuntimeError):  # no running loop: at the first acquire
+            self._wakeups.start()
 
     async def aclose(self) -> None:
         """Read the replies still due (releases written behind, work left behind), then close.
@@ -837,8 +832,7 @@ class RedisBackend:
         for handle in self._retries:
             handle.cancel()  # a closing backend stops writing; the leases expire
         self._retries.clear()
-        if self._wakeups is not None:
-            await self._wakeups.aclose()
+        await self._wakeups.aclose()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._timeout_s):
                 await self._wire.drain()

@@ -21,6 +21,10 @@ cluster bus carries a ``PUBLISH`` to every node. Sharded pub/sub
 a subscription per node owning one, followed through every resharding: the
 design page says why that waits.
 
+A ``rediss://`` server is subscribed on through the very ``ssl.SSLContext``
+the backend's own connections use (``Endpoint.tls``; ``_TLSConnection`` says
+how), so the subscription verifies what they verify and fails as they do.
+
 A lost message costs its waiter one poll interval at most: the head of every
 room still polls, so this subscription only ever makes waiting shorter. It
 is remade after any failure, with a pause; a server that stops answering is
@@ -33,10 +37,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -44,7 +50,7 @@ from redis.exceptions import RedisError
 from polygateway.backends.redis import codec
 from polygateway.backends.redis.endpoint import Endpoint
 
-__all__ = ["CHANNEL_PREFIX", "Wakeups", "supports"]
+__all__ = ["CHANNEL_PREFIX", "Wakeups"]
 
 logger = logging.getLogger("polygateway.backends.redis")
 
@@ -126,7 +132,8 @@ class Wakeups:
                     await self._session(client)
                 except (RedisError, OSError, TimeoutError) as exc:
                     # Waiters poll meanwhile; the next attempt is a pause away.
-                    logger.debug("wake-up subscription lost: %s", type(exc).__name__)
+                    # redis-py's words name the server and the reason, never a credential.
+                    logger.debug("wake-up subscription lost: %s: %s", type(exc).__name__, exc)
                 finally:
                     self.subscribed.clear()
                     with contextlib.suppress(RedisError, OSError):
@@ -176,9 +183,7 @@ class Wakeups:
 
 
 def _client(endpoint: Endpoint, timeout_s: float) -> aioredis.Redis:
-    """A redis-py client for ``endpoint``'s server and login (not TLS: see ``supports``)."""
-    if endpoint.tls is not None:
-        raise ValueError("a TLS endpoint is not subscribed on")
+    """A redis-py client for ``endpoint``'s server, login and TLS context."""
     common: dict[str, Any] = {
         "username": endpoint.username,
         "password": endpoint.password,
@@ -189,13 +194,41 @@ def _client(endpoint: Endpoint, timeout_s: float) -> aioredis.Redis:
     }
     if endpoint.path is not None:
         return aioredis.Redis(unix_socket_path=endpoint.path, **common)
-    return aioredis.Redis(host=endpoint.host, port=endpoint.port, **common)
+    if endpoint.tls is None:
+        return aioredis.Redis(host=endpoint.host, port=endpoint.port, **common)
+    # redis-py's Redis takes no connection class, so the pool is made here and the client
+    # owns it (closed with it, as Redis.from_pool sets); the client is told the credential
+    # provider as well, as Redis(...) above is, to re-authenticate with a streaming one.
+    pool = aioredis.ConnectionPool(
+        connection_class=_TLSConnection,
+        tls=endpoint.tls,
+        host=endpoint.host,
+        port=endpoint.port,
+        **common,
+    )
+    client = aioredis.Redis(connection_pool=pool, credential_provider=endpoint.credential_provider)
+    client.auto_close_connection_pool = True
+    return client
 
 
-def supports(endpoint: Endpoint) -> bool:
-    """Whether wake-ups can be heard from ``endpoint``'s server.
+class _TLSConnection(SSLConnection):
+    """redis-py's TLS connection, made with the backend's own ``ssl.SSLContext``.
 
-    A ``rediss://`` server is not: redis-py's client takes TLS settings, not
-    the built context an ``Endpoint`` keeps, so its waiters poll as before.
+    redis-py builds an ``SSLConnection``'s context from settings
+    (``RedisSSLContext.get``); an ``Endpoint`` keeps only the context built
+    (from a URL or an injected client's settings, ``endpoint.py``), which
+    cannot be read back into settings. ``get`` returns the ``context`` it
+    holds once one is set, so setting ours there makes every connection verify
+    exactly what the wire's do: the same CA, client certificate, verification
+    mode and host-name check, with the server's host as ``server_hostname``
+    (asyncio's default, as for the wire). All else about connecting stays
+    redis-py's own (``Connection``): the connect timeout, ``TCP_NODELAY``,
+    keepalive. Were a later redis-py to stop reading ``context``, the
+    connection would still be TLS with redis-py's default verification, never
+    plaintext; and the TLS wake-up tests, whose CA is not the system's, would
+    fail.
     """
-    return endpoint.tls is None
+
+    def __init__(self, *, tls: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ssl_context.context = tls
