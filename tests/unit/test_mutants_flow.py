@@ -19,7 +19,7 @@ from polygateway.backends.base import AttemptOutcome, Lease
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
-from polygateway.errors import RequestRejected
+from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.testing import (
     BoundedSleep,
     Delay,
@@ -27,7 +27,9 @@ from polygateway.testing import (
     FakeTimers,
     FakeTransport,
     Recorder,
+    StreamScript,
     TransientError,
+    chat_chunk_events,
     chat_completion,
     gateway_settings,
 )
@@ -235,3 +237,183 @@ async def test_queued_calls_of_two_classes_get_the_permit_in_proportion_to_their
     order = [str(r.json["messages"][0]["content"])[0] for r in transport.requests][1:9]
     assert order.count("i") == 6, order  # 3 to 1 over the first eight grants
     assert order.count("b") == 2, order
+
+
+def _recorded_chat(clock: FakeClock, script: Any, recorder: Recorder) -> ChatClient:
+    return closing(
+        ChatClient(
+            gateway_settings("primary"),
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport(script, clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=2000),
+            rng=random.Random(3),
+            emitter=recorder,
+        )
+    )
+
+
+async def _read_raising(chat: ChatClient, error: BaseException | None, **options: Any) -> None:
+    """Read a stream to its end, or raise ``error`` in the body at its first chunk."""
+    async with chat.stream(MESSAGES, **options) as stream:
+        async for _ in stream:
+            if error is not None:
+                raise error
+
+
+async def test_a_stream_cut_at_its_deadline_is_recorded_as_deadline() -> None:
+    """A stream flowing past ``deadline_s`` ends its call record with outcome ``deadline``."""
+    clock = FakeClock()
+    recorder = Recorder()
+    flowing = StreamScript(
+        chat_chunk_events([f"w{i}" for i in range(100)], role_first=False), gap_s=1.0
+    )
+    chat = _recorded_chat(clock, [flowing], recorder)
+    with pytest.raises(AllSourcesExhausted) as caught:
+        await _read_raising(chat, None, deadline_s=5.5)
+    assert caught.value.reason == "deadline"
+    assert recorder.call_outcomes() == ["deadline"]
+
+
+async def test_a_stream_whose_reader_raises_is_recorded_by_what_it_raised() -> None:
+    """The caller's own error inside the stream's body: ``error``; a cancellation: ``cancelled``."""
+    clock = FakeClock()
+    recorder = Recorder()
+    script = [StreamScript(chat_chunk_events(["a", "b"])) for _ in range(2)]
+    chat = _recorded_chat(clock, script, recorder)
+    with pytest.raises(KeyError):
+        await _read_raising(chat, KeyError("the caller's bug"))
+    with pytest.raises(asyncio.CancelledError):
+        await _read_raising(chat, asyncio.CancelledError())
+    assert recorder.call_outcomes() == ["error", "cancelled"]
+
+
+async def test_a_tenant_arriving_after_three_calls_of_another_is_served_second() -> None:
+    """Tenants take turns through the loop: B's one call goes right after A's first.
+
+    A's first call asks at once and queues on refusal; the others queue
+    directly: both ways into the queue carry the call's tenant.
+    """
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    transport = FakeTransport(
+        [], clock=clock, sleep=timers.sleep, default=Delay(1.0, chat_completion("ok"))
+    )
+    backend = MemoryBackend(now=clock)
+    chat = closing(
+        ChatClient(
+            gateway_settings({"name": "primary", "max_concurrency": 1}),
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(5),
+        )
+    )
+    held = await backend.acquire("chat", [chat._mw._order.sources[0][1]], ttl_s=600.0)
+    assert held.lease is not None
+
+    async def one(label: str, tenant: str) -> None:
+        await chat.complete([{"role": "user", "content": label}], tenant=tenant)
+
+    tasks = []
+    for label, tenant in (("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B")):
+        tasks.append(asyncio.create_task(one(label, tenant)))
+        for _ in range(10):
+            await asyncio.sleep(0)
+    await backend.release(held.lease, AttemptOutcome("success"))
+    for _ in range(400):
+        await timers.advance(0.5)
+        if all(t.done() for t in tasks):
+            break
+    await asyncio.gather(*tasks)
+    order = [str(r.json["messages"][0]["content"]) for r in transport.requests]
+    assert order[:2] == ["a1", "b1"], order
+
+
+async def test_a_cancelled_waiter_does_not_spend_its_classs_turn() -> None:
+    """The head of class interactive cancelled while queued: its class's next call keeps the turn.
+
+    Only a grant moves a class's virtual time; a call that leaves the queue
+    without a permit leaves it where it was.
+    """
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    transport = FakeTransport(
+        [], clock=clock, sleep=timers.sleep, default=Delay(1.0, chat_completion("ok"))
+    )
+    backend = MemoryBackend(now=clock)
+    chat = closing(
+        ChatClient(
+            _classes("primary", max_concurrency=1),
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(5),
+        )
+    )
+    held = await backend.acquire("chat", [chat._mw._order.sources[0][1]], ttl_s=600.0)
+    assert held.lease is not None
+
+    async def one(label: str, priority_class: str) -> None:
+        await chat.complete([{"role": "user", "content": label}], priority_class=priority_class)
+
+    tasks = {}
+    for label, klass in (("i1", "interactive"), ("b1", "batch"), ("i2", "interactive")):
+        tasks[label] = asyncio.create_task(one(label, klass))
+        for _ in range(10):
+            await asyncio.sleep(0)
+    tasks["i1"].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await tasks["i1"]
+    await backend.release(held.lease, AttemptOutcome("success"))
+    for _ in range(400):
+        await timers.advance(0.5)
+        if tasks["b1"].done() and tasks["i2"].done():
+            break
+    await asyncio.gather(tasks["b1"], tasks["i2"])
+    order = [str(r.json["messages"][0]["content"]) for r in transport.requests]
+    assert order[0] == "i2", order
+
+
+class _SlowRelease(MemoryBackend):
+    """A memory backend whose releases wait for ``opened``: a release can be cancelled.
+
+    Not cancellation-safe, unlike a real backend: the test looks only at the
+    call's record, not at the permit.
+    """
+
+    def __init__(self, now: FakeClock) -> None:
+        super().__init__(now=now)
+        self.opened = asyncio.Event()
+        self.releasing = asyncio.Event()
+
+    async def release(self, lease: Lease, outcome: AttemptOutcome) -> bool:
+        self.releasing.set()
+        await self.opened.wait()
+        return await super().release(lease, outcome)
+
+
+async def test_a_stream_read_to_its_end_whose_release_is_cancelled_is_still_served() -> None:
+    """Cancelled while giving its permit back, a stream read to its end is recorded ``served``."""
+    clock = FakeClock()
+    recorder = Recorder()
+    backend = _SlowRelease(clock)
+    chat = closing(
+        ChatClient(
+            gateway_settings("primary"),
+            backend=backend,
+            transport=FakeTransport([StreamScript(chat_chunk_events(["a"]))], clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=50),
+            rng=random.Random(3),
+            emitter=recorder,
+        )
+    )
+    task = asyncio.create_task(_read_raising(chat, None))
+    await backend.releasing.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert recorder.call_outcomes() == ["served"]

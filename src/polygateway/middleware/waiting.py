@@ -275,7 +275,8 @@ class WaitingRoom:
         """The call that asks next, or ``None`` when nobody waits.
 
         A class below its reserved floor first; among equals (all below, or
-        none), the class furthest behind in virtual time, the larger share on a tie.
+        none), the class furthest behind in virtual time, the larger share on a
+        tie, then the class declared first.
         """
         if self._stale:
             self._stale = False
