@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import threading
@@ -473,3 +474,34 @@ async def test_consecutive_failures_and_trips_show_per_source_with_their_help_li
         "Times in a row the breaker opened since the source last served (its cool-down "
         "doubles with each); 0 after a success."
     )
+
+
+def test_per_class_counts_add_up_over_every_backend_of_a_scope_with_their_help() -> None:
+    """Two backends serving one scope here: per class, their waiting and in-use counts add up.
+
+    The two per-class families say what they count in their ``# HELP``, with
+    the ``scope`` and ``priority_class`` labels.
+    """
+    clock = FakeClock()
+    registry, gauges = collector(clock)
+    first, second = MemoryBackend(now=clock), MemoryBackend(now=clock)
+    for backend, counts in ((first, {"": (1, 2)}), (second, {"": (3, 4)})):
+        gauges.bind(dataclasses.replace(info(backend), by_class=lambda c=counts: c))
+    samples = scrape(registry)
+    by_class = {"priority_class": "", "scope": "chat"}
+    assert value(samples, "polygateway_scope_calls_waiting_by_class", **by_class) == 4
+    assert value(samples, "polygateway_scope_permits_in_use", **by_class) == 6
+    text = generate_latest(registry).decode()
+    assert (
+        "# HELP polygateway_scope_calls_waiting_by_class Calls of the scope waiting for a permit"
+        " in this process, per priority class (empty: a scope without classes)."
+    ) in text
+    assert (
+        "# HELP polygateway_scope_permits_in_use Permits the scope's calls hold in this process,"
+        " per priority class (empty: a scope without classes)."
+    ) in text
+
+
+def test_the_scrape_timeout_reaches_the_reader() -> None:
+    """``LiveGauges(timeout_s=...)`` bounds each read from another thread by that time."""
+    assert LiveGauges(prometheus_client, timeout_s=0.25).reader._timeout_s == 0.25

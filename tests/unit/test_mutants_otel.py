@@ -1080,3 +1080,44 @@ def test_the_gen_ai_operation_is_the_first_dotted_part_mapped_else_kept() -> Non
         otel._operation(name)
         for name in ("chat.stream", "embed", "ocr.recognize_text", "ocr.a.b", "rerank.top.k")
     ] == ["chat", "embeddings", "generate_content", "generate_content", "rerank"]
+
+
+async def test_the_per_class_gauges_have_their_names_units_and_descriptions(sdk: Sdk) -> None:
+    """Calls waiting and permits in use per class: name, unit, description and points."""
+    sdk.emitter.bind(
+        ClientInfo("chat", "chat", (), sdk.backend, lambda: 0, by_class=lambda: {"b": (2, 1)})
+    )
+    metrics = sdk.metrics()
+    described = {
+        name: (metrics[name].unit, metrics[name].description)
+        for name in ("polygateway.scope.calls.waiting_by_class", "polygateway.scope.permits.in_use")
+    }
+    assert described == {
+        "polygateway.scope.calls.waiting_by_class": (
+            "{call}",
+            "Calls of the scope waiting in this process, per priority class.",
+        ),
+        "polygateway.scope.permits.in_use": (
+            "{permit}",
+            "Permits the scope's calls hold in this process, per priority class.",
+        ),
+    }
+    attrs = frozenset({("polygateway.scope", "chat"), ("polygateway.priority_class", "b")})
+    assert sdk.points("polygateway.scope.calls.waiting_by_class")[attrs].value == 2
+    assert sdk.points("polygateway.scope.permits.in_use")[attrs].value == 1
+
+
+async def test_a_count_that_fails_skips_the_gauges_reading_with_a_debug_line(
+    sdk: Sdk, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's waiting count that raises: no source points this time, and one debug line."""
+
+    def broken() -> int:
+        raise RuntimeError("no count")
+
+    await sdk.backend.acquire("chat", [SourceSpec("primary", 1)], ttl_s=30)
+    sdk.emitter.bind(ClientInfo("chat", "chat", (), sdk.backend, broken))
+    with caplog.at_level(logging.DEBUG, logger="polygateway.telemetry"):
+        data = sdk.reader.get_metrics_data()
+    assert data is None  # every gauge needs the count: none has a point
+    assert "gauge snapshots skipped: RuntimeError('no count')" in caplog.messages
