@@ -241,6 +241,25 @@ async def test_a_grant_unregisters_and_a_call_that_never_waits_registers_nothing
     assert await waiting_ids(admin) == []
 
 
+async def test_a_refusal_by_time_alone_registers_nothing(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A refusal that only time ends (rpm here) does not register: no release would help it.
+
+    The head's own timer wakes it at the reopen time
+    (research-wiki/designs/fleet-wakeups.md, "Registry").
+    """
+    waiter = fleet()
+    room_for(waiter, SCOPE)
+    await listening(admin, 1)
+    limited = SourceSpec(name="a", max_concurrency=4, rpm=1, rpm_burst=1)
+    assert (await waiter.acquire(SCOPE, [limited], ttl_s=60.0)).lease is not None
+    result = await waiter.acquire(SCOPE, [limited], ttl_s=60.0)
+    assert result.lease is None
+    assert result.rejections[0].reason == "rpm"
+    assert await waiting_ids(admin) == []
+
+
 # --- rediss://: the subscription connects with the backend's own TLS context ----------------
 
 
