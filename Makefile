@@ -119,6 +119,7 @@ $(MUT_STAMP): pyproject.toml
 	touch $(MUT_STAMP)
 
 .PHONY: mutation-python mutation-lua
+# MUTATION_NOTE="..." adds a line to the page (what else the machine was doing, say).
 mutation: mutation-python mutation-lua
 	$(MUT_PY) tools/mutation/report.py
 

@@ -14,6 +14,7 @@ from the repository root.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -192,6 +193,7 @@ def main() -> int:
         + ", on a 2-core machine.",
         f"- Time: Python {py_seconds / 60:.1f} min, Lua {lua_seconds / 60:.1f} min, "
         f"total {(py_seconds + lua_seconds) / 60:.1f} min (budget: 60).",
+        *([f"- Note: {note}"] if (note := os.environ.get("MUTATION_NOTE", "").strip()) else []),
         "- Python: mutmut 3.8.1 (`[tool.mutmut]` in pyproject.toml) mutates",
         "  `src/polygateway/governance/`, `middleware/` (the loop, its waiting room,",
         "  telemetry) and `backends/memory.py`; each mutant runs the tests that reach the mutated",
