@@ -241,6 +241,39 @@ async def test_a_grant_unregisters_and_a_call_that_never_waits_registers_nothing
     assert await waiting_ids(admin) == []
 
 
+async def test_a_releasing_process_leaves_the_turn_to_the_one_woken(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The turn is another process's: the releasing process's own waiters are not told.
+
+    Its head would otherwise ask at once, behind its release on the same
+    connection, and win the permit the woken process was promised.
+    """
+    holder, other = fleet(), fleet()
+    own, theirs = queued(holder), queued(other)
+    await listening(admin, 2)
+    (lease,) = await hold(holder, 1, 1)
+    await refused(other, 1)  # registered first: the turn is theirs
+    await refused(holder, 1)
+    await holder.release(lease, SUCCESS)
+    await woken(theirs, 1)
+    await asyncio.sleep(0.1)
+    assert (own.wakeups, theirs.wakeups) == (0, 1)
+
+
+async def test_a_registration_expires_with_its_keys(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The registry's two keys carry a TTL: an abandoned registry is collected by Redis."""
+    holder, waiter = fleet(), fleet()
+    room_for(waiter, SCOPE)
+    await listening(admin, 1)
+    await hold(holder, 1, 1)
+    await refused(waiter, 1)
+    for key in ("waiting", "waiting_until"):
+        assert await admin.pttl(f"pgw:{{{SCOPE}}}:{key}") > 0, key
+
+
 async def test_a_refusal_by_time_alone_registers_nothing(
     fleet: Callable[..., RedisBackend], admin: aioredis.Redis
 ) -> None:
