@@ -9,7 +9,6 @@ and that the experiments still apply to the scripts as they are.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,6 @@ from bench.script_cost import ROW_COLUMNS, expected_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = 4
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None, reason="redis-server is not installed"
-)
 
 # The four cases and the breakdown's experiments, named here as well as in the
 # tool, so that a row dropped from the tool fails this test rather than vanishing with it.
