@@ -70,8 +70,9 @@ ACQUIRE = """
 -- waits for a release (concurrency, probe_in_flight) registers it (a new member's score
 -- is now, an existing one keeps its score) and extends its registration by the TTL.
 -- A full candidate holding the placeholder ``handoff:<process id>`` (a permit RELEASE
--- promised this process, counted already) passes the concurrency check; a grant there
--- replaces it with the lease. Every other check applies as usual.
+-- promised this process, counted already) passes the concurrency check; a grant at a
+-- candidate holding one, full or not, replaces it with the lease. Every other check
+-- applies as usual.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -190,12 +191,10 @@ local function examine(i, a)
 
   -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max. A
   -- full source still admits the process a release promised a permit to (RELEASE's
-  -- hand-off): its placeholder is counted already. Looked up only when full, so a call
-  -- that finds room pays nothing for it.
-  local claim = false
+  -- hand-off): its placeholder is counted already. Looked up here only when full; a
+  -- grant removes it whether full or not (below).
   if redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
-    claim = promised and redis.call('ZSCORE', lk, promised)
-    if not claim then
+    if not (promised and redis.call('ZSCORE', lk, promised)) then
       return 'concurrency', nil, false
     end
   end
@@ -233,7 +232,9 @@ local function examine(i, a)
     redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens - cost))
   end
   local expiry = now + ttl
-  if claim then
+  if promised then
+    -- A grant here fulfils the process's promise, claimed at a full source or not:
+    -- left standing, it would hold a permit for nobody once the process stops waiting.
     redis.call('ZREM', lk, promised)
   end
   redis.call('ZADD', lk, fmt(expiry), lease_id)
