@@ -101,9 +101,12 @@ def test_status_reads_live_redis_state_of_a_running_demo(
     for scope in final.values():
         assert scope["in_flight"] == 0
         assert math.isfinite(scope["progress_age_s"])
+        # Each configured source is listed, asked during the run or not (one never needed,
+        # the first in order always having room, is shown fresh, "seen": false).
         assert sorted(src["name"] for src in scope["sources"]) == sorted(ROLES)
     # Trips only grow: the failing chat source (95 % errors) tripped during the run.
     chat_sources = {src["name"]: src for src in final["demo-chat"]["sources"]}
+    assert chat_sources["failing"]["seen"] is True
     assert chat_sources["failing"]["trips"] >= 1
     assert chat_sources["healthy"]["trips"] == 0
 
@@ -246,4 +249,6 @@ def test_status_watch_reports_every_period_and_ends_cleanly_on_ctrl_c(
     for doc in docs:
         assert [scope["scope"] for scope in doc["scopes"]] == list(SCOPES)
         assert all(scope["progress_age_s"] is None for scope in doc["scopes"])
-        assert all(scope["sources"] == [] for scope in doc["scopes"])
+        for scope in doc["scopes"]:  # nothing asked yet: each configured source, fresh
+            assert [src["name"] for src in scope["sources"]] == list(ROLES)
+            assert not any(src["seen"] or src["in_flight"] for src in scope["sources"])

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from polygateway.backends.base import ScopeSnapshot
 from polygateway.errors import AllSourcesExhausted
+from polygateway.governance.source_state import SourceSnapshot
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -48,6 +49,7 @@ __all__ = [
     "settings_summary",
     "snapshot_json",
     "text_table",
+    "with_configured",
 ]
 
 RICH_MISSING = "this display needs rich: pip install 'polygateway[cli]' (or pass --json)"
@@ -300,6 +302,37 @@ ByClass = Mapping[str, tuple[int, int]]
 """Per priority class, (calls waiting, permits in use) in one process (``WaitingRoom.by_class``)."""
 
 
+def with_configured(
+    snap: ScopeSnapshot, max_concurrency: Mapping[str, int]
+) -> list[tuple[SourceSnapshot, bool]]:
+    """The snapshot's sources (seen: ``True``), then each configured one it lacks, as fresh.
+
+    A backend knows a source once an acquire examined it, and an acquire stops
+    at the first candidate that grants: a source never needed is absent from
+    the snapshot. Configured (``max_concurrency`` names it), it is shown as a
+    source at first sight reads (nothing held, limit at its max, breaker
+    closed), marked unseen, rather than missing.
+    """
+    shown = [(source, True) for source in snap.sources]
+    known = {source.name for source in snap.sources}
+    for name, cap in max_concurrency.items():
+        if name not in known:
+            fresh = SourceSnapshot(
+                name=name,
+                in_flight=0,
+                limit=float(cap),
+                breaker="closed",
+                consecutive_failures=0,
+                trips=0,
+                reopen_in_s=None,
+                paced_for_s=None,
+                rpm_tokens=None,
+                tpm_tokens=None,
+            )
+            shown.append((fresh, False))
+    return shown
+
+
 def snapshot_json(
     snap: ScopeSnapshot, max_concurrency: Mapping[str, int], by_class: ByClass | None = None
 ) -> dict[str, Any]:
@@ -309,9 +342,10 @@ def snapshot_json(
     process), adds ``"this_process": {class: {"waiting": n, "in_use": n}}``.
     """
     sources = []
-    for source in snap.sources:
+    for source, seen in with_configured(snap, max_concurrency):
         entry = asdict(source)
         entry["max_concurrency"] = max_concurrency.get(source.name)
+        entry["seen"] = seen
         sources.append(entry)
     out: dict[str, Any] = {
         "scope": snap.scope,
@@ -362,12 +396,13 @@ def scope_status_table(
             "tpm tokens",
         ),
     )
-    if not snap.sources:
+    shown = with_configured(snap, max_concurrency)
+    if not shown:
         table.add_row("(no source seen yet)", *([""] * 9))
-    for s in snap.sources:
+    for s, seen in shown:
         cap = max_concurrency.get(s.name)
         table.add_row(
-            s.name,
+            s.name if seen else f"{s.name} (not asked yet)",
             str(s.in_flight),
             f"{s.limit:.1f} / {cap if cap is not None else '?'}",
             s.breaker.replace("_", "-"),
