@@ -1,4 +1,4 @@
-"""Integration fixtures: ``backend_env`` for the backend contract suite, ``tls_redis``.
+"""Integration fixtures: ``backend_env`` for the backend contract suite, ``tls_redis``, ``admin``.
 
 ``backend_env``: each parameter builds a fresh backend that reads ``clock``
 (a ``FakeClock`` the tests advance). A new backend is added here as a new
@@ -6,6 +6,9 @@ parameter, never by copying a test.
 
 ``tls_redis``: a dedicated ``redis-server`` that also answers TLS, with a CA
 of its own, for the tests of ``rediss://`` (the wire's, the wake-ups').
+
+``admin``: a plain redis-py client of the suite's server, for a test to read
+the keys the scripts wrote.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from _redis_tls import TLSRedis, start_tls_redis
 
 from polygateway.backends.base import Backend
@@ -53,3 +57,11 @@ async def backend_env(request: pytest.FixtureRequest) -> AsyncIterator[BackendEn
 def tls_redis(make_redis_server: Callable[..., Any], tmp_path: Path) -> TLSRedis:
     """A dedicated TLS redis-server with a password, stopped after the test."""
     return start_tls_redis(make_redis_server, tmp_path)
+
+
+@pytest.fixture
+async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A client of the suite's Redis that decodes replies, closed after the test."""
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()

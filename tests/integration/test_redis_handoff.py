@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from _wakeups import BOUND_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -28,7 +30,6 @@ WAITING = f"pgw:{{{SCOPE}}}:waiting"
 SUCCESS = AttemptOutcome("success")
 SOCKET_TIMEOUT_S = 0.5
 """The backends' socket timeout, and so their hand-off TTL (capped by it; 1 s otherwise)."""
-BOUND_S = 10.0
 
 
 def spec(max_concurrency: int, **limits: Any) -> SourceSpec:
@@ -53,20 +54,6 @@ async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], 
     yield make
     for backend in made:
         await backend.aclose()
-
-
-@pytest.fixture
-async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
-
-
-async def listening(admin: aioredis.Redis, n: int) -> None:
-    """Wait until ``n`` processes are subscribed to their wake-up channels."""
-    async with asyncio.timeout(BOUND_S):
-        while len(await admin.pubsub_channels("pgw:wake:*")) < n:
-            await asyncio.sleep(0.01)
 
 
 def waiting_in(backend: RedisBackend) -> WaitingRoom:
@@ -105,6 +92,29 @@ async def woken(room: WaitingRoom, count: int = 1) -> None:
             await asyncio.sleep(0.005)
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """``holder`` holds every permit of the source; ``p`` has a call waiting, registered."""
+
+    holder: RedisBackend
+    p: RedisBackend
+    room: WaitingRoom
+    leases: list[Lease]
+    proc: str
+
+
+async def p_waiting(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, source: SourceSpec
+) -> Waiting:
+    """The common start: a holder at the source's limit, P refused for it and listening."""
+    holder, p = fleet(), fleet()
+    room = waiting_in(p)
+    await listening(admin, 1)
+    leases = await hold(holder, source.max_concurrency, source)
+    proc = await register(admin, p, source)
+    return Waiting(holder, p, room, leases, proc)
+
+
 async def test_a_permit_handed_to_a_waiting_process_is_refused_to_others_and_granted_to_it(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
@@ -133,18 +143,14 @@ async def test_an_unclaimed_placeholder_lapses_after_the_handoff_ttl(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
     """A permit held for a process that never asks is anyone's once the socket timeout passed."""
-    holder, p = fleet(), fleet()
-    room = waiting_in(p)
-    await listening(admin, 1)
-    (lease,) = await hold(holder, 1, spec(1))
-    await register(admin, p, spec(1))
-    await holder.release(lease, SUCCESS)
-    await woken(room)
+    w = await p_waiting(fleet, admin, spec(1))
+    await w.holder.release(w.leases[0], SUCCESS)
+    await woken(w.room)
     assert await admin.ttl(LEASES) == 2, "the recreated key outlives the placeholder by 1 s"
     clock.advance(SOCKET_TIMEOUT_S - 0.01)
-    await refused(holder, spec(1), "concurrency")
+    await refused(w.holder, spec(1), "concurrency")
     clock.advance(0.01)
-    assert (await holder.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
+    assert (await w.holder.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
 
 
 async def test_a_claiming_process_is_still_refused_by_rpm(
@@ -152,14 +158,10 @@ async def test_a_claiming_process_is_still_refused_by_rpm(
 ) -> None:
     """The placeholder passes the concurrency check only: an empty rpm bucket refuses P too."""
     source = spec(1, rpm=1.0)
-    holder, p = fleet(), fleet()
-    room = waiting_in(p)
-    await listening(admin, 1)
-    (lease,) = await hold(holder, 1, source)
-    await register(admin, p, source)
-    await holder.release(lease, SUCCESS)
-    await woken(room)
-    await refused(p, source, "rpm")
+    w = await p_waiting(fleet, admin, source)
+    await w.holder.release(w.leases[0], SUCCESS)
+    await woken(w.room)
+    await refused(w.p, source, "rpm")
     assert len(await admin.zrange(LEASES, 0, -1)) == 1, "the placeholder waits for its TTL"
 
 
@@ -167,31 +169,23 @@ async def test_a_claiming_process_is_still_refused_by_an_open_breaker(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """A release that trips the breaker still hands the permit on, and the breaker refuses P."""
-    holder, p = fleet(), fleet()
-    room = waiting_in(p)
-    await listening(admin, 1)
-    (lease,) = await hold(holder, 1, spec(1))
-    await register(admin, p, spec(1))
-    await holder.release(lease, AttemptOutcome("source_misconfigured"))
-    await woken(room)
-    await refused(p, spec(1), "breaker_open")
+    w = await p_waiting(fleet, admin, spec(1))
+    await w.holder.release(w.leases[0], AttemptOutcome("source_misconfigured"))
+    await woken(w.room)
+    await refused(w.p, spec(1), "breaker_open")
 
 
 async def test_no_permit_is_held_beyond_a_limit_that_aimd_just_lowered(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """A release leaving the source at its lowered limit wakes P but holds nothing for it."""
-    holder, p = fleet(), fleet()
-    room = waiting_in(p)
-    await listening(admin, 1)
-    leases = await hold(holder, 4, spec(4))
-    proc = await register(admin, p, spec(4))
-    await holder.release(leases[0], AttemptOutcome("rate_limited"))  # limit 4 -> 2.8
-    await woken(room)
-    assert f"handoff:{proc}" not in await admin.zrange(LEASES, 0, -1)
-    await holder.release(leases[1], AttemptOutcome("cancelled"))  # 2 leases, limit 2
-    await woken(room, 2)
-    assert await admin.zrange(LEASES, 0, -1) == [leases[2].lease_id, leases[3].lease_id]
+    w = await p_waiting(fleet, admin, spec(4))
+    await w.holder.release(w.leases[0], AttemptOutcome("rate_limited"))  # limit 4 -> 2.8
+    await woken(w.room)
+    assert f"handoff:{w.proc}" not in await admin.zrange(LEASES, 0, -1)
+    await w.holder.release(w.leases[1], AttemptOutcome("cancelled"))  # 2 leases, limit 2
+    await woken(w.room, 2)
+    assert await admin.zrange(LEASES, 0, -1) == [w.leases[2].lease_id, w.leases[3].lease_id]
 
 
 async def test_a_process_already_promised_a_permit_is_passed_over_for_the_next(
@@ -217,16 +211,13 @@ async def test_a_lone_waiting_process_already_promised_is_woken_with_nothing_mor
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """Every registered process holding a promise: a release wakes the first, holding nothing."""
-    holder, p, other = fleet(), fleet(), fleet()
-    room = waiting_in(p)
-    await listening(admin, 1)
-    leases = await hold(holder, 2, spec(2))
-    proc = await register(admin, p, spec(2))
-    await holder.release(leases[0], SUCCESS)
-    await woken(room)
-    await holder.release(leases[1], SUCCESS)
-    await woken(room, 2)
-    assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{proc}"]
+    w = await p_waiting(fleet, admin, spec(2))
+    other = fleet()
+    await w.holder.release(w.leases[0], SUCCESS)
+    await woken(w.room)
+    await w.holder.release(w.leases[1], SUCCESS)
+    await woken(w.room, 2)
+    assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{w.proc}"]
     assert (await other.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease is not None
 
 
@@ -330,17 +321,13 @@ async def test_a_grant_at_a_source_with_room_still_replaces_the_processs_placeho
     waiters are served (the grant unregisters P): after the last call, the
     source would read one in flight until the hand-off TTL.
     """
-    holder, p = fleet(), fleet()
-    room = waiting_in(p)
-    await listening(admin, 1)
-    leases = await hold(holder, 2, spec(2))
-    await register(admin, p, spec(2))
-    await holder.release(leases[0], SUCCESS)  # held for P
-    await woken(room)
-    await holder.release(leases[1], SUCCESS)  # P promised already: woken, nothing held
-    await woken(room, 2)
-    granted = (await p.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease
+    w = await p_waiting(fleet, admin, spec(2))
+    await w.holder.release(w.leases[0], SUCCESS)  # held for P
+    await woken(w.room)
+    await w.holder.release(w.leases[1], SUCCESS)  # P promised already: woken, nothing held
+    await woken(w.room, 2)
+    granted = (await w.p.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease
     assert granted is not None
     assert await admin.zrange(LEASES, 0, -1) == [granted.lease_id]
-    await p.release(granted, SUCCESS)
-    assert (await p.snapshot(SCOPE)).in_flight == 0
+    await w.p.release(granted, SUCCESS)
+    assert (await w.p.snapshot(SCOPE)).in_flight == 0

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from _redis_tls import TLSRedis, tls_files
+from _wakeups import BOUND_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -29,8 +30,6 @@ from polygateway.testing import FakeClock
 
 SCOPE = "wake"
 SUCCESS = AttemptOutcome("success")
-BOUND_S = 10.0
-"""Bound on anything a test awaits, far below the poll intervals the tests set."""
 
 
 def spec(max_concurrency: int) -> SourceSpec:
@@ -50,20 +49,6 @@ async def fleet(redis_url: str) -> AsyncIterator[Callable[..., RedisBackend]]:
     yield make
     for backend in made:
         await backend.aclose()
-
-
-@pytest.fixture
-async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
-
-
-async def listening(admin: aioredis.Redis, n: int) -> None:
-    """Wait until ``n`` processes are subscribed to their wake-up channels."""
-    async with asyncio.timeout(BOUND_S):
-        while len(await admin.pubsub_channels("pgw:wake:*")) < n:
-            await asyncio.sleep(0.01)
 
 
 async def waiting_ids(admin: aioredis.Redis) -> list[str]:
