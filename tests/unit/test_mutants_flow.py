@@ -74,6 +74,59 @@ def _client(settings: GatewaySettings, clock: FakeClock, **parts: Any) -> ChatCl
     )
 
 
+class _OnePermit:
+    """A chat client on one permit whose upstream answers each call after 1 s (fake timers).
+
+    Calls started with ``start`` queue behind whoever holds the permit; ``run``
+    advances the timers until the given tasks end; ``order`` is the labels the
+    upstream saw, in the order it saw them.
+    """
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        clock = FakeClock()
+        self.timers = FakeTimers(clock)
+        self.transport = FakeTransport(
+            [], clock=clock, sleep=self.timers.sleep, default=Delay(1.0, chat_completion("ok"))
+        )
+        self.backend = MemoryBackend(now=clock)
+        self.chat = closing(
+            ChatClient(
+                settings,
+                backend=self.backend,
+                transport=self.transport,
+                now=clock,
+                sleep=self.timers.sleep,
+                rng=random.Random(5),
+            )
+        )
+
+    async def hold(self) -> Lease:
+        """Take the one permit from outside the client, as a call elsewhere would."""
+        held = await self.backend.acquire("chat", [self.chat._mw._order.sources[0][1]], ttl_s=600.0)
+        assert held.lease is not None
+        return held.lease
+
+    async def start(self, label: str, **options: Any) -> asyncio.Task[Any]:
+        """A call in a task, given ten loop turns to reach its queue."""
+        task = asyncio.create_task(
+            self.chat.complete([{"role": "user", "content": label}], **options)
+        )
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return task
+
+    async def run(self, *tasks: asyncio.Task[Any]) -> None:
+        """Advance the timers until every task ended (200 s of fake time at most)."""
+        for _ in range(400):
+            await self.timers.advance(0.5)
+            if all(t.done() for t in tasks):
+                break
+        await asyncio.gather(*tasks)
+
+    def order(self) -> list[str]:
+        return [str(r.json["messages"][0]["content"]) for r in self.transport.requests]
+
+
 class TestCheckFlowErrors:
     """The refusals of a call's class or tenant say exactly what is wrong, with the scope."""
 
@@ -203,38 +256,12 @@ async def test_queued_calls_of_two_classes_get_the_permit_in_proportion_to_their
     A grant moves its class's virtual time on (``Call.leave(granted=True)``):
     without it the class with the larger share would win every turn.
     """
-    clock = FakeClock()
-    timers = FakeTimers(clock)
-    transport = FakeTransport(
-        [], clock=clock, sleep=timers.sleep, default=Delay(1.0, chat_completion("ok"))
-    )
-    chat = closing(
-        ChatClient(
-            _classes("primary", max_concurrency=1),
-            backend=MemoryBackend(now=clock),
-            transport=transport,
-            now=clock,
-            sleep=timers.sleep,
-            rng=random.Random(5),
-        )
-    )
-
-    async def one(label: str, priority_class: str) -> None:
-        await chat.complete([{"role": "user", "content": label}], priority_class=priority_class)
-
-    first = asyncio.create_task(one("first", "batch"))  # holds the permit while the rest queue
-    for _ in range(10):
-        await asyncio.sleep(0)
-    tasks = [asyncio.create_task(one(f"i{n}", "interactive")) for n in range(8)]
-    tasks += [asyncio.create_task(one(f"b{n}", "batch")) for n in range(8)]
-    for _ in range(20):
-        await asyncio.sleep(0)
-    for _ in range(400):
-        await timers.advance(0.5)
-        if first.done() and all(t.done() for t in tasks):
-            break
-    await asyncio.gather(first, *tasks)
-    order = [str(r.json["messages"][0]["content"])[0] for r in transport.requests][1:9]
+    q = _OnePermit(_classes("primary", max_concurrency=1))
+    first = await q.start("first", priority_class="batch")  # holds the permit; the rest queue
+    tasks = [await q.start(f"i{n}", priority_class="interactive") for n in range(8)]
+    tasks += [await q.start(f"b{n}", priority_class="batch") for n in range(8)]
+    await q.run(first, *tasks)
+    order = [label[0] for label in q.order()][1:9]
     assert order.count("i") == 6, order  # 3 to 1 over the first eight grants
     assert order.count("b") == 2, order
 
@@ -294,40 +321,15 @@ async def test_a_tenant_arriving_after_three_calls_of_another_is_served_second()
     A's first call asks at once and queues on refusal; the others queue
     directly: both ways into the queue carry the call's tenant.
     """
-    clock = FakeClock()
-    timers = FakeTimers(clock)
-    transport = FakeTransport(
-        [], clock=clock, sleep=timers.sleep, default=Delay(1.0, chat_completion("ok"))
-    )
-    backend = MemoryBackend(now=clock)
-    chat = closing(
-        ChatClient(
-            gateway_settings({"name": "primary", "max_concurrency": 1}),
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=timers.sleep,
-            rng=random.Random(5),
-        )
-    )
-    held = await backend.acquire("chat", [chat._mw._order.sources[0][1]], ttl_s=600.0)
-    assert held.lease is not None
-
-    async def one(label: str, tenant: str) -> None:
-        await chat.complete([{"role": "user", "content": label}], tenant=tenant)
-
-    tasks = []
-    for label, tenant in (("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B")):
-        tasks.append(asyncio.create_task(one(label, tenant)))
-        for _ in range(10):
-            await asyncio.sleep(0)
-    await backend.release(held.lease, AttemptOutcome("success"))
-    for _ in range(400):
-        await timers.advance(0.5)
-        if all(t.done() for t in tasks):
-            break
-    await asyncio.gather(*tasks)
-    order = [str(r.json["messages"][0]["content"]) for r in transport.requests]
+    q = _OnePermit(gateway_settings({"name": "primary", "max_concurrency": 1}))
+    held = await q.hold()
+    tasks = [
+        await q.start(label, tenant=tenant)
+        for label, tenant in (("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"))
+    ]
+    await q.backend.release(held, AttemptOutcome("success"))
+    await q.run(*tasks)
+    order = q.order()
     assert order[:2] == ["a1", "b1"], order
 
 
@@ -337,43 +339,18 @@ async def test_a_cancelled_waiter_does_not_spend_its_classs_turn() -> None:
     Only a grant moves a class's virtual time; a call that leaves the queue
     without a permit leaves it where it was.
     """
-    clock = FakeClock()
-    timers = FakeTimers(clock)
-    transport = FakeTransport(
-        [], clock=clock, sleep=timers.sleep, default=Delay(1.0, chat_completion("ok"))
-    )
-    backend = MemoryBackend(now=clock)
-    chat = closing(
-        ChatClient(
-            _classes("primary", max_concurrency=1),
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=timers.sleep,
-            rng=random.Random(5),
-        )
-    )
-    held = await backend.acquire("chat", [chat._mw._order.sources[0][1]], ttl_s=600.0)
-    assert held.lease is not None
-
-    async def one(label: str, priority_class: str) -> None:
-        await chat.complete([{"role": "user", "content": label}], priority_class=priority_class)
-
-    tasks = {}
-    for label, klass in (("i1", "interactive"), ("b1", "batch"), ("i2", "interactive")):
-        tasks[label] = asyncio.create_task(one(label, klass))
-        for _ in range(10):
-            await asyncio.sleep(0)
+    q = _OnePermit(_classes("primary", max_concurrency=1))
+    held = await q.hold()
+    tasks = {
+        label: await q.start(label, priority_class=klass)
+        for label, klass in (("i1", "interactive"), ("b1", "batch"), ("i2", "interactive"))
+    }
     tasks["i1"].cancel()
     with pytest.raises(asyncio.CancelledError):
         await tasks["i1"]
-    await backend.release(held.lease, AttemptOutcome("success"))
-    for _ in range(400):
-        await timers.advance(0.5)
-        if tasks["b1"].done() and tasks["i2"].done():
-            break
-    await asyncio.gather(tasks["b1"], tasks["i2"])
-    order = [str(r.json["messages"][0]["content"]) for r in transport.requests]
+    await q.backend.release(held, AttemptOutcome("success"))
+    await q.run(tasks["b1"], tasks["i2"])
+    order = q.order()
     assert order[0] == "i2", order
 
 
