@@ -407,24 +407,12 @@ class OpenTelemetryEmitter:
         live = self._live.get(start.call_id)
         if live is None:
             parent = self._context.get_current()
-            span = self._tracer.start_span(
-                shape.name,
-                context=parent,
-                kind=self._kind,
-                attributes=shape.metric,
-                start_time=now_ns - int(start.call_elapsed_s * 1e9),
-            )
+            span = self._start_span(shape, parent, now_ns - int(start.call_elapsed_s * 1e9))
             live = self._live[start.call_id] = _Live(span, self._set_span_in_context(span, parent))
             if len(self._live) > _MAX_PENDING_CALLS:
                 _, lost = self._live.popitem(last=False)
                 lost.end(now_ns)
-        span = self._tracer.start_span(
-            shape.name,
-            context=live.context,
-            kind=self._kind,
-            attributes=shape.metric,
-            start_time=now_ns,
-        )
+        span = self._start_span(shape, live.context, now_ns)
         live.attempts[start.attempt] = span
         carrier: dict[str, str] = {}
         self._inject(carrier, context=self._set_span_in_context(span, live.context))
@@ -489,13 +477,7 @@ class OpenTelemetryEmitter:
         """The call's span, ended, with its attempts' spans beneath it."""
         end_ns = time.time_ns()  # the edge: spans are dated by the wall clock
         parent = self._context.get_current() if pending is None else pending.context
-        span = self._tracer.start_span(
-            shape.name,
-            context=parent,
-            kind=self._kind,
-            attributes=shape.metric,
-            start_time=end_ns - int(record.duration_s * 1e9),
-        )
+        span = self._start_span(shape, parent, end_ns - int(record.duration_s * 1e9))
         # Sampled out, nothing below is kept: skip building it.
         if span.is_recording():
             last = pending.attempts[-1][0] if pending is not None and pending.attempts else None
@@ -556,19 +538,23 @@ class OpenTelemetryEmitter:
             span.set_status(self._status_error)
         span.set_attributes(attrs)
 
+    def _start_span(self, shape: _Shape, parent: Any, start_ns: int) -> Any:
+        """A span of ``shape`` (name, attributes) beneath ``parent``, started at ``start_ns``."""
+        return self._tracer.start_span(
+            shape.name,
+            context=parent,
+            kind=self._kind,
+            attributes=shape.metric,
+            start_time=start_ns,
+        )
+
     def _attempt_spans(
         self, attempts: Iterable[tuple[AttemptRecord, int]], parent: Any, operation: str
     ) -> None:
         """One ended span per attempt, beneath ``parent``."""
         for record, end_ns in attempts:
             shape = self._shape(record.scope, record.source, operation)
-            span = self._tracer.start_span(
-                shape.name,
-                context=parent,
-                kind=self._kind,
-                attributes=shape.metric,
-                start_time=end_ns - int(record.latency_s * 1e9),
-            )
+            span = self._start_span(shape, parent, end_ns - int(record.latency_s * 1e9))
             self._end_attempt_span(span, record, end_ns)
 
     def _end_attempt_span(self, span: Any, record: AttemptRecord, end_ns: int) -> None:
