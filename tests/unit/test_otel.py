@@ -28,6 +28,7 @@ from polygateway.testing import (
     FakeTransport,
     StreamScript,
     TransientError,
+    anthropic_message,
     chat_chunk_events,
     chat_completion,
 )
@@ -80,19 +81,6 @@ def sdk() -> Iterator[Otel]:
 def make_chat(clock: FakeClock, script: Any, emitter: Any, **gateway: Any) -> ChatClient:
     """The failover pair on a fake clock, answering from ``script``."""
     return failover_chat(clock, FakeTransport(script, clock=clock), emitter, **gateway)
-
-
-def anthropic_message(text: str) -> dict[str, Any]:
-    """A Messages API answer."""
-    return {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-x",
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": "end_turn",
-        "usage": {"input_tokens": 11, "output_tokens": 4},
-    }
 
 
 def attribute_values(spans: tuple[ReadableSpan, ...], points: dict[str, list[Any]]) -> list[str]:

@@ -27,6 +27,7 @@ from polygateway.testing import (
     Recorder,
     StreamScript,
     TransientError,
+    anthropic_message,
     chat_chunk_events,
     chat_completion,
     embedding_body,
@@ -51,19 +52,6 @@ def spans() -> Iterator[tuple[InMemorySpanExporter, TracerProvider]]:
 def make_chat(clock: FakeClock, script: Any, emitter: Any) -> ChatClient:
     """The failover pair on a fake clock, answering from ``script``."""
     return failover_chat(clock, FakeTransport(script, clock=clock), emitter)
-
-
-def anthropic_message(text: str, *, model: str, stop_reason: str) -> dict[str, Any]:
-    """A Messages API answer naming its dated model."""
-    return {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": stop_reason,
-        "usage": {"input_tokens": 11, "output_tokens": 4},
-    }
 
 
 def anthropic_stream(text: str, *, model: str, stop_reason: str) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from polygateway.testing import (
     Recorder,
     StreamScript,
     TransientError,
+    anthropic_message,
     chat_chunk_events,
     chat_completion,
     embedding_body,
@@ -70,18 +71,6 @@ def sdk() -> Iterator[Sdk]:
 def make_chat(transport: FakeTransport, clock: FakeClock, *emitters: Any) -> ChatClient:
     """The failover pair on a fake clock, its requests kept by ``transport``."""
     return failover_chat(clock, transport, *emitters)
-
-
-def anthropic_message(text: str) -> dict[str, Any]:
-    return {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-x",
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": "end_turn",
-        "usage": {"input_tokens": 11, "output_tokens": 4},
-    }
 
 
 def sent_context(request: HttpRequest) -> tuple[int, int]:

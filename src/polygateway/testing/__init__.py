@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from polygateway.testing.builders import (
+    anthropic_message,
     chat_chunk_events,
     chat_completion,
     embedding_body,
@@ -58,6 +59,7 @@ __all__ = [
     "StreamScript",
     "TransientError",
     "WithHeaders",
+    "anthropic_message",
     "chat_chunk_events",
     "chat_completion",
     "embedding_body",

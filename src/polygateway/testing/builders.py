@@ -9,7 +9,13 @@ from pydantic import SecretStr
 
 from polygateway.config import GatewaySettings, ScopeConfig, ScopeKind, SourceConfig
 
-__all__ = ["chat_chunk_events", "chat_completion", "embedding_body", "gateway_settings"]
+__all__ = [
+    "anthropic_message",
+    "chat_chunk_events",
+    "chat_completion",
+    "embedding_body",
+    "gateway_settings",
+]
 
 
 def chat_completion(
@@ -42,6 +48,26 @@ def chat_completion(
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
+    }
+
+
+def anthropic_message(
+    text: str = "ok",
+    *,
+    model: str = "claude-x",
+    stop_reason: str = "end_turn",
+    input_tokens: int = 11,
+    output_tokens: int = 4,
+) -> dict[str, Any]:
+    """An Anthropic Messages API answer: one text block, its stop reason and usage."""
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": stop_reason,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
     }
 
 
