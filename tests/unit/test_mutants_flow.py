@@ -20,6 +20,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
 from polygateway.errors import AllSourcesExhausted, RequestRejected
+from polygateway.middleware.waiting import room_for
 from polygateway.testing import (
     BoundedSleep,
     Delay,
@@ -394,3 +395,31 @@ async def test_a_stream_read_to_its_end_whose_release_is_cancelled_is_still_serv
     with pytest.raises(asyncio.CancelledError):
         await task
     assert recorder.call_outcomes() == ["served"]
+
+
+async def test_a_call_asking_counts_in_its_classs_waiting_classes() -> None:
+    """While its acquire is in flight, the call's class is one the process waits in.
+
+    A fleet's backend registers the process under these classes when it
+    refuses the acquire, so a call that asked at once is heard of too.
+    """
+    seen: list[list[str]] = []
+
+    class Watching(MemoryBackend):
+        async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append(room_for(self, "chat").waiting_classes())
+            return await super().acquire(*args, **kwargs)
+
+    clock = FakeClock()
+    chat = closing(
+        ChatClient(
+            _classes("primary"),
+            backend=Watching(now=clock),
+            transport=FakeTransport([], clock=clock, default=chat_completion()),
+            now=clock,
+            rng=random.Random(5),
+        )
+    )
+    await chat.complete(MESSAGES, priority_class="interactive")
+    assert seen == [["interactive"]]
+    assert room_for(chat.backend, "chat").waiting_classes() == []

@@ -362,3 +362,46 @@ async def test_past_the_bound_a_new_call_queues_and_asks_as_head() -> None:
     assert await quick.pick() is None  # refused (the one permit is held), not queued
     assert quick._waiter is None
     assert room.empty
+
+
+class TestAFleetsTurn:
+    """``notify(priority_class)``: a fleet's backend gave the permit to that class."""
+
+    def _room(self) -> WaitingRoom:
+        room = WaitingRoom({"interactive": 3.0, "batch": 1.0})
+        room.enter(priority_class="interactive")
+        room.enter(priority_class="batch")
+        return room
+
+    def test_the_named_classs_head_is_head_until_the_rooms_next_grant(self) -> None:
+        room = self._room()
+        assert room.head().priority_class == "interactive"  # type: ignore[union-attr]
+        room.notify("batch")
+        turn = room.head()
+        assert turn is not None
+        assert turn.priority_class == "batch"
+        assert room.wakeups == 1
+        room.enter(priority_class="interactive")  # a change of the room keeps the turn
+        assert room.head() is turn
+        room.leave(turn, granted=True)
+        assert room.head().priority_class == "interactive"  # type: ignore[union-attr]
+
+    def test_a_turn_for_a_class_with_nobody_waiting_here_leaves_the_rooms_order(self) -> None:
+        room = WaitingRoom({"interactive": 3.0, "batch": 1.0})
+        waiter = room.enter(priority_class="interactive")
+        room.notify("batch")
+        assert room.head() is waiter
+        assert room.wakeups == 1
+
+    def test_a_release_without_a_class_ends_a_turn_not_taken(self) -> None:
+        room = self._room()
+        room.notify("batch")
+        room.notify()
+        assert room.head().priority_class == "interactive"  # type: ignore[union-attr]
+
+    def test_waiting_classes_are_those_with_calls_waiting_or_asking(self) -> None:
+        room = WaitingRoom({"interactive": 3.0, "batch": 1.0})
+        assert room.waiting_classes() == []
+        room.enter(priority_class="batch")
+        room.slot("interactive").asking += 1
+        assert room.waiting_classes() == ["interactive", "batch"]

@@ -12,7 +12,7 @@ caller's monotonic clock and the backend's clock are never mixed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -151,16 +151,41 @@ NEVER = math.inf
 """``progress_age_s`` of a scope that has never served."""
 
 
-ReleaseListener = Callable[[], None]
-"""Told that a permit of a scope was freed; runs synchronously and must not raise."""
+class ReleaseListener(Protocol):
+    """A scope's waiting room in this process, as a backend sees it.
+
+    ``middleware/waiting.py``'s ``WaitingRoom`` is the implementation. A
+    backend tells it of freed permits (``notify``); a backend shared by a
+    fleet also reads the room's priority classes, to register the process
+    under the classes it waits in so that a release anywhere gives the turn
+    to the class and process whose turn it is
+    (research-wiki/designs/priority-fairness.md, "On Redis").
+    """
+
+    @property
+    def shares(self) -> Mapping[str, float]:
+        """The scope's declared priority classes and their shares, in order; empty: none."""
+        ...
+
+    def waiting_classes(self) -> Collection[str]:
+        """The classes with calls of this process waiting or asking for a permit."""
+        ...
+
+    def notify(self, priority_class: str | None = None) -> None:
+        """A freed permit is this process's to take (``priority_class``: for that class).
+
+        Runs synchronously and must not raise.
+        """
+        ...
 
 
 class ReleaseListeners:
     """Who wants to hear of freed permits, per scope: the part of waking waiters a backend owns.
 
-    The loop's waiting room (``middleware/waiting.py``) registers one listener
-    per scope; a backend calls ``released(scope)`` each time it frees a permit
-    of that scope. Nothing else of the loop's queueing lives in a backend.
+    The loop's waiting room (``middleware/waiting.py``) registers itself once
+    per scope; a backend calls ``released(scope)`` each time it frees a
+    permit of that scope. Nothing else of the loop's queueing lives in a
+    backend.
     """
 
     __slots__ = ("_by_scope",)
@@ -169,15 +194,15 @@ class ReleaseListeners:
         self._by_scope: dict[str, list[ReleaseListener]] = {}
 
     def add(self, scope: str, listener: ReleaseListener) -> None:
-        """Call ``listener`` on every later release of a permit of ``scope``."""
+        """Tell ``listener`` of every later release of a permit of ``scope``."""
         self._by_scope.setdefault(scope, []).append(listener)
 
-    def released(self, scope: str) -> None:
-        """A permit of ``scope`` was freed: tell its listeners."""
+    def released(self, scope: str, priority_class: str | None = None) -> None:
+        """A permit of ``scope`` was freed (for ``priority_class``'s turn): tell its listeners."""
         listeners = self._by_scope.get(scope)
         if listeners:
             for listener in listeners:
-                listener()
+                listener.notify(priority_class)
 
 
 @runtime_checkable
@@ -233,13 +258,14 @@ class Backend(Protocol):
         ...
 
     def on_release(self, scope: str, listener: ReleaseListener) -> None:
-        """Call ``listener`` when a freed permit of ``scope`` is this process's to take.
+        """Notify ``listener`` when a freed permit of ``scope`` is this process's to take.
 
         A backend of one process announces every permit it frees. A backend
         shared by a fleet announces the permits whose turn falls to this
         process: releases made elsewhere that woke it, and its own releases
         unless it handed their turn to a process that waits (the Redis
-        backend's round robin, research-wiki/designs/fleet-wakeups.md).
+        backend's round robin, research-wiki/designs/fleet-wakeups.md), naming
+        the priority class whose turn it is when the scope has classes.
         """
         ...
 

@@ -217,7 +217,7 @@ class MemoryBackend:
         return ScopeSnapshot(scope=scope, progress_age_s=age, sources=sources)
 
     def on_release(self, scope: str, listener: ReleaseListener) -> None:
-        """Call ``listener`` on every permit of ``scope`` this backend frees."""
+        """Notify ``listener`` of every permit of ``scope`` this backend frees."""
         self._listeners.add(scope, listener)
 
     async def aclose(self) -> None:

@@ -645,7 +645,9 @@ class Call:
             return None
         candidates = mw._candidates(self._tried)
         ttl_s = mw._lease_ttl(self.deadline, candidates, streaming=self.streaming)
+        slot = mw._slots[self.priority_class]
         room.asking += 1
+        slot.asking += 1  # a fleet's backend registers the process under its class
         try:
             result = await mw._backend.acquire(
                 mw._scope,
@@ -660,14 +662,15 @@ class Call:
             raise
         finally:
             room.asking -= 1
+            slot.asking -= 1
         self._last = result
         lease = result.lease
         if lease is None:
             self._last_at = mw._now()  # retry_after_s is aged from here
             return None
         self.leave(granted=True)  # first: a grant below the class's floor is not charged
-        held = self._held = mw._slots[self.priority_class]
-        room.hold(held)
+        self._held = slot
+        room.hold(slot)
         return lease
 
     async def wait(self) -> None:

@@ -64,7 +64,7 @@ def room_for(backend: Backend, scope: str) -> WaitingRoom:
     room = rooms.get(scope)
     if room is None:
         room = rooms[scope] = WaitingRoom()
-        backend.on_release(scope, room.notify)
+        backend.on_release(scope, room)
     return room
 
 
@@ -105,7 +105,7 @@ class Waiter:
 class ClassState:
     """One priority class in a room: a queue per tenant, tenants served in turn, and its counts."""
 
-    __slots__ = ("flows", "in_use", "pass_", "reserved", "rotation", "share", "waiting")
+    __slots__ = ("asking", "flows", "in_use", "pass_", "reserved", "rotation", "share", "waiting")
 
     def __init__(self, share: float, reserved: int = 0) -> None:
         self.share = share
@@ -118,6 +118,9 @@ class ClassState:
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
         self.in_use = 0  # permits its calls hold in this process (``hold``, ``unhold``)
+        self.asking = (
+            0  # its calls' acquires in flight (kept by the loop, as ``WaitingRoom.asking``)
+        )
 
 
 class WaitingRoom:
@@ -148,6 +151,7 @@ class WaitingRoom:
         "_head",
         "_stale",
         "_tickets",
+        "_turn",
         "_vtime",
         "asking",
         "shares",
@@ -164,6 +168,7 @@ class WaitingRoom:
         self._vtime = 0.0
         self._head: Waiter | None = None
         self._stale = False
+        self._turn: str | None = None
         self._tickets = itertools.count()
         self.wakeups = 0  # releases that found a head to wake; for tests and telemetry
         # Acquires in flight for this scope in this process (kept by the loop): past
@@ -182,6 +187,10 @@ class WaitingRoom:
     def may_ask_at_once(self) -> bool:
         """Whether a new call may ask the backend without queueing: nobody waits, room to ask."""
         return not self._count and self.asking < MAX_ASKING - 1
+
+    def waiting_classes(self) -> list[str]:
+        """The classes with calls waiting or asking (a fleet's backend registers the process)."""
+        return [name for name, c in self._classes.items() if c.waiting or c.asking]
 
     def waiting_by_class(self) -> dict[str, int]:
         """How many calls wait, per priority class (``""``: a scope without classes)."""
@@ -282,6 +291,10 @@ class WaitingRoom:
             self._stale = False
             best: ClassState | None = None
             floor = False
+            turn = None if self._turn is None else self._classes.get(self._turn)
+            if turn is not None and turn.waiting:
+                # The fleet gave this permit to that class (``notify``): its head asks.
+                return self._set_head(turn)
             for klass in self._classes.values():
                 if not klass.waiting:
                     continue
@@ -298,7 +311,11 @@ class WaitingRoom:
                     )
                 ):
                     best, floor = klass, below
-            self._head = None if best is None else best.flows[best.rotation[0]][0]
+            return self._set_head(best)
+        return self._head
+
+    def _set_head(self, klass: ClassState | None) -> Waiter | None:
+        self._head = None if klass is None else klass.flows[klass.rotation[0]][0]
         return self._head
 
     def is_head(self, waiter: Waiter) -> bool:
@@ -326,6 +343,8 @@ class WaitingRoom:
             flow.remove(waiter)
         klass.waiting -= 1
         self._count -= 1
+        if granted:
+            self._turn = None  # the fleet's turn, if any, was this grant's
         if granted and klass.in_use >= klass.reserved:
             self._vtime = klass.pass_
             klass.pass_ += 1.0 / klass.share
@@ -355,8 +374,17 @@ class WaitingRoom:
                 waiter.failure = failure
                 waiter._fire()
 
-    def notify(self) -> None:
-        """A permit was released: wake the head only."""
+    def notify(self, priority_class: str | None = None) -> None:
+        """A permit was released: wake the head only.
+
+        ``priority_class``: a fleet's backend gave the permit to that class
+        (stride scheduling across the fleet): its head is the head until the
+        room's next grant, if the class has calls waiting here; otherwise
+        the room's own order stands.
+        """
+        if priority_class is not None or self._turn is not None:
+            self._turn = priority_class
+            self._stale = True
         head = self.head()
         if head is not None:
             self.wakeups += 1

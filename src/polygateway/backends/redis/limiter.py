@@ -79,7 +79,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar, cast
 
 try:
@@ -245,6 +245,7 @@ class RedisBackend:
         "_ack_command",
         "_ack_timeout_s",
         "_acks",
+        "_class_args",
         "_deadlines",
         "_handoff_arg",
         "_listeners",
@@ -345,7 +346,8 @@ class RedisBackend:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)
         self._retries: set[asyncio.TimerHandle] = set()
         self._listeners = ReleaseListeners()
-        self._listening: set[str] = set()
+        # The waiting room of each scope this process waits in (its classes, who waits).
+        self._listening: dict[str, ReleaseListener] = {}
         # Fleet-wide wake-ups (wakeups.py): this object's process id, its channel's listener.
         self._proc = os.urandom(8).hex()
         self._proc_arg = bulk(self._proc)
@@ -355,12 +357,13 @@ class RedisBackend:
         self._wakeups = Wakeups(
             CHANNEL_PREFIX + self._proc,
             self._subscribe_on(endpoint),
-            self._listeners.released,
+            self._woken,
             timeout_s=socket_timeout_s,
         )
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
         self._scope_keys: dict[str, tuple[Arg, ...]] = {}
+        self._class_args: dict[tuple[str, tuple[tuple[str, float], ...]], _Classes] = {}
         self._serial = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -538,6 +541,42 @@ class RedisBackend:
             self._scope_keys[scope] = cached
         return cached
 
+    def _classes_of(self, scope: str, room: ReleaseListener) -> _Classes | None:
+        """The scope's priority classes packed for the scripts; ``None`` without classes."""
+        shares = room.shares
+        if not shares:
+            return None
+        declared = tuple(shares.items())
+        cached = self._class_args.get((scope, declared))
+        if cached is None:
+            names = tuple(shares)
+            cached = _Classes(
+                names=names,
+                registry=bulks(
+                    [
+                        key
+                        for name in names
+                        for key in (
+                            codec.key(scope, "waiting", name),
+                            codec.key(scope, "waiting_until", name),
+                        )
+                    ]
+                ),
+                hash_key=bulk(codec.key(scope, "classes")),
+                shares=bulks(
+                    [item for name, share in declared for item in (name, codec.num(share))]
+                ),
+            )
+            if len(self._class_args) >= _MAX_SPEC_CACHE:
+                self._class_args.clear()
+            self._class_args[(scope, declared)] = cached
+        return cached
+
+    def _woken(self, message: str) -> None:
+        """A wake-up heard: the scope, or the scope, a newline and the class (``scripts.py``)."""
+        scope, _, priority_class = message.partition("\n")
+        self._listeners.released(scope, priority_class or None)
+
     # -- the Backend protocol ----------------------------------------------------------
     #
     # Each method reads the injected clock (if any) before its first await, as the
@@ -572,12 +611,19 @@ class RedisBackend:
             keys += self._keys_of(scope, spec.name)
             argv += self._args_of(spec)
         wakeups = self._wakeups
-        if scope in self._listening:
-            # Someone here waits for this scope's releases: a refusal registers the process.
+        room = self._listening.get(scope)
+        if room is not None:
+            # Someone here waits for this scope's releases: a refusal registers the process
+            # (under each priority class it waits in, when the scope has classes).
             if not wakeups.started:
                 wakeups.start()
-            keys += self._keys_of_scope(scope)[2:]
-            argv += (self._proc_arg, _WAITING_TTL_ARG)
+            classes = self._classes_of(scope, room)
+            if classes is None:
+                keys += self._keys_of_scope(scope)[2:]
+                argv += (self._proc_arg, _WAITING_TTL_ARG)
+            else:
+                keys += classes.registry
+                argv += (self._proc_arg, _WAITING_TTL_ARG, classes.flags(room))
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
@@ -694,7 +740,17 @@ class RedisBackend:
         """
         scope = lease.scope
         pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
-        keys = (*self._keys_of(scope, lease.source), *self._keys_of_scope(scope)[1:])
+        room = self._listening.get(scope)
+        classes = None if room is None else self._classes_of(scope, room)
+        if classes is None:
+            keys = (*self._keys_of(scope, lease.source), *self._keys_of_scope(scope)[1:])
+        else:
+            keys = (
+                *self._keys_of(scope, lease.source),
+                self._keys_of_scope(scope)[1],
+                *classes.registry,
+                classes.hash_key,
+            )
         argv = (
             self._now_arg(),
             bulk(lease.lease_id),
@@ -707,12 +763,16 @@ class RedisBackend:
             bulk(scope),
             self._wake_tail,
             self._handoff_arg,
+            *(() if classes is None else classes.shares),
         )
 
         def freed(reply: Any) -> None:
             # 1: the permit is this process's turn (or nobody waits): its waiters hear of it.
+            # [1, class]: this process's turn, for that priority class.
             # 2: the fleet's turn went to another process, woken on its channel.
-            if codec.is_one(reply):
+            if isinstance(reply, list):
+                self._listeners.released(scope, codec.text(reply[1]))
+            elif codec.is_one(reply):
                 self._listeners.released(scope)
 
         # Written at once on an open connection: nobody waits. Else queued: the caller waits.
@@ -818,7 +878,7 @@ class RedisBackend:
         waiters take the releases in turn, least recently woken first.
         """
         self._listeners.add(scope, listener)
-        self._listening.add(scope)
+        self._listening[scope] = listener
         with contextlib.suppress(RuntimeError):  # no running loop: at the first acquire
             self._wakeups.start()
 
@@ -837,6 +897,24 @@ class RedisBackend:
             async with asyncio.timeout(self._timeout_s):
                 await self._wire.drain()
         await self._wire.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class _Classes:
+    """A scope's priority classes as ACQUIRE and RELEASE take them, packed once (``scripts.py``)."""
+
+    names: tuple[str, ...]
+    registry: tuple[Arg, ...]
+    """Per class, in order: ``pgw:{scope}:waiting:<class>`` and ``...:waiting_until:<class>``."""
+    hash_key: Arg
+    """``pgw:{scope}:classes``: the classes' passes for the fleet's stride scheduling."""
+    shares: tuple[Arg, ...]
+    """Per class, in order: its name and its share (RELEASE's trailing arguments)."""
+
+    def flags(self, room: ReleaseListener) -> Arg:
+        """ACQUIRE's class argument: per class "1" when this process waits (or asks) in it."""
+        waiting = room.waiting_classes()
+        return bulk("".join("1" if name in waiting else "0" for name in self.names))
 
 
 _NOT_YET: Any = object()

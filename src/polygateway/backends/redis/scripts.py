@@ -58,17 +58,23 @@ ACQUIRE = """
 -- ARGV[4]  cost_tokens                  ARGV[5] state key TTL in seconds
 -- ARGV[6 + 9(i-1) ..] candidate i: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
 --          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit)
--- Optional, last (n candidates; both or neither):
+-- Optional, last (n candidates; the two arguments, or the three, or none):
 -- KEYS[3n+2]       pgw:{scope}:waiting          zset: process id -> registered / last woken
 -- KEYS[3n+3]       pgw:{scope}:waiting_until    zset: process id -> registration expiry
 -- ARGV[6+9n]       the caller's process id      ARGV[7+9n] registration TTL in seconds
+-- With priority classes (m of them), the registry is one such pair per class
+-- (KEYS[3n+2j], KEYS[3n+2j+1]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
+-- and ARGV[8+9n] is m characters, the j-th "1" when the caller's process has calls
+-- waiting (or asking) in class j, else "0".
 -- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
 -- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
 -- half-open probe, then one (reason, reopen_in_s or "") pair per rejected candidate,
 -- in order. Candidates after the granted one are not examined (nor registered).
--- With a process id: a grant unregisters the process; a refusal in which some candidate
--- waits for a release (concurrency, probe_in_flight) registers it (a new member's score
--- is now, an existing one keeps its score) and extends its registration by the TTL.
+-- With a process id: a grant unregisters the process (from every class); a
+-- refusal in which some candidate waits for a release (concurrency, probe_in_flight)
+-- registers it in each class it waits in (a new member's score is now, an existing one
+-- keeps its score), extends those registrations by the TTL, and unregisters it from the
+-- classes it no longer waits in.
 -- A full candidate holding the placeholder ``handoff:<process id>`` (a permit RELEASE
 -- promised this process, counted already) passes the concurrency check; a grant at a
 -- candidate holding one, full or not, replaces it with the lease. Every other check
@@ -89,10 +95,21 @@ local ttl = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
 local state_ttl = tonumber(ARGV[5])
 local count = math.floor((#ARGV - 5) / 9)
-local proc, wk, wuk, promised
-if #ARGV - 5 - 9 * count == 2 then
-  proc, wk, wuk = ARGV[6 + 9 * count], KEYS[3 * count + 2], KEYS[3 * count + 3]
+local tail = #ARGV - 5 - 9 * count
+local proc, promised
+local classes = {}  -- per class: its two registry keys, and whether proc waits in it
+if tail >= 2 then
+  proc = ARGV[6 + 9 * count]
   promised = 'handoff:' .. proc
+  if tail == 3 then
+    local flags = ARGV[8 + 9 * count]
+    for j = 1, #flags do
+      classes[j] = {KEYS[3 * count + 2 * j], KEYS[3 * count + 2 * j + 1],
+        string.sub(flags, j, j) == '1'}
+    end
+  else
+    classes[1] = {KEYS[3 * count + 2], KEYS[3 * count + 3], true}
+  end
 end
 
 -- Dead leases (expiry <= now) are forgotten, with their metadata.
@@ -265,8 +282,10 @@ for i = 1, count do
       result[2] = 1
     end
     if proc then
-      redis.call('ZREM', wk, proc)
-      redis.call('ZREM', wuk, proc)
+      for _, c in ipairs(classes) do
+        redis.call('ZREM', c[1], proc)
+        redis.call('ZREM', c[2], proc)
+      end
     end
     return result
   end
@@ -283,11 +302,18 @@ end
 -- Refused: a process waiting for a release is registered to be woken by one.
 if proc and for_release then
   local wttl = tonumber(ARGV[7 + 9 * count])
-  redis.call('ZADD', wk, 'NX', now_s, proc)
-  redis.call('ZADD', wuk, fmt(now + wttl), proc)
   local keep = math.ceil(wttl) + 1
-  redis.call('EXPIRE', wk, keep)
-  redis.call('EXPIRE', wuk, keep)
+  for _, c in ipairs(classes) do
+    if c[3] then
+      redis.call('ZADD', c[1], 'NX', now_s, proc)
+      redis.call('ZADD', c[2], fmt(now + wttl), proc)
+      redis.call('EXPIRE', c[1], keep)
+      redis.call('EXPIRE', c[2], keep)
+    else
+      redis.call('ZREM', c[1], proc)
+      redis.call('ZREM', c[2], proc)
+    end
+  end
 end
 return result
 """
@@ -311,6 +337,12 @@ RELEASE = """
 -- ARGV[13] "1" when a PUBLISH that reaches no subscriber means the process is gone
 --          (one server); "0" when receivers are not counted here (a cluster's bus)
 -- ARGV[14] hand-off TTL in seconds (optional: absent, no hand-off)
+-- With priority classes (m of them, after ARGV[14]): KEYS[3+2j], KEYS[4+2j] class j's
+-- registry (see ACQUIRE) in place of KEYS[5], KEYS[6]; KEYS[5+2m] pgw:{scope}:classes
+-- (hash: vtime, pass:<class>, on:<class>); ARGV[13+2j] class j's name, ARGV[14+2j] its
+-- share. The class whose turn it is is chosen first (stride scheduling, below), then
+-- the process; the wake-up's message is the scope, a newline and the class, and the
+-- releasing process's own turn returns {1, class} in place of 1.
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
 -- (then nothing but the dropping of dead leases happened). With the optional arguments,
 -- a freed permit wakes one registered process, the least recently woken live one (its
@@ -352,22 +384,88 @@ end
 redis.call('ZREM', lk, lease_id)
 redis.call('HDEL', mk, lease_id)
 
--- The freed permit's one wake-up: the least recently woken live registered process,
--- for whom the permit is held when there is room for it (``cap``: the source's limit).
+-- The freed permit's one wake-up: the least recently woken live registered process (of
+-- the class whose turn it is, with priority classes), for whom the permit is held when
+-- there is room for it (``cap``: the source's limit).
 local function wake(cap)
   if #ARGV < 13 then
     return 1
   end
-  local wk, wuk, me = KEYS[5], KEYS[6], ARGV[11]
-  if redis.call('ZCARD', wk) == 0 then
-    return 1  -- nobody waits anywhere: the usual case costs one command
+  local me = ARGV[11]
+  -- The registries: per class its two keys, its name and its share (one, nameless,
+  -- without classes). Swept of lapsed registrations; those with someone left are live.
+  local m = math.floor((#ARGV - 14) / 2)
+  local regs, live = {}, {}
+  if m < 1 then
+    regs[1] = {KEYS[5], KEYS[6], nil, 1}
+  else
+    for j = 1, m do
+      regs[j] = {KEYS[3 + 2 * j], KEYS[4 + 2 * j], ARGV[13 + 2 * j], tonumber(ARGV[14 + 2 * j])}
+    end
   end
-  local gone = redis.call('ZRANGEBYSCORE', wuk, '-inf', now_s)
-  for first = 1, #gone, 1000 do
-    local last = math.min(first + 999, #gone)
-    redis.call('ZREM', wk, unpack(gone, first, last))
-    redis.call('ZREM', wuk, unpack(gone, first, last))
+  for j, r in ipairs(regs) do
+    local n = redis.call('ZCARD', r[1])  -- nobody waits anywhere: one command per class
+    if n > 0 then
+      local gone = redis.call('ZRANGEBYSCORE', r[2], '-inf', now_s)
+      for first = 1, #gone, 1000 do
+        local last = math.min(first + 999, #gone)
+        n = n - redis.call('ZREM', r[1], unpack(gone, first, last))
+        redis.call('ZREM', r[2], unpack(gone, first, last))
+      end
+      if n > 0 then
+        table.insert(live, j)
+      end
+    end
   end
+  if #live == 0 then
+    return 1
+  end
+  local j = live[1]
+  if m > 1 then
+    -- Whose turn: stride scheduling over the classes with registrations, as the waiting
+    -- room orders its own classes (middleware/waiting.py): the lowest pass goes (the
+    -- larger share on a tie, then the class listed first) and moves on by 1 / share; a
+    -- class back from idle (no registration at the last wake-up) starts level with the
+    -- classes that were waiting, or where the last one served left off (vtime).
+    local ck = KEYS[5 + 2 * m]
+    local fields = {'vtime'}
+    for _, r in ipairs(regs) do
+      table.insert(fields, 'pass:' .. r[3])
+      table.insert(fields, 'on:' .. r[3])
+    end
+    local h = redis.call('HMGET', ck, unpack(fields))
+    local pass, on, lowest = {}, {}, nil
+    for k = 1, m do
+      pass[k] = tonumber(h[2 * k]) or 0
+    end
+    for _, k in ipairs(live) do
+      on[k] = true
+      if h[2 * k + 1] == '1' and (lowest == nil or pass[k] < lowest) then
+        lowest = pass[k]
+      end
+    end
+    local vtime = lowest or tonumber(h[1]) or 0
+    j = nil
+    for _, k in ipairs(live) do
+      if h[2 * k + 1] ~= '1' then
+        pass[k] = math.max(pass[k], vtime)
+      end
+      if j == nil or pass[k] < pass[j] or (pass[k] == pass[j] and regs[k][4] > regs[j][4]) then
+        j = k
+      end
+    end
+    local writes = {'vtime', fmt(pass[j])}
+    pass[j] = pass[j] + 1 / regs[j][4]
+    for k, r in ipairs(regs) do
+      table.insert(writes, 'pass:' .. r[3])
+      table.insert(writes, fmt(pass[k]))
+      table.insert(writes, 'on:' .. r[3])
+      table.insert(writes, on[k] and '1' or '0')
+    end
+    redis.call('HSET', ck, unpack(writes))
+    redis.call('EXPIRE', ck, ARGV[10])
+  end
+  local wk, wuk, class = regs[j][1], regs[j][2], regs[j][3]
   local handoff = tonumber(ARGV[14])
   local held = cap and handoff and redis.call('ZCARD', lk) < cap
   local i = 0
@@ -389,9 +487,16 @@ local function wake(cap)
         redis.call('EXPIRE', lk, math.max(redis.call('TTL', lk), math.ceil(handoff) + 1))
       end
       if head == me then
+        if class then
+          return {1, class}
+        end
         return 1
       end
-      if redis.call('PUBLISH', 'pgw:wake:' .. head, ARGV[12]) > 0 or ARGV[13] ~= '1' then
+      local message = ARGV[12]
+      if class then
+        message = message .. string.char(10) .. class  -- "<scope>" newline "<class>"
+      end
+      if redis.call('PUBLISH', 'pgw:wake:' .. head, message) > 0 or ARGV[13] ~= '1' then
         return 2
       end
       -- Nobody listens on its channel: the process is gone (or not yet listening).

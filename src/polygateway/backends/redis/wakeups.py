@@ -78,7 +78,7 @@ class Wakeups:
     Args:
         channel: ``pgw:wake:<process id>``.
         where: the server to subscribe on, asked before each connection.
-        woken: called with the scope of each wake-up.
+        woken: called with each wake-up's message: its scope (and its priority class).
         timeout_s: bounds connecting, subscribing and each ``PONG``.
     """
 
