@@ -46,13 +46,17 @@ def binary(name: str) -> str:
 class Process:
     """One redis-server (or redis-sentinel) on 127.0.0.1: started, frozen, killed, stopped."""
 
-    def __init__(self, directory: Path, program: str, *args: str, config: str = "") -> None:
+    def __init__(
+        self, directory: Path, program: str, *args: str, config: str = "", password: str = ""
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.port = free_port()
         self.program = program
         self.args = args
         self.config = config
+        self.password = password
+        """What ``client()`` logs in with (its ``requirepass``, written in ``config``)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.paused = False
         self.log = directory / "log.txt"
@@ -63,7 +67,9 @@ class Process:
 
     def client(self) -> redis.Redis:
         """A synchronous client for setup and inspection."""
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5.0)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password or None, socket_timeout=5.0
+        )
 
     def start(self) -> None:
         """Start it and wait (bounded) until it answers PING."""
@@ -261,15 +267,23 @@ def slot_of(scope: str) -> int:
 
 
 class SentinelSetup:
-    """A primary, its replica and one Sentinel watching them as ``mymaster``."""
+    """A primary, its replica and one Sentinel watching them as ``mymaster``.
+
+    With ``sentinel_password`` the Sentinel requires it (``requirepass`` in its
+    config); the primary and the replica take none either way.
+    """
 
     MASTER = "mymaster"
 
-    def __init__(self, directory: Path, *, down_after_ms: int = 1000) -> None:
+    def __init__(
+        self, directory: Path, *, down_after_ms: int = 1000, sentinel_password: str = ""
+    ) -> None:
         self.primary = Process(directory / "primary", "redis-server")
         self.replica = Process(directory / "replica", "redis-server")
         self.down_after_ms = down_after_ms
-        self.sentinel = Process(directory / "sentinel", "redis-sentinel")
+        self.sentinel = Process(
+            directory / "sentinel", "redis-sentinel", password=sentinel_password
+        )
 
     @property
     def sentinels(self) -> list[str]:
@@ -286,6 +300,8 @@ class SentinelSetup:
             f"sentinel failover-timeout {self.MASTER} 10000\n"
             f"sentinel parallel-syncs {self.MASTER} 1\n"
         )
+        if self.sentinel.password:
+            self.sentinel.config += f"requirepass {self.sentinel.password}\n"
         self.sentinel.start()
         wait_for("the Sentinel to see the replica", self._sentinel_sees_replica)
 

@@ -33,6 +33,8 @@ LONG_TTL_S = 600.0
 """Leases that would hold their permit for ten minutes if their release were lost."""
 FAILOVER_BOUND_S = 45.0
 """Sentinel's own failover (down-after 1 s, then an election) plus ours, on a loaded machine."""
+SENTINEL_PASSWORD = "sentinel-pw-SECRET-7c2a"
+WRONG_PASSWORD = "wrong-pw-SECRET-0b9d"
 
 
 @pytest.fixture
@@ -184,5 +186,78 @@ async def test_no_sentinel_answering_fails_closed(tmp_path: Path) -> None:
     try:
         with pytest.raises(GovernanceBackendError, match="no Sentinel named the primary"):
             await backend.acquire(SCOPE, [SPEC], ttl_s=30)
+    finally:
+        await backend.aclose()
+
+
+@pytest.fixture
+def guarded_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
+    """A primary, a replica and a Sentinel that requires SENTINEL_PASSWORD."""
+    setup = SentinelSetup(tmp_path, sentinel_password=SENTINEL_PASSWORD)
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()
+
+
+def sentinel_subscribers(setup: SentinelSetup) -> int:
+    """How many clients of the Sentinel are subscribed to a channel (it has no PUBSUB)."""
+    with setup.sentinel.client() as client:
+        return sum(1 for entry in client.client_list() if int(entry.get("sub", 0)) > 0)
+
+
+async def test_the_backend_finds_the_primary_through_a_password_protected_sentinel(
+    guarded_setup: SentinelSetup,
+) -> None:
+    """With the Sentinel's password, the primary is found, the failover listener and the
+    wake-up subscription (which asks the Sentinel where the primary is) both log in."""
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=guarded_setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        sentinel_password=SENTINEL_PASSWORD,
+        socket_timeout_s=TIMEOUT_S,
+    )
+    try:
+        backend.on_release(SCOPE, lambda: None)
+        lease = await acquire_until_served(backend)
+        await backend.release(lease, SUCCESS)
+        assert await in_flight(backend) == 0
+        assert backend._wire.route(SCOPE).endpoint.port == guarded_setup.primary.port
+        async with asyncio.timeout(FAILOVER_BOUND_S):
+            await backend._wakeups.subscribed.wait()
+            while await asyncio.to_thread(sentinel_subscribers, guarded_setup) < 1:
+                await asyncio.sleep(0.05)
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("given", [WRONG_PASSWORD, None], ids=["wrong", "missing"])
+async def test_a_sentinel_refusing_the_password_fails_closed_without_it(
+    guarded_setup: SentinelSetup, given: str | None
+) -> None:
+    """A wrong or missing Sentinel password: GovernanceBackendError within a few socket
+    timeouts, naming the Sentinel and the failed authentication, never a password."""
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=guarded_setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        sentinel_password=given,
+        socket_timeout_s=TIMEOUT_S,
+    )
+    try:
+        async with asyncio.timeout(5 * TIMEOUT_S):  # fails, never hangs
+            with pytest.raises(GovernanceBackendError) as info:
+                await backend.acquire(SCOPE, [SPEC], ttl_s=30)
+        message = str(info.value)
+        assert guarded_setup.sentinel.address in message
+        assert "authentication failed" in message
+        for shown in (message, repr(info.value), repr(backend)):
+            assert WRONG_PASSWORD not in shown
+            assert SENTINEL_PASSWORD not in shown
+        assert info.value.operation == "acquire"
     finally:
         await backend.aclose()

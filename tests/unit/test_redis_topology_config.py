@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from polygateway.backends.redis import RedisBackend
 from polygateway.backends.redis.cluster import read_shards, read_slots
+from polygateway.cli.settings_report import report_lines, setting_rows
 from polygateway.config import GatewaySettings
 from polygateway.errors import ConfigError
 
 SENTINEL = {"redis_mode": "sentinel", "redis_sentinels": ["127.0.0.1:26379"]}
+SENTINEL_PASSWORD = "sentinel-pw-SECRET-5e1f"
 
 
 def test_standalone_is_the_default_topology() -> None:
@@ -17,6 +20,7 @@ def test_standalone_is_the_default_topology() -> None:
     assert settings.redis_mode == "standalone"
     assert settings.redis_sentinels == []
     assert settings.redis_sentinel_master == ""
+    assert settings.redis_sentinel_password.get_secret_value() == ""
 
 
 def test_sentinel_mode_without_a_url_means_no_password_and_database_0() -> None:
@@ -56,6 +60,12 @@ def test_sentinel_mode_takes_a_password_and_database_only() -> None:
         ),
         ({"redis_sentinels": ["h:26379"]}, "redis_sentinels", "only read with"),
         ({"redis_sentinel_master": "m"}, "redis_sentinel_master", "only read with"),
+        ({"redis_sentinel_password": "pw"}, "redis_sentinel_password", "only read with"),
+        (
+            {"redis_mode": "cluster", "redis_sentinel_password": "pw"},
+            "redis_sentinel_password",
+            "redis_mode is 'cluster'",
+        ),
         ({"redis_mode": "cluster", "redis_url": "unix:///tmp/r.sock"}, "redis_url", "TCP"),
         ({"redis_mode": "cluster", "redis_url": "redis://h:7000/1"}, "redis_url", "database 0"),
         ({"redis_mode": "cluster", "redis_url": "redis://h:7000?db=2"}, "redis_url", "database 0"),
@@ -79,6 +89,50 @@ def test_sentinels_come_from_the_environment_as_json(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_MASTER", "mymaster")
     settings = GatewaySettings()
     assert settings.redis_sentinels == ["10.0.0.1:26379", "[::1]:26380"]
+
+
+def test_a_sentinel_password_outside_sentinel_mode_is_refused_without_echoing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Set from the environment in standalone mode: refused naming the field, not the value."""
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)
+    with pytest.raises(ConfigError, match="only read with") as info:
+        GatewaySettings()
+    assert info.value.field == "redis_sentinel_password"
+    assert SENTINEL_PASSWORD not in str(info.value)
+    assert SENTINEL_PASSWORD not in repr(info.value)
+
+
+def test_a_backend_built_in_code_refuses_a_sentinel_password_outside_sentinel_mode() -> None:
+    """RedisBackend(sentinel_password=...) follows the same rule as the settings."""
+    with pytest.raises(ConfigError, match="only read with") as info:
+        RedisBackend("redis://127.0.0.1:6379/0", sentinel_password=SENTINEL_PASSWORD)
+    assert info.value.field == "redis_sentinel_password"
+    assert SENTINEL_PASSWORD not in str(info.value)
+
+
+def test_the_sentinel_password_comes_from_the_environment_and_is_never_shown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The POLYGATEWAY_REDIS_SENTINEL_PASSWORD variable is read; nothing shown contains it."""
+    monkeypatch.setenv("POLYGATEWAY_REDIS_MODE", "sentinel")
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINELS", '["127.0.0.1:26379"]')
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_MASTER", "mymaster")
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)
+    settings = GatewaySettings.load(env_file=None)
+    assert settings.redis_sentinel_password.get_secret_value() == SENTINEL_PASSWORD
+    rows = setting_rows(settings, {}, None, None)
+    row = next(r for r in rows["gateway"] if r.key == "redis_sentinel_password")
+    assert row.origin == "env POLYGATEWAY_REDIS_SENTINEL_PASSWORD"
+    for shown in (
+        str(settings),
+        repr(settings),
+        settings.model_dump_json(),
+        str(settings.model_dump()),
+        "\n".join(report_lines(rows)),
+    ):
+        assert SENTINEL_PASSWORD not in shown
+    assert "**********" in row.value
 
 
 def test_cluster_shards_reply_is_read_as_the_online_primaries_ranges() -> None:

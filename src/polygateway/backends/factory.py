@@ -29,8 +29,8 @@ __all__ = ["shared_backend"]
 _MEMORY: dict[int, Backend] = {}
 """``id(settings)`` -> its memory backend, for as long as the settings object lives."""
 
-_REDIS: dict[tuple[str, str, tuple[str, ...], str, int, float], Backend] = {}
-"""Redis URL (password included, never printed), topology and replica acks -> its backend."""
+_REDIS: dict[tuple[str, str, tuple[str, ...], str, str, int, float], Backend] = {}
+"""Redis URL and Sentinels' password (never printed), topology and replica acks -> its backend."""
 
 
 def shared_backend(settings: GatewaySettings) -> Backend:
@@ -54,6 +54,7 @@ def shared_backend(settings: GatewaySettings) -> Backend:
         settings.redis_mode,
         sentinels,
         settings.redis_sentinel_master,
+        settings.redis_sentinel_password.get_secret_value(),
         settings.redis_replica_acks,
         settings.redis_replica_ack_timeout_s,
     )
@@ -79,6 +80,7 @@ def _redis_backend(url: str, settings: GatewaySettings) -> Backend:
         mode=settings.redis_mode,
         sentinels=settings.redis_sentinels,
         sentinel_master=settings.redis_sentinel_master,
+        sentinel_password=settings.redis_sentinel_password.get_secret_value(),
         replica_acks=settings.redis_replica_acks,
         replica_ack_timeout_s=settings.redis_replica_ack_timeout_s,
     )

@@ -73,15 +73,24 @@ def sentinel_address(value: str) -> tuple[str, int]:
 
 
 def redis_topology_problem(
-    mode: str, url: str, sentinels: Sequence[str], master: str | None
+    mode: str,
+    url: str,
+    sentinels: Sequence[str],
+    master: str | None,
+    sentinel_password: str | None = None,
 ) -> tuple[str, str] | None:
     """What makes a Redis topology unusable, as ``(field, message)``; ``None`` when it is fine.
 
     The one rule for the settings (at load) and for a ``RedisBackend`` built in
-    code. Messages never quote the URL (it may hold a password).
+    code. Messages never quote the URL or the Sentinels' password.
     """
-    if mode != "sentinel" and (sentinels or master):
-        name = "redis_sentinels" if sentinels else "redis_sentinel_master"
+    if mode != "sentinel" and (sentinels or master or sentinel_password):
+        if sentinels:
+            name = "redis_sentinels"
+        elif master:
+            name = "redis_sentinel_master"
+        else:
+            name = "redis_sentinel_password"
         return name, f'{name} is only read with redis_mode = "sentinel" (redis_mode is {mode!r})'
     try:
         parts = urlsplit(url)
@@ -220,6 +229,7 @@ class GatewaySettings(BaseSettings):
     redis_mode: RedisMode = "standalone"
     redis_sentinels: list[str] = Field(default_factory=list)
     redis_sentinel_master: str = ""
+    redis_sentinel_password: SecretStr = SecretStr("")
     redis_replica_acks: NonNegativeInt = 0
     redis_replica_ack_timeout_s: NonNegativeFloat = 0.0
     transport: Literal["httpx", "aiohttp"] = "httpx"
@@ -395,7 +405,11 @@ class GatewaySettings(BaseSettings):
     def _check_redis_topology(self, origin: Callable[[str], Origin]) -> None:
         """Refuse a Redis topology that cannot work (``redis_topology_problem``), at load."""
         problem = redis_topology_problem(
-            self.redis_mode, self.get_redis_url(), self.redis_sentinels, self.redis_sentinel_master
+            self.redis_mode,
+            self.get_redis_url(),
+            self.redis_sentinels,
+            self.redis_sentinel_master,
+            self.redis_sentinel_password.get_secret_value(),
         )
         if problem is not None:
             field, message = problem

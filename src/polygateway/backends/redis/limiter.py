@@ -233,6 +233,9 @@ class RedisBackend:
             password and database; the Sentinels name the primary).
         sentinels: ``host:port`` of each Sentinel (``mode="sentinel"`` only).
         sentinel_master: the name the Sentinels monitor the primary under.
+        sentinel_password: the Sentinels' own password (their ``requirepass``),
+            sent to each Sentinel, never to the primary; ``None`` or empty: none
+            (``mode="sentinel"`` only).
         replica_acks: replicas that must acknowledge a grant (``WAIT``) before
             it is handed out; 0, the default, sends no ``WAIT`` (see the module
             docstring, "Replica acknowledgements"). Not with ``mode="cluster"``.
@@ -277,17 +280,24 @@ class RedisBackend:
         mode: RedisMode = "standalone",
         sentinels: Sequence[str] = (),
         sentinel_master: str | None = None,
+        sentinel_password: str | None = None,
         replica_acks: int = 0,
         replica_ack_timeout_s: float = 0.0,
     ) -> None:
         self._url = mask_url(url)
         self._secrets = url_secrets(url)
+        if sentinel_password:
+            # Longest first, as url_secrets orders them: a secret inside another is masked whole.
+            spelled = {*self._secrets, sentinel_password}
+            self._secrets = tuple(sorted(spelled, key=len, reverse=True))
         if not socket_timeout_s > 0:
             raise ConfigError(
                 f"socket_timeout_s must be positive, not {socket_timeout_s!r}",
                 field="redis_socket_timeout_s",
             )
-        problem = redis_topology_problem(mode, url, tuple(sentinels), sentinel_master)
+        problem = redis_topology_problem(
+            mode, url, tuple(sentinels), sentinel_master, sentinel_password
+        )
         if problem is None and client is not None and mode != "standalone":
             problem = ("redis_mode", f"redis_mode = {mode!r} takes a URL, not a client")
         if problem is None:
@@ -341,6 +351,7 @@ class RedisBackend:
                 late_reply_s=socket_timeout_s,
                 scripts=loaded,
                 timeout_s=socket_timeout_s,
+                password=sentinel_password,
             )
         else:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)

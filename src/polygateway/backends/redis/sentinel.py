@@ -26,6 +26,15 @@ without the announcement too, should it be missed:
 So a command that finds the primary gone waits a socket timeout at most for
 it, plus one Sentinel round; until Sentinel has promoted a replica, commands
 fail closed.
+
+Sentinels that require a password (``requirepass`` in ``sentinel.conf``) are
+logged in to with the one given for them all, both by the wire that asks
+them and by the ``+switch-master`` subscription; the primary's own
+credentials come from the URL and are never sent to a Sentinel. A Sentinel
+that refuses the password (or wants one and is given none) counts as one
+that did not answer, and the error names it and says that authentication
+failed, without the password: with every Sentinel refusing, commands fail
+closed, within a socket timeout per Sentinel at most.
 """
 
 from __future__ import annotations
@@ -40,8 +49,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 
 from polygateway.backends.redis import codec
 from polygateway.backends.redis.endpoint import Endpoint
@@ -54,15 +63,17 @@ class SentinelPrimary:
     """The backend's ``Topology`` behind Sentinel: one ``Wire`` to the current primary.
 
     Args:
-        sentinels: the Sentinels' addresses (``host``, ``port``); they take no password.
+        sentinels: the Sentinels' addresses (``host``, ``port``).
         master: the name they monitor the primary under.
         template: credentials, database, TLS and timeouts of the primary's connection.
         timeout_s: how long one Sentinel may take to answer (connect included).
+        password: the Sentinels' own password (``requirepass``); ``None`` or empty: none.
     """
 
     __slots__ = (
         "_listening",
         "_master",
+        "_password",
         "_primary",
         "_query",
         "_sentinels",
@@ -79,13 +90,18 @@ class SentinelPrimary:
         late_reply_s: float,
         scripts: Sequence[Script] = (),
         timeout_s: float,
+        password: str | None = None,
     ) -> None:
         self._master = master
         self._timeout_s = timeout_s
+        self._password = password or None
         self._query = command("SENTINEL", "get-master-addr-by-name", master)
         self._sentinels = [
             Wire(
-                Endpoint(host=host, port=port, connect_timeout_s=timeout_s), late_reply_s=timeout_s
+                Endpoint(
+                    host=host, port=port, password=self._password, connect_timeout_s=timeout_s
+                ),
+                late_reply_s=timeout_s,
             )
             for host, port in sentinels
         ]
@@ -119,6 +135,14 @@ class SentinelPrimary:
         for index, sentinel in enumerate(self._sentinels):
             try:
                 reply = await self._ask(sentinel)
+            except AuthenticationError as exc:
+                # Redis's words (WRONGPASS, NOAUTH) never repeat the password sent.
+                given = "with the" if self._password else "without a"
+                errors.append(
+                    f"{sentinel.endpoint.address}: authentication failed {given} Sentinel"
+                    f" password: {exc}"
+                )
+                continue
             except RedisError as exc:
                 errors.append(f"{sentinel.endpoint.address}: {exc}")
                 continue
@@ -158,6 +182,7 @@ class SentinelPrimary:
                 client = aioredis.Redis(
                     host=address.host,
                     port=address.port,
+                    password=self._password,
                     socket_connect_timeout=self._timeout_s,
                     retry=Retry(NoBackoff(), 0),  # a Sentinel down: the next one, at once
                 )
