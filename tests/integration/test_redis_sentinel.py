@@ -24,6 +24,7 @@ from _redis_topologies import SentinelSetup
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.errors import GovernanceBackendError
+from polygateway.middleware.waiting import room_for
 
 SCOPE = "chat"
 SPEC = SourceSpec(name="a", max_concurrency=4)
@@ -221,7 +222,7 @@ async def test_the_backend_finds_the_primary_through_a_password_protected_sentin
         socket_timeout_s=TIMEOUT_S,
     )
     try:
-        backend.on_release(SCOPE, lambda: None)
+        room_for(backend, SCOPE)  # a waiting room: the wake-up subscription opens
         lease = await acquire_until_served(backend)
         await backend.release(lease, SUCCESS)
         assert await in_flight(backend) == 0
