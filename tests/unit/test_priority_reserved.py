@@ -12,12 +12,11 @@ from _closing import closing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _priority_walk import SCOPE, STEP, walk
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.config import GatewaySettings, SourceConfig
+from polygateway.config import GatewaySettings
 from polygateway.errors import ConfigError, RequestRejected
-from polygateway.middleware.policy import LoopPolicy
-from polygateway.middleware.retry import RetryMW
 from polygateway.middleware.waiting import WaitingRoom, room_for
 from polygateway.testing import (
     BoundedSleep,
@@ -360,109 +359,22 @@ async def test_a_reserved_class_goes_first_through_the_loop_and_lends_when_idle(
 
 # --- random arrivals, cancellations and releases ------------------------------------------
 
-_CLASSES = ("a", "b", "c")
-_LIMIT = 3
-
-
-def _loop(clock: FakeClock, timers: FakeTimers, backend: MemoryBackend) -> RetryMW:
-    return RetryMW(
-        scope="chat",
-        sources=(
-            SourceConfig(
-                name="s",
-                protocol="openai",
-                base_url="http://upstream.test/v1",
-                max_concurrency=_LIMIT,
-            ),
-        ),
-        policy=LoopPolicy(poll_interval_s=1.0, stall_window_s=3600.0),
-        backend=backend,
-        now=clock,
-        sleep=timers.sleep,
-        rng=random.Random(3),
-        priority_classes={"a": 3.0, "b": 1.0, "c": 0.5},
-        default_priority_class="a",
-        reserved_permits={"b": 1, "c": 1},
-    )
-
-
-_step = st.one_of(
-    st.tuples(st.just("arrive"), st.sampled_from(_CLASSES), st.sampled_from(("x", "y"))),
-    st.tuples(st.just("release"), st.integers(0, 40), st.booleans()),
-    st.tuples(st.just("cancel"), st.integers(0, 40), st.just(False)),
-)
-
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(steps=st.lists(_step, max_size=40))
+@given(steps=st.lists(STEP, max_size=40))
 def test_counts_never_go_negative_never_pass_the_limit_and_end_at_zero(
     steps: list[tuple[Any, ...]],
 ) -> None:
     """Random arrivals, releases (success or failure) and cancellations: the counts per class
     equal the attempts in flight of each class, within the scope's limit, and end at zero."""
-    asyncio.run(_drive(steps))
+
+    async def run() -> None:
+        clock = FakeClock()
+        backend = MemoryBackend(now=clock)
+        await walk(steps, clock, backend, settle, _in_flight)
+
+    asyncio.run(run())
 
 
-async def _drive(steps: list[tuple[Any, ...]]) -> None:
-    clock = FakeClock()
-    timers = FakeTimers(clock)
-    backend = MemoryBackend(now=clock)
-    mw = _loop(clock, timers, backend)
-    room = room_for(backend, "chat")
-    running: dict[int, tuple[str, asyncio.Future[bool]]] = {}
-    tasks: list[asyncio.Task[Any]] = []
-
-    def attempt_for(index: int, klass: str) -> Any:
-        async def attempt(source: Any, ctx: Any) -> str:
-            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            running[index] = (klass, done)
-            try:
-                if not await done:
-                    raise TransientError("x", status_code=503)
-            finally:
-                del running[index]
-            return "ok"
-
-        return attempt
-
-    async def check() -> None:
-        await settle()
-        in_flight = {k: 0 for k in _CLASSES}
-        for klass, _ in running.values():
-            in_flight[klass] += 1
-        counts = {k: u for k, (_, u) in room.by_class().items()}
-        assert min(counts.values()) >= 0
-        assert counts == in_flight
-        assert sum(counts.values()) <= _LIMIT
-        assert (await backend.snapshot("chat")).in_flight == sum(counts.values())
-
-    for step in steps:
-        kind, what, how = step
-        if kind == "arrive":
-            index = len(tasks)
-            tasks.append(
-                asyncio.create_task(
-                    mw.run(attempt_for(index, what), priority_class=what, tenant=how)
-                )
-            )
-        elif kind == "release" and running:
-            key = sorted(running)[what % len(running)]
-            future = running[key][1]
-            if not future.done():
-                future.set_result(how)
-        elif kind == "cancel" and tasks:
-            tasks[what % len(tasks)].cancel()
-        await check()
-    # Let everything finish: every attempt succeeds from now on.
-    for _ in range(200):
-        for _, future in list(running.values()):
-            if not future.done():
-                future.set_result(True)
-        await settle()
-        if all(t.done() for t in tasks):
-            break
-        await timers.advance(1.0)  # back-offs after failures, heads' polls
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await check()
-    assert all(u == 0 and w == 0 for w, u in room.by_class().values())
-    assert (await backend.snapshot("chat")).in_flight == 0
+async def _in_flight(backend: Any) -> int:
+    return int((await backend.snapshot(SCOPE)).in_flight)
