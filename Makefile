@@ -97,6 +97,13 @@ bench-fleet: redis-server $(BENCH_STAMP)
 	BENCH_FLEET_N='$(BENCH_FLEET_N)' BENCH_FLEET_SECONDS='$(BENCH_FLEET_SECONDS)' \
 	  BENCH_FLEET_CALLERS='$(BENCH_FLEET_CALLERS)' $(BENCH_PY) -m bench.fleet
 
+# Priority classes across a fleet (issue 19): interactive calls under a batch flood, with and
+# without classes, and shares 3:1 across four processes. BENCH_CLASSES_SECONDS (60) sizes
+# each scenario. Results: bench/results/fleet_classes.json and a section of BENCHMARKS.md.
+.PHONY: bench-classes
+bench-classes: redis-server $(BENCH_STAMP)
+	BENCH_CLASSES_SECONDS='$(BENCH_CLASSES_SECONDS)' $(BENCH_PY) -m bench.fleet_classes
+
 # The harness end to end with tiny sizes (also part of `make test`).
 .PHONY: bench-smoke
 bench-smoke: install redis-server

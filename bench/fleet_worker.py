@@ -20,7 +20,9 @@ Commands (``op``):
   ``deadline_s`` when given); answers every call's record.
 - ``run``: calls from ``concurrency`` tasks from ``start_at`` (a ``time.monotonic()``
   value; default now) until ``duration_s`` later (no new call starts after that;
-  calls under way finish); answers every call's record.
+  calls under way finish); answers every call's record. With ``every_s``, one call
+  starts every ``every_s`` seconds instead (``concurrency`` unused). ``priority_class``
+  and ``tenant``, when given, go with every call (and into its record).
 - ``acquire``: one ``acquire`` on the shared backend for one source alone, as the
   governance loop would ask it; answers the rejection (a grant is given back at once).
 - ``exit``: close the client and the backend, answer, and leave.
@@ -135,17 +137,21 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def _one_call(client: ChatClient, deadline_s: float | None = None) -> dict[str, Any]:
-    """One governed chat call, recorded whatever its end."""
+async def _one_call(
+    client: ChatClient, deadline_s: float | None = None, flow: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One governed chat call (``flow``: its class and tenant), recorded whatever its end."""
     started = time.monotonic()
-    record: dict[str, Any] = {"started": started}
+    record: dict[str, Any] = {"started": started, **(flow or {})}
     backend = client.backend
     if isinstance(backend, _CountingBackend):
         # Calls already queued: this one waits its turn behind them, whatever it is granted.
         record["queued_behind"] = len(backend.room)
     token = _CALL.set(record)
     try:
-        response = await client.complete(MESSAGES, max_tokens=8, deadline_s=deadline_s)
+        response = await client.complete(
+            MESSAGES, max_tokens=8, deadline_s=deadline_s, **(flow or {})
+        )
     except GatewayError as exc:
         record.update(
             ok=False,
@@ -180,21 +186,38 @@ async def _calls(
 
 
 async def _run(
-    client: ChatClient, start_at: float, duration_s: float, concurrency: int
+    client: ChatClient,
+    start_at: float,
+    duration_s: float,
+    concurrency: int,
+    every_s: float | None = None,
+    flow: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Calls from ``concurrency`` tasks in ``[start_at, start_at + duration_s)``."""
+    """Calls from ``concurrency`` tasks (or one every ``every_s``) for ``duration_s``."""
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     end = start_at + duration_s
     records: list[dict[str, Any]] = []
 
     async def task() -> None:
         while time.monotonic() < end:
-            record = await _one_call(client)
+            record = await _one_call(client, flow=flow)
             records.append(record)
             if not record["ok"]:
                 await asyncio.sleep(_ERROR_PAUSE_S)
 
-    await asyncio.gather(*(task() for _ in range(concurrency)))
+    async def one() -> None:
+        records.append(await _one_call(client, flow=flow))
+
+    if every_s is None:
+        await asyncio.gather(*(task() for _ in range(concurrency)))
+        return records
+    started: list[asyncio.Task[None]] = []
+    at = start_at
+    while at < end:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        started.append(asyncio.create_task(one()))
+        at += every_s
+    await asyncio.gather(*started)
     return records
 
 
@@ -258,8 +281,14 @@ async def _serve(config: dict[str, Any]) -> None:
             )
         elif op == "run":
             start_at = command.get("start_at", time.monotonic())
+            flow = {k: command[k] for k in ("priority_class", "tenant") if k in command}
             answer["records"] = await _run(
-                client, start_at, command["duration_s"], command["concurrency"]
+                client,
+                start_at,
+                command["duration_s"],
+                command.get("concurrency", 1),
+                command.get("every_s"),
+                flow,
             )
         elif op == "acquire":
             answer.update(await _acquire(client, settings, command["source"]))
