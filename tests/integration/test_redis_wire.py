@@ -525,3 +525,40 @@ async def test_tls_verifies_the_servers_certificate(tls_redis: TLSRedis) -> None
         assert tls_redis.password not in str(caught.value)
     finally:
         await backend.aclose()
+
+
+async def test_a_connection_abandoned_while_being_made_is_made_again_where_locate_says(
+    redis_url: str, make_redis_server: Callable[..., Any]
+) -> None:
+    """``abandon`` during the connect (a failover announced then): the new link is discarded.
+
+    Behind Sentinel, a connection being made to a frozen primary when the new
+    one is announced would otherwise be kept once the old server thaws (its
+    ROLE still master for a moment): writes there are lost at its demotion.
+    """
+    old = wire.Endpoint.from_url(redis_url, connect_timeout_s=5.0)
+    new_server = make_redis_server()
+    new = wire.Endpoint.from_url(new_server.url, connect_timeout_s=5.0)
+    located: list[wire.Endpoint] = []
+    link: wire.Wire
+
+    async def locate() -> wire.Endpoint:
+        where = old if not located else new
+        located.append(where)
+        if where is old:
+            asyncio.get_running_loop().call_soon(link.abandon)  # announced while connecting
+        return where
+
+    link = wire.Wire(old, late_reply_s=5.0, locate=locate)
+    reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    link.send(wire.command("SET", "abandon-test", "written"), reply.set_result)
+    try:
+        async with asyncio.timeout(10):
+            assert await reply == b"OK"
+    finally:
+        await link.aclose()
+    assert located == [old, new]
+    assert link.endpoint == new
+    with redis.Redis.from_url(new_server.url) as on_new, redis.Redis.from_url(redis_url) as on_old:
+        assert on_new.get("abandon-test") == b"written"
+        assert on_old.get("abandon-test") is None

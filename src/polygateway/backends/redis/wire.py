@@ -439,6 +439,7 @@ class Wire:
     """
 
     __slots__ = (
+        "_abandoned",
         "_connecting",
         "_endpoint",
         "_late_reply_s",
@@ -469,6 +470,7 @@ class Wire:
         self._link: Link | None = None
         self._queue: list[_Pending] = []
         self._connecting: asyncio.Task[None] | None = None
+        self._abandoned = False
 
     @property
     def endpoint(self) -> Endpoint:
@@ -480,10 +482,17 @@ class Wire:
         return self
 
     def abandon(self) -> None:
-        """Close the connection (a demoted primary): what is pending fails; the next reconnects."""
+        """Close the connection (a demoted primary): what is pending fails; the next reconnects.
+
+        A connection being made meanwhile is discarded once made and made again,
+        located afresh: it may be going to the server just left (a frozen
+        primary that Sentinel still named, which answers once it thaws).
+        """
         link = self._link
         if link is not None:
             link.close()
+        if self._connecting is not None:
+            self._abandoned = True
 
     @property
     def writable(self) -> bool:
@@ -522,29 +531,38 @@ class Wire:
             raise RedisTimeoutError("Timeout connecting to server") from exc
 
     async def _connect(self) -> None:
-        link = Link(self._late_reply_s, self._redirect, self._on_down)
-        try:
-            await self._open(link)
-        except BaseException as exc:
-            link.close()
-            if self._on_down is not None and isinstance(exc, Exception):
-                self._on_down()
-            error: BaseException = exc
-            if isinstance(exc, asyncio.CancelledError):
-                error = RedisConnectionError("the backend closed while connecting")
-            self._connecting = None
-            queue, self._queue = self._queue, []
-            for on_reply, _, _ in queue:
-                on_reply(error)
-            if not isinstance(exc, Exception):
-                raise
-            return
+        while True:
+            self._abandoned = False
+            link = Link(self._late_reply_s, self._redirect, self._on_down)
+            try:
+                await self._open(link)
+            except BaseException as exc:
+                self._failed(link, exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            if not self._abandoned:
+                break
+            link.close()  # abandoned while it was being made: made again, located afresh
         self._link, self._connecting = link, None
         for loaded in self._scripts:
             link.send(loaded.load, _ignore)
         queue, self._queue = self._queue, []
         for on_reply, data, script in queue:
             link.send(data, on_reply, script)
+
+    def _failed(self, link: Link, exc: BaseException) -> None:
+        """A connection could not be made: the commands queued for it fail with its error."""
+        link.close()
+        if self._on_down is not None and isinstance(exc, Exception):
+            self._on_down()
+        error: BaseException = exc
+        if isinstance(exc, asyncio.CancelledError):
+            error = RedisConnectionError("the backend closed while connecting")
+        self._connecting = None
+        queue, self._queue = self._queue, []
+        for on_reply, _, _ in queue:
+            on_reply(error)
 
     async def drain(self) -> None:
         """Return once no reply is due (the caller bounds how long it waits)."""
