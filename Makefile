@@ -48,9 +48,10 @@ lint: install
 unit: install
 	$(PY) -m pytest tests/unit -q
 
-# Lint, then the whole suite. pytest exits 5 when it collected nothing: that fails too.
+# Lint, then the whole suite on two workers, a test file per worker at a time (each worker
+# starts its own redis-server). pytest exits 5 when it collected nothing: that fails too.
 test: install redis-server lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 soak: install redis-server
 	$(PY) -m pytest -q -m soak
