@@ -266,3 +266,20 @@ async def test_two_processes_one_class_each_are_served_in_proportion_to_the_shar
     # few turns go to batch when two interactive turns come before B's claim of the
     # first (a process holds one placeholder per source): 55:25 is typical here.
     assert window["interactive"] >= 1.5 * window["batch"], window
+
+
+async def test_the_class_registries_and_passes_expire_like_the_rest_of_the_scope(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A crashed fleet leaves nothing for ever: registries live 61 s, the passes a day."""
+    holder, p = fleet(), fleet()
+    room = room_of(p, "batch")
+    room_for(holder, SCOPE).declare(SHARES, {})
+    await listening(admin, 2)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    assert await admin.ttl(registry("batch")) == 61
+    assert await admin.ttl(f"pgw:{{{SCOPE}}}:waiting_until:batch") == 61
+    await holder.release(leases[0], SUCCESS)
+    await woken(room, 1)
+    assert await admin.ttl(f"pgw:{{{SCOPE}}}:classes") == 86400
