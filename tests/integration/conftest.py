@@ -1,4 +1,5 @@
-"""Integration fixtures: ``backend_env`` for the backend contract suite, ``tls_redis``, ``admin``.
+"""Integration fixtures: ``backend_env`` for the backend contract suite, ``tls_redis``,
+``admin``, ``sentinel_setup``.
 
 ``backend_env``: each parameter builds a fresh backend that reads ``clock``
 (a ``FakeClock`` the tests advance). A new backend is added here as a new
@@ -9,11 +10,14 @@ of its own, for the tests of ``rediss://`` (the wire's, the wake-ups').
 
 ``admin``: a plain redis-py client of the suite's server, for a test to read
 the keys the scripts wrote.
+
+``sentinel_setup``: a primary, its replica and one Sentinel of their own
+(``_redis_topologies.SentinelSetup``), for the Sentinel and failover tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from _redis_tls import TLSRedis, start_tls_redis
+from _redis_topologies import SentinelSetup
 
 from polygateway.backends.base import Backend
 from polygateway.backends.memory import MemoryBackend
@@ -65,3 +70,14 @@ async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
+    """A primary, a replica and a Sentinel, stopped (thawed first) after the test."""
+    setup = SentinelSetup(tmp_path)
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()

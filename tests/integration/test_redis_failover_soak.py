@@ -32,9 +32,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import redis
@@ -156,17 +155,6 @@ class Cycle:
     stray: int = 0
     """Backend connections found on the old primary 1.5 s after its thaw (frozen cycles)."""
     steady: Counter[str] = field(default_factory=Counter)
-
-
-@pytest.fixture
-def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
-    """A primary, a replica and a Sentinel, stopped (thawed first) after the test."""
-    setup = SentinelSetup(tmp_path)
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
 
 
 @pytest.fixture

@@ -39,17 +39,6 @@ WRONG_PASSWORD = "wrong-pw-SECRET-0b9d"
 
 
 @pytest.fixture
-def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
-    """A primary, a replica and a Sentinel, stopped after the test."""
-    setup = SentinelSetup(tmp_path)
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
-
-
-@pytest.fixture
 async def backend(sentinel_setup: SentinelSetup) -> AsyncIterator[RedisBackend]:
     made = RedisBackend(
         "redis:///0",
