@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import statistics
@@ -36,12 +35,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.fleet_worker import Json, Worker
-from bench.harness import command_lines, log_stderr, source_revision
-from bench.machine import describe_machine
+from bench.harness import end_meta, log_stderr, run_meta
 from bench.redis_counts import RedisCounter
 from bench.report import DASH, X, fmt_number, md_table, replace_section
 from bench.run_one import percentile
@@ -529,24 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         monitor_calls=args.monitor_calls,
         start_timeout_s=args.start_timeout,
     )
-    import polygateway
-
-    started = time.monotonic()
-    load_before = os.getloadavg()[0]
-    command, inner = command_lines("bench.fleet", "bench-fleet", args_list, _KNOBS)
-    meta: Json = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
-        "command": command,
-        "inner_command": inner,
-        "revision": source_revision(Path(polygateway.__file__).resolve().parents[2]),
-        "polygateway_path": str(Path(polygateway.__file__).resolve().parent),
-        "machine": describe_machine(),
-        "sizes": asdict(sizes),
-        "note": args.note,
-    }
+    meta = run_meta("bench.fleet", "bench-fleet", args_list, _KNOBS, sizes, args.note)
     measured = asyncio.run(measure(sizes))
-    meta["duration_s"] = time.monotonic() - started
-    meta["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    end_meta(meta)
     results = {"meta": meta, "measured": measured, "checks": evaluate(measured["rows"])}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")

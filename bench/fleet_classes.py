@@ -29,19 +29,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.fleet_worker import Json, Worker
-from bench.harness import command_lines, log_stderr, source_revision
-from bench.machine import describe_machine
+from bench.harness import end_meta, log_stderr, run_meta
 from bench.report import X, fmt_number, md_table, replace_section
 from bench.run_one import percentile
 from bench.services import private_redis
@@ -405,23 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         poll_s=args.poll,
         start_timeout_s=args.start_timeout,
     )
-    import polygateway
-
-    started = time.monotonic()
-    load_before = os.getloadavg()[0]
-    command, inner = command_lines("bench.fleet_classes", "bench-classes", args_list, _KNOBS)
-    meta: Json = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
-        "command": command,
-        "inner_command": inner,
-        "revision": source_revision(Path(polygateway.__file__).resolve().parents[2]),
-        "machine": describe_machine(),
-        "sizes": asdict(sizes),
-        "note": args.note,
-    }
+    meta = run_meta("bench.fleet_classes", "bench-classes", args_list, _KNOBS, sizes, args.note)
     measured = asyncio.run(measure(sizes))
-    meta["duration_s"] = time.monotonic() - started
-    meta["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    end_meta(meta)
     results = {"meta": meta, "measured": measured}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")

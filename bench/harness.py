@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.clients import CONFIGS, missing_modules
+from bench.machine import describe_machine
 from bench.services import Services
 
 __all__ = [
@@ -28,8 +29,10 @@ __all__ = [
     "Job",
     "Plan",
     "command_lines",
+    "end_meta",
     "make_plan",
     "reduce_runs",
+    "run_meta",
     "run_rounds",
     "source_revision",
 ]
@@ -374,3 +377,36 @@ def command_lines(
 def log_stderr(line: str) -> None:
     """Progress on stderr, so stdout stays clean."""
     print(line, file=sys.stderr, flush=True)
+
+
+def run_meta(
+    module: str, target: str, argv: list[str], knobs: tuple[str, ...], sizes: Any, note: str
+) -> dict[str, Any]:
+    """What a benchmark's page says of its run, taken as it starts; ``end_meta`` completes it.
+
+    The command (``command_lines``), date, source revision, machine, sizes (a
+    dataclass), the note, and the load average and clock at the start.
+    """
+    import datetime
+
+    import polygateway
+
+    command, inner = command_lines(module, target, argv, knobs)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "command": command,
+        "inner_command": inner,
+        "revision": source_revision(Path(polygateway.__file__).resolve().parents[2]),
+        "polygateway_path": str(Path(polygateway.__file__).resolve().parent),
+        "machine": describe_machine(),
+        "sizes": asdict(sizes),
+        "note": note,
+        "started": time.monotonic(),
+        "load_average": {"before": os.getloadavg()[0]},
+    }
+
+
+def end_meta(meta: dict[str, Any]) -> None:
+    """The run's duration and the load average at its end, into ``run_meta``'s record."""
+    meta["duration_s"] = time.monotonic() - meta.pop("started")
+    meta["load_average"]["after"] = os.getloadavg()[0]
