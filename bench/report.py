@@ -71,9 +71,18 @@ _SECTION = re.compile(r"<!-- begin:(?P<name>[\w-]+)\b.*?<!-- end:(?P=name) -->",
 
 
 def keep_sections(page: str, old_page: str) -> str:
-    """``page`` with each marked section replaced by the same section of ``old_page``, if any."""
+    """``page`` with each marked section replaced by the same section of ``old_page``, if any.
+
+    A section of ``old_page`` that ``page`` has no place for is kept too, at the end: a
+    benchmark of its own wrote it, and only that benchmark replaces it.
+    """
     kept = {m["name"]: m[0] for m in _SECTION.finditer(old_page)}
-    return _SECTION.sub(lambda m: kept.get(m["name"], m[0]), page)
+    out = _SECTION.sub(lambda m: kept.get(m["name"], m[0]), page)
+    placed = {m["name"] for m in _SECTION.finditer(page)}
+    for name, block in kept.items():
+        if name not in placed:
+            out = out.rstrip("\n") + "\n\n" + block.strip() + "\n"
+    return out
 
 
 def replace_section(page: str, block: str) -> str:

@@ -86,3 +86,17 @@ def test_the_section_says_each_verdict_and_replaces_its_namesake() -> None:
     assert "| shares 3:1 across 4 processes, within 10% | 2.00 : 1 | **missed** |" in missed
     page = replace_section("# Benchmarks\n", met)
     assert replace_section(page, missed).count("begin:fleet-classes") == 1
+
+
+def test_a_full_bench_run_keeps_the_classes_section_of_the_page() -> None:
+    """``make bench`` rewrites the page from its template and keeps every measured section."""
+    from bench.report import keep_sections
+
+    section = render_section(_results(100))
+    old_page = replace_section("# Benchmarks\n\nold figures\n", section)
+    fresh = "# Benchmarks\n\nnew figures\n"
+    kept = keep_sections(fresh, old_page)
+    assert "new figures" in kept
+    assert section.strip() in kept
+    template = (Path(__file__).resolve().parents[2] / "bench" / "template.md").read_text()
+    assert "<!-- begin:fleet-classes" in template, "the template has a place for it"
