@@ -30,16 +30,39 @@ SCOPE = "classes"
 SHARES = {"interactive": 3.0, "batch": 1.0}
 SUCCESS = AttemptOutcome("success")
 SOURCE = SourceSpec(name="a", max_concurrency=16)
+STRIDE_3_TO_1 = [
+    "interactive",
+    "batch",
+    *["interactive"] * 3,
+    "batch",
+    "interactive",
+    "interactive",
+]
+"""Eight turns of shares 3 (interactive) and 1: the larger share on the first tie."""
+
+
+@pytest.fixture(autouse=True)
+async def _fresh_scope(admin: aioredis.Redis) -> None:
+    """Each test starts with no registry and no passes left by another."""
+    await admin.flushdb()
 
 
 def registry(priority_class: str) -> str:
     return f"pgw:{{{SCOPE}}}:waiting:{priority_class}"
 
 
+def until(priority_class: str) -> str:
+    return f"pgw:{{{SCOPE}}}:waiting_until:{priority_class}"
+
+
 @pytest.fixture
-async def fleet(redis_url: str) -> AsyncIterator[Callable[[], RedisBackend]]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
     """Backends on one Redis and one fake clock (the scripts' ``now``), each a process."""
-    clock = FakeClock()
     made: list[RedisBackend] = []
 
     def make() -> RedisBackend:
@@ -52,10 +75,10 @@ async def fleet(redis_url: str) -> AsyncIterator[Callable[[], RedisBackend]]:
         await backend.aclose()
 
 
-def room_of(backend: RedisBackend, *waiting: str) -> WaitingRoom:
+def room_of(backend: RedisBackend, *waiting: str, shares: dict[str, float] = SHARES) -> WaitingRoom:
     """The backend's room of the scope, classes declared, with a call waiting per class named."""
     room = room_for(backend, SCOPE)
-    room.declare(SHARES, {})
+    room.declare(shares, {})
     for priority_class in waiting:
         room.enter(priority_class=priority_class)
     return room
@@ -98,14 +121,41 @@ async def test_a_refusal_registers_the_process_under_each_class_it_waits_in(
     room.enter(priority_class="interactive")
     await refused(p)
     assert await admin.zcard(registry("batch")) == 0, "it no longer waits in batch"
+    assert await admin.zcard(until("batch")) == 0
     assert await admin.zcard(registry("interactive")) == 1
     room.enter(priority_class="batch")
     await refused(p)
     assert await admin.zcard(registry("batch")) == 1
     await holder.release(leases[0], SUCCESS)
     assert (await p.acquire(SCOPE, [SOURCE], ttl_s=60.0)).lease is not None
-    assert await admin.zcard(registry("batch")) == 0, "a grant unregisters it everywhere"
-    assert await admin.zcard(registry("interactive")) == 0
+    for priority_class in SHARES:  # a grant unregisters it everywhere
+        assert await admin.zcard(registry(priority_class)) == 0
+        assert await admin.zcard(until(priority_class)) == 0
+
+
+async def wake_order(
+    fleet: Callable[[], RedisBackend],
+    admin: aioredis.Redis,
+    shares: dict[str, float],
+    releases: int,
+) -> list[str]:
+    """A process per class of ``shares``, each with a call waiting: whom ``releases`` wake."""
+    holder = fleet()
+    room_for(holder, SCOPE).declare(shares, {})
+    procs = {name: fleet() for name in shares}
+    rooms = {name: room_of(procs[name], name, shares=shares) for name in shares}
+    await listening(admin, len(shares) + 1)  # the holder's room subscribes too
+    leases = await hold(holder, SOURCE.max_concurrency)
+    for name in shares:
+        await refused(procs[name])
+    order: list[str] = []
+    for i, lease in enumerate(leases[:releases]):
+        await holder.release(lease, SUCCESS)
+        async with asyncio.timeout(BOUND_S):
+            while sum(room.wakeups for room in rooms.values()) <= i:
+                await asyncio.sleep(0.005)
+        order.append(next(name for name, room in rooms.items() if room.wakeups > order.count(name)))
+    return order
 
 
 async def test_releases_go_to_the_classes_in_proportion_to_their_shares(
@@ -116,30 +166,24 @@ async def test_releases_go_to_the_classes_in_proportion_to_their_shares(
     Round robin between the two processes would wake each 4 times: the turn
     goes to the class first. The order is the stride order: interactive on
     the tie (larger share), then batch, then interactive three times, ...
+    whichever class is declared first.
     """
-    holder, p, q = fleet(), fleet(), fleet()
-    rooms = {"batch": room_of(p, "batch"), "interactive": room_of(q, "interactive")}
-    room_for(holder, SCOPE).declare(SHARES, {})
-    await listening(admin, 3)  # the holder's room subscribes too
-    leases = await hold(holder, SOURCE.max_concurrency)
-    await refused(p)
-    await refused(q)
-    order = []
-    for i, lease in enumerate(leases[:8]):
-        await holder.release(lease, SUCCESS)
-        async with asyncio.timeout(BOUND_S):
-            while sum(room.wakeups for room in rooms.values()) <= i:
-                await asyncio.sleep(0.005)
-        order.append(next(name for name, room in rooms.items() if room.wakeups > order.count(name)))
-    assert order == [
-        "interactive",
-        "batch",
-        *["interactive"] * 3,
-        "batch",
-        "interactive",
-        "interactive",
-    ]
-    assert Counter(order) == {"interactive": 6, "batch": 2}
+    assert await wake_order(fleet, admin, SHARES, 8) == STRIDE_3_TO_1
+
+
+async def test_the_stride_order_does_not_depend_on_the_order_classes_are_declared(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The same eight turns with the share-1 class declared first."""
+    low_first = {"batch": 1.0, "interactive": 3.0}
+    assert await wake_order(fleet, admin, low_first, 8) == STRIDE_3_TO_1
+
+
+async def test_on_a_tie_of_passes_and_shares_the_class_declared_first_goes(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Equal shares: the turns alternate, the first to the class declared first."""
+    assert await wake_order(fleet, admin, {"y": 1.0, "x": 1.0}, 4) == ["y", "x", "y", "x"]
 
 
 async def test_a_class_back_from_idle_gets_no_credit_for_its_idle_time(
@@ -166,6 +210,25 @@ async def test_a_class_back_from_idle_gets_no_credit_for_its_idle_time(
         while batch.wakeups + interactive.wakeups < 14:
             await asyncio.sleep(0.005)
     assert (interactive.wakeups, batch.wakeups) == (3, 11), "3:1 from the moment both wait"
+
+
+async def test_a_class_whose_registrations_lapsed_takes_no_turn(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """Interactive's one process stopped polling 60 s ago (lapsed at that very instant):
+    the release goes to batch's process, not to an empty class with the larger share."""
+    holder, p, q = fleet(), fleet(), fleet()
+    room_for(holder, SCOPE).declare(SHARES, {})
+    lapsed, batch = room_of(p, "interactive"), room_of(q, "batch")
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    clock.advance(60.0)  # the registration's TTL: it expires now
+    await refused(q)
+    await holder.release(leases[0], SUCCESS)
+    await woken(batch, 1)
+    assert lapsed.wakeups == 0
+    assert await admin.zcard(registry("interactive")) == 0, "swept"
 
 
 async def test_the_releasing_process_is_told_which_class_the_turn_is_for(
@@ -279,7 +342,7 @@ async def test_the_class_registries_and_passes_expire_like_the_rest_of_the_scope
     leases = await hold(holder, SOURCE.max_concurrency)
     await refused(p)
     assert await admin.ttl(registry("batch")) == 61
-    assert await admin.ttl(f"pgw:{{{SCOPE}}}:waiting_until:batch") == 61
+    assert await admin.ttl(until("batch")) == 61
     await holder.release(leases[0], SUCCESS)
     await woken(room, 1)
     assert await admin.ttl(f"pgw:{{{SCOPE}}}:classes") == 86400
