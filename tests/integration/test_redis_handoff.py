@@ -331,3 +331,24 @@ async def test_a_grant_at_a_source_with_room_still_replaces_the_processs_placeho
     assert await admin.zrange(LEASES, 0, -1) == [granted.lease_id]
     await w.p.release(granted, SUCCESS)
     assert (await w.p.snapshot(SCOPE)).in_flight == 0
+
+
+async def test_a_release_whose_only_registrant_is_gone_wakes_the_releasing_processs_room(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The one registered process stopped listening: its placeholder is taken back and the
+    releasing process's own waiters hear of the permit (nobody else will)."""
+    p, gone = fleet(), fleet()
+    room = waiting_in(p)  # a call waits in P, which was never refused: not registered
+    waiting_in(gone)
+    await listening(admin, 2)
+    (lease,) = await hold(p, 1, spec(1))
+    await register(admin, gone, spec(1))
+    await gone.aclose()
+    async with asyncio.timeout(BOUND_S):
+        while len(await admin.pubsub_channels("pgw:wake:*")) > 1:
+            await asyncio.sleep(0.01)
+    await p.release(lease, SUCCESS)
+    await woken(room)
+    assert await admin.zrange(LEASES, 0, -1) == []
+    assert await admin.zcard(WAITING) == 0
