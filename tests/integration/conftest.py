@@ -13,6 +13,10 @@ the keys the scripts wrote.
 
 ``sentinel_setup``: a primary, its replica and one Sentinel of their own
 (``_redis_topologies.SentinelSetup``), for the Sentinel and failover tests.
+
+``fleet``: ``RedisBackend`` objects on the suite's Redis, each a process of a
+fleet, whose scripts read ``clock`` (a ``FakeClock``) and whose socket
+timeout (and so hand-off TTL) is ``FLEET_SOCKET_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pytest
 import redis.asyncio as aioredis
 from _redis_tls import TLSRedis, start_tls_redis
 from _redis_topologies import SentinelSetup
+from _wakeups import FLEET_SOCKET_TIMEOUT_S
 
 from polygateway.backends.base import Backend
 from polygateway.backends.memory import MemoryBackend
@@ -81,3 +86,23 @@ def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
         yield setup
     finally:
         setup.stop()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
+    """Backends on one Redis and one fake clock, each a process of the fleet."""
+    made: list[RedisBackend] = []
+
+    def make() -> RedisBackend:
+        backend = RedisBackend(redis_url, now=clock, socket_timeout_s=FLEET_SOCKET_TIMEOUT_S)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        await backend.aclose()

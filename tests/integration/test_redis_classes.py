@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -53,26 +53,6 @@ def registry(priority_class: str) -> str:
 
 def until(priority_class: str) -> str:
     return f"pgw:{{{SCOPE}}}:waiting_until:{priority_class}"
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
-    """Backends on one Redis and one fake clock (the scripts' ``now``), each a process."""
-    made: list[RedisBackend] = []
-
-    def make() -> RedisBackend:
-        backend = RedisBackend(redis_url, now=clock, socket_timeout_s=0.5)
-        made.append(backend)
-        return backend
-
-    yield make
-    for backend in made:
-        await backend.aclose()
 
 
 def room_of(backend: RedisBackend, *waiting: str, shares: dict[str, float] = SHARES) -> WaitingRoom:

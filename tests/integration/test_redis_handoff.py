@@ -10,13 +10,12 @@ design.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
-from _wakeups import BOUND_S, listening
+from _wakeups import BOUND_S, FLEET_SOCKET_TIMEOUT_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -28,32 +27,10 @@ LEASES = f"pgw:{{{SCOPE}}}:leases:a"
 META = f"pgw:{{{SCOPE}}}:lease_meta:a"
 WAITING = f"pgw:{{{SCOPE}}}:waiting"
 SUCCESS = AttemptOutcome("success")
-SOCKET_TIMEOUT_S = 0.5
-"""The backends' socket timeout, and so their hand-off TTL (capped by it; 1 s otherwise)."""
 
 
 def spec(max_concurrency: int, **limits: Any) -> SourceSpec:
     return SourceSpec(name="a", max_concurrency=max_concurrency, **limits)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
-    """Backends on one Redis and one fake clock, each a process of the fleet."""
-    made: list[RedisBackend] = []
-
-    def make() -> RedisBackend:
-        backend = RedisBackend(redis_url, now=clock, socket_timeout_s=SOCKET_TIMEOUT_S)
-        made.append(backend)
-        return backend
-
-    yield make
-    for backend in made:
-        await backend.aclose()
 
 
 def waiting_in(backend: RedisBackend) -> WaitingRoom:
@@ -147,7 +124,7 @@ async def test_an_unclaimed_placeholder_lapses_after_the_handoff_ttl(
     await w.holder.release(w.leases[0], SUCCESS)
     await woken(w.room)
     assert await admin.ttl(LEASES) == 2, "the recreated key outlives the placeholder by 1 s"
-    clock.advance(SOCKET_TIMEOUT_S - 0.01)
+    clock.advance(FLEET_SOCKET_TIMEOUT_S - 0.01)
     await refused(w.holder, spec(1), "concurrency")
     clock.advance(0.01)
     assert (await w.holder.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
