@@ -651,7 +651,9 @@ def measure(url: str, *, pairs: int, walk_pairs: int, sources: int, rounds: int)
     for round_ in range(rounds):
         for case, variant, n, size in plan:
             if variant is None:
-                run = _baseline(client, size)
+                # At least 1,000 pairs: fewer INCRs than that take a few microseconds in
+                # all, which the server counts in whole microseconds (and divides by).
+                run = _baseline(client, max(size, _BASELINE_PAIRS))
             else:
                 tag = f"{case}-{variant.key}-{round_}"
                 run = _scripts_run(client, variant, n, size, shas[variant.key], real_acquire, tag)
@@ -724,6 +726,9 @@ def _commands(runs: list[_Run]) -> list[dict[str, Any]]:
 
 
 # -- reporting ---------------------------------------------------------------------------------
+
+_BASELINE_PAIRS = 1000
+"""The fewest INCR/DECR pairs the baseline is measured over, whatever ``--pairs`` says."""
 
 ROW_COLUMNS = (
     ("case", "case"),
