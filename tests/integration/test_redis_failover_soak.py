@@ -68,7 +68,8 @@ STEADY_S = 10.0
 
 DEADLINE_S = 20.0
 """Each call's ``deadline_s``: a call waiting in a gap may wait as long as the stall rule
-allows otherwise (DESIGN.md §5); past it, it ends with ``AllSourcesExhausted("deadline")``."""
+allows otherwise (research-wiki/ARCHITECTURE.md §5); past it, it ends with
+``AllSourcesExhausted("deadline")``."""
 CALL_BOUND_S = DEADLINE_S + 3 * SOCKET_TIMEOUT_S
 """No call may outlast its deadline by more (a hung call fails the soak, it does not stall it)."""
 FAILOVER_BOUND_S = 45.0
