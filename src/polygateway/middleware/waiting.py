@@ -118,9 +118,7 @@ class ClassState:
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
         self.in_use = 0  # permits its calls hold in this process (``hold``, ``unhold``)
-        self.asking = (
-            0  # its calls' acquires in flight (kept by the loop, as ``WaitingRoom.asking``)
-        )
+        self.asking = 0  # its calls' acquires in flight (the loop keeps it, as the room's)
 
 
 class WaitingRoom:
