@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 from _redis_topologies import Process, SentinelSetup
+from _traffic import Traffic
 
 from polygateway.backends.redis import RedisBackend, codec
 from polygateway.chat import ChatClient
@@ -84,62 +85,6 @@ DRAIN_BOUND_S = 15.0
 """Traffic stopped to no permit held: retried releases back off to one socket timeout."""
 SOAK_BOUND_S = 420.0
 """The whole soak, setup excepted; about two minutes when nothing goes wrong."""
-
-
-@dataclass
-class Outcome:
-    """One call as its caller saw it."""
-
-    started: float
-    ended: float
-    kind: str  # "ok" or the error's class name
-
-
-@dataclass
-class Traffic:
-    """Callers of every client calling the scope in a loop until told to stop."""
-
-    clients: list[ChatClient]
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def _caller(self, chat: ChatClient, n: int) -> None:
-        i = 0
-        while not self.stop.is_set():
-            i += 1
-            started = time.monotonic()
-            try:
-                async with asyncio.timeout(CALL_BOUND_S):
-                    await chat.complete(
-                        [{"role": "user", "content": f"c{n} #{i}"}],
-                        max_tokens=4,
-                        deadline_s=DEADLINE_S,
-                    )
-                kind = "ok"
-            except GatewayUnavailableError as exc:  # any other error fails the soak
-                kind = type(exc).__name__
-            self.outcomes.append(Outcome(started, time.monotonic(), kind))
-            if kind != "ok":
-                await asyncio.sleep(REQUEUE_S)
-
-    async def run(self) -> None:
-        """Run every caller until ``stop``; an error other than fail-closed ones fails here."""
-        await asyncio.gather(
-            *(
-                self._caller(chat, p * CALLERS_PER_PROCESS + n)
-                for p, chat in enumerate(self.clients)
-                for n in range(CALLERS_PER_PROCESS)
-            )
-        )
-
-    def first_ok(self, started_after: float) -> Outcome | None:
-        return next(
-            (o for o in self.outcomes if o.kind == "ok" and o.started >= started_after), None
-        )
-
-    def between(self, start: float, end: float) -> Counter[str]:
-        """Calls that ended in ``[start, end)``, by kind."""
-        return Counter(o.kind for o in self.outcomes if start <= o.ended < end)
 
 
 @dataclass
@@ -374,7 +319,14 @@ async def test_failovers_under_traffic_fail_closed_serve_again_and_lose_no_permi
     """Six failovers (four kills, two freezes) under nonstop traffic from two processes:
     limits hold, failures are typed, service returns in bounds, no permit is lost."""
     caplog.set_level(logging.WARNING, logger="polygateway.backends.redis")
-    traffic = Traffic(clients)
+    traffic = Traffic(
+        clients,
+        CALLERS_PER_PROCESS,
+        REQUEUE_S,
+        fails_closed=(GatewayUnavailableError,),  # any other error fails the soak
+        call_bound_s=CALL_BOUND_S,
+        options={"deadline_s": DEADLINE_S},
+    )
     cycles: list[Cycle] = []
     before: Counter[str] = Counter()
     drain_s: float | None = None

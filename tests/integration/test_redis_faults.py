@@ -23,14 +23,15 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from _traffic import Traffic
 
 from polygateway.backends.redis import RedisBackend
 from polygateway.chat import ChatClient
-from polygateway.errors import AllSourcesExhausted, GatewayError, GovernanceBackendError
+from polygateway.errors import AllSourcesExhausted, GovernanceBackendError
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 from polygateway.testing import gateway_settings
 from polygateway.transport.http import HttpRequest, TransientError
@@ -46,42 +47,6 @@ BOUND_S = 60.0
 # Calls admitted just before a fault end within the upstream's latency plus a release that
 # times out; after that, every call that ends must have failed closed.
 GRACE_S = SOCKET_TIMEOUT_S + 0.2
-
-
-@dataclass
-class Outcome:
-    """One call as a worker saw it."""
-
-    started: float
-    ended: float
-    kind: str  # "ok" or the error's class name
-
-
-@dataclass
-class Traffic:
-    """Workers calling the scope in a loop until told to stop."""
-
-    chat: ChatClient
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def _worker(self, n: int) -> None:
-        i = 0
-        while not self.stop.is_set():
-            i += 1
-            started = time.monotonic()
-            try:
-                await self.chat.complete([{"role": "user", "content": f"w{n} c{i}"}], max_tokens=4)
-                kind = "ok"
-            except GatewayError as exc:
-                kind = type(exc).__name__
-            self.outcomes.append(Outcome(started, time.monotonic(), kind))
-            if kind != "ok":
-                await asyncio.sleep(REQUEUE_S)
-
-    async def run(self) -> None:
-        """Run the workers until ``stop`` is set; any exception but a GatewayError fails here."""
-        await asyncio.gather(*(self._worker(n) for n in range(WORKERS)))
 
 
 @dataclass
@@ -198,7 +163,7 @@ async def test_redis_killed_mid_run_fails_closed_then_recovers_on_restart(
     rig: Rig, redis_server: Any
 ) -> None:
     """Kill redis-server under traffic: calls fail closed; restart it: the same client serves."""
-    traffic = Traffic(rig.chat)
+    traffic = Traffic([rig.chat], WORKERS, REQUEUE_S)
     running = asyncio.create_task(traffic.run())
     await asyncio.sleep(0.5)
     assert any(o.kind == "ok" for o in traffic.outcomes)
@@ -221,7 +186,7 @@ async def test_redis_frozen_past_the_socket_timeout_fails_closed_then_recovers(
     # Acquires sent into the frozen server run when it wakes, their callers long gone. Those
     # grants must not hold permits until their leases expire (a minute here): the scope
     # serves right after the thaw and holds no permit once traffic stops (``finish``).
-    traffic = Traffic(rig.chat)
+    traffic = Traffic([rig.chat], WORKERS, REQUEUE_S)
     running = asyncio.create_task(traffic.run())
     await asyncio.sleep(0.5)
     assert any(o.kind == "ok" for o in traffic.outcomes)
@@ -243,7 +208,7 @@ async def test_script_flush_mid_run_is_survived_without_a_failed_call(
     rig: Rig, redis_server: Any
 ) -> None:
     """SCRIPT FLUSH under traffic: scripts reload on NOSCRIPT, no call fails, limits hold."""
-    traffic = Traffic(rig.chat)
+    traffic = Traffic([rig.chat], WORKERS, REQUEUE_S)
     rig.sim.reset_stats()
     started = time.monotonic()
     running = asyncio.create_task(traffic.run())
@@ -270,7 +235,7 @@ async def test_redis_chaos_for_minutes_fails_closed_and_recovers_every_time(
     rig: Rig, redis_server: Any
 ) -> None:
     """Soak: kill, freeze and flush Redis in turn for three minutes; every cycle holds."""
-    traffic = Traffic(rig.chat)
+    traffic = Traffic([rig.chat], WORKERS, REQUEUE_S)
     running = asyncio.create_task(traffic.run())
     rng = random.Random(5)
     cycles: Counter[str] = Counter()
