@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,8 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
+from _ports import free_port
+
 settings.register_profile(
     "polygateway", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -34,14 +35,6 @@ settings.load_profile("polygateway")
 
 _START_DEADLINE_S = 10.0
 _STOP_DEADLINE_S = 10.0
-
-
-def _free_port() -> int:
-    """A port on 127.0.0.1 nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:
@@ -57,7 +50,7 @@ class RedisServer:
             )
         self.binary = binary
         self.directory = directory
-        self.port = _free_port()
+        self.port = free_port()
         self.password = password
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None

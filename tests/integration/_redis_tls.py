@@ -7,7 +7,6 @@ and the wake-ups'.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from _ports import free_port
 
 TLS_PASSWORD = "tls-pw-FAKE-3b9d"
 
@@ -59,17 +60,10 @@ def tls_files(directory: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def start_tls_redis(make_redis_server: Callable[..., Any], directory: Path) -> TLSRedis:
     """Start a server with TLS besides TCP (``make_redis_server``), its files in ``directory``."""
     ca, cert, key = tls_files(directory)
-    tls_port = _free_port()
+    tls_port = free_port()
     server = make_redis_server(
         *("--tls-port", str(tls_port), "--tls-cert-file", str(cert)),
         *("--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"),

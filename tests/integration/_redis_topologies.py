@@ -12,7 +12,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -23,16 +22,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from _ports import free_port
+
 _START_S = 15.0
 _STOP_S = 10.0
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def binary(name: str) -> str:
