@@ -267,9 +267,28 @@ class SentinelSetup:
     """
 
     MASTER = "mymaster"
+    DOWN_AFTER_MS = 2000
+    """Sentinel's ``down-after-milliseconds``: twice its reconnection period, never equal to it.
+
+    At ``+switch-master`` Sentinel resets the master's record (``sentinelResetMaster``
+    in ``sentinel.c``): the new primary counts as unanswered from that moment
+    (``act_ping_time = now``), yet its link is remade no sooner than
+    ``SENTINEL_PING_PERIOD`` (1 s) after the last reconnection attempt, which, for
+    a killed primary, Sentinel was making every second until the switch
+    (``sentinelReconnectInstance``). With 1000 ms here the first PONG of a
+    healthy new primary could come after ``down-after-milliseconds``:
+    ``+sdown``, ``+odown`` (quorum 1) and, the reset having also cleared the
+    failover timer ("We can failover again ASAP"), a second failover about a
+    second after the first, which promoted the killed primary restarted a moment
+    before as a replica, still in its full sync and holding the data of its
+    previous life (the failover soak's "no replica acknowledges": Sentinel's log
+    shows ``+switch-master`` to the new primary, ``+sdown`` of it 1.0 s later and
+    ``-sdown`` 50 ms after that, too late). 2000 ms leaves that first PONG a
+    second of margin; detection takes a second longer.
+    """
 
     def __init__(
-        self, directory: Path, *, down_after_ms: int = 1000, sentinel_password: str = ""
+        self, directory: Path, *, down_after_ms: int = DOWN_AFTER_MS, sentinel_password: str = ""
     ) -> None:
         self.primary = Process(directory / "primary", "redis-server")
         self.replica = Process(directory / "replica", "redis-server")
