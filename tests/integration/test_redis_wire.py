@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -557,8 +558,54 @@ async def test_a_connection_abandoned_while_being_made_is_made_again_where_locat
             assert await reply == b"OK"
     finally:
         await link.aclose()
-    assert located == [old, new]
+    assert located == [old, new, new]  # the last: asked again once connected
     assert link.endpoint == new
     with redis.Redis.from_url(new_server.url) as on_new, redis.Redis.from_url(redis_url) as on_old:
         assert on_new.get("abandon-test") == b"written"
         assert on_old.get("abandon-test") is None
+
+
+async def test_a_connection_made_where_locate_no_longer_points_is_made_again(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """A connection that comes up on a server ``locate`` no longer names is never written to.
+
+    Behind Sentinel: a connection being made to a frozen primary completes once
+    it thaws, its ROLE still master. Sentinel names the promoted replica from
+    its reconfiguration step on but announces ``+switch-master`` only at the
+    failover's end, so a thaw in between leaves nothing to abandon the
+    connection: the commands queued for it (in the failover soak, the releases
+    of the gap written again) ran on the old primary and were lost at its
+    demotion, their leases held on the new one until they expired. So the wire
+    asks again once connected, and goes where the answer is now.
+    """
+    old_server, new_server = make_redis_server(), make_redis_server()
+    old = replace(wire.Endpoint.from_url(old_server.url, connect_timeout_s=5.0), primary_only=True)
+    new = replace(wire.Endpoint.from_url(new_server.url, connect_timeout_s=5.0), primary_only=True)
+    named = [old]  # what the Sentinels name now
+    asked = asyncio.Event()
+
+    async def locate() -> wire.Endpoint:
+        asked.set()
+        return named[0]
+
+    link = wire.Wire(old, late_reply_s=5.0, locate=locate)
+    reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    old_server.pause()
+    try:
+        link.send(wire.command("SET", "moved-test", "written"), reply.set_result)
+        await asked.wait()  # located: connecting to the frozen primary
+        named[0] = new  # the replica is promoted; no announcement yet
+        old_server.resume()  # the old primary answers, still a master
+        async with asyncio.timeout(10):
+            assert await reply == b"OK"
+    finally:
+        old_server.resume()
+        await link.aclose()
+    assert link.endpoint == new
+    with (
+        redis.Redis.from_url(new_server.url) as on_new,
+        redis.Redis.from_url(old_server.url) as on_old,
+    ):
+        assert on_old.get("moved-test") is None
+        assert on_new.get("moved-test") == b"written"

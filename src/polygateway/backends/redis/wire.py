@@ -70,7 +70,8 @@ classes, nothing else. What this module does:
   ``READONLY``) goes to it with the command, instead of to the command's
   callback, to be sent again where it belongs. Behind Sentinel
   (``sentinel.py``) the wire asks where the primary is (``locate``) before
-  each connection, and refuses a server that is not a primary (``ROLE``).
+  each connection, and refuses a server that is not a primary (``ROLE``);
+  once connected it asks again, and leaves a server no longer named.
 
 Timeouts of callers are not this module's (``bounded.Deadlines``).
 """
@@ -519,7 +520,16 @@ class Wire:
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
     async def _open(self, link: Link) -> None:
-        """Connect and greet within the endpoint's connect timeout (after locating the server)."""
+        """Connect and greet within the endpoint's connect timeout (after locating the server).
+
+        With ``locate``, the server is located again once the connection is up,
+        and a connection to a server no longer named is abandoned (made again
+        where the answer points): connecting may have waited for a server that
+        did not answer (a frozen primary), and the answer may have changed
+        meanwhile without a word to ``abandon`` (Sentinel names a promoted
+        replica before it announces ``+switch-master``). One more question to
+        the Sentinels per connection, never per command.
+        """
         if self._locate is not None:
             self._endpoint = await self._locate()
         endpoint = self._endpoint
@@ -529,6 +539,10 @@ class Wire:
                 await _greet(endpoint, link)
         except TimeoutError as exc:
             raise RedisTimeoutError("Timeout connecting to server") from exc
+        if self._locate is not None and not self._abandoned:
+            now = await self._locate()
+            if (now.host, now.port, now.path) != (endpoint.host, endpoint.port, endpoint.path):
+                self._abandoned = True
 
     async def _connect(self) -> None:
         while True:
