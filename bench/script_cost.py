@@ -26,13 +26,9 @@ them).
 
 The figures and the plan they feed: research-wiki/designs/script-cost.md.
 
-The variants other than ``current`` are EXPERIMENTS: copies of the scripts
-with one part cut or changed, made here by exact text edits of the real
-scripts (a script that changed under an edit stops the run, never measures
-something else). They keep only the path measured (a grant with room, no
-waiters, no probe) right, and exist only to attribute the cost; none is a
-proposal to ship as it is. ``empty`` is a script that does nothing but take
-the same KEYS and ARGV: the floor of EVALSHA itself.
+Besides the ``current`` scripts, ``empty`` is a script that does nothing but
+take the same KEYS and ARGV: the floor of EVALSHA itself, which no cut inside
+the scripts can go below.
 """
 
 from __future__ import annotations
@@ -72,263 +68,7 @@ FULL_LEASE_TTL_S = 3600.0
 """The lease that keeps a walked-past source full for the whole run."""
 
 
-# -- the experiments: exact text edits of the real scripts ------------------------------------
-
-
-def _edit(text: str, edits: Sequence[tuple[str, str]], what: str) -> str:
-    """``text`` with each (old, new) applied; each old must occur exactly once."""
-    for old, new in edits:
-        found = text.count(old)
-        if found != 1:
-            raise SystemExit(
-                f"bench.script_cost: experiment {what!r} expects one {old.strip()[:60]!r} in the"
-                f" script, found {found}: scripts.py changed, update the experiment"
-            )
-        text = text.replace(old, new)
-    return text
-
-
-_A_SPEC_HSET = """  redis.call('HSET', sk, 'max_concurrency', ARGV[a + 2], 'rpm', ARGV[a + 3],
-    'rpm_cap', ARGV[a + 4], 'tpm', ARGV[a + 5], 'tpm_cap', ARGV[a + 6],
-    'breaker_failures', ARGV[a + 7], 'cooldown_s', ARGV[a + 8], 'cooldown_max_s', ARGV[a + 9])
-"""
-_A_EXPIRES = (
-    ("  redis.call('EXPIRE', KEYS[1], state_ttl)\n", ""),
-    ("  redis.call('EXPIRE', sk, math.max(state_ttl, math.ceil(cooldown_max) + 1))\n", ""),
-    (
-        """  for _, key in ipairs({lk, mk}) do
-    if redis.call('TTL', key) < keep then
-      redis.call('EXPIRE', key, keep)
-    end
-  end
-""",
-        "",
-    ),
-)
-_R_EXPIRE = (
-    "redis.call('EXPIRE', sk, math.max(tonumber(ARGV[10]), math.ceil(cooldown_max) + 1))\n",
-    "",
-)
-_A_SOURCES = (
-    """  if not redis.call('ZSCORE', KEYS[1], name) then
-    redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), name)
-  end
-""",
-    "",
-)
-_A_SWEEP_CALL = "  drop_expired(lk, mk)\n"
-_A_SWEEP_RANGE = "  local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)\n"
-_R_SWEEP = """local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)
-local n = #expired
-for first = 1, n, 1000 do
-  local last = math.min(first + 999, n)
-  redis.call('ZREM', lk, unpack(expired, first, last))
-  redis.call('HDEL', mk, unpack(expired, first, last))
-end
-"""
-_R_SWEEP_RANGE = "\nlocal expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)\n"
-_A_REFILL_HSETS = (
-    (
-        "    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s)\n"
-        "    if not (rpm_tokens >= 1) then\n",
-        "    if not (rpm_tokens >= 1) then\n",
-    ),
-    (
-        "    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens), 'tpm_at', now_s)\n"
-        "    local need",
-        "    local need",
-    ),
-)
-_A_COMMIT_HSETS = """  if rpm ~= nil then
-    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens - 1))
-  end
-  if tpm ~= nil then
-    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens - cost))
-  end
-"""
-_A_ONE_HSET = """  -- EXPERIMENT: refills and commit in one HSET (right on the grant path only)
-  local w = {}
-  if rpm ~= nil then
-    w[#w + 1], w[#w + 2] = 'rpm_tokens', fmt(rpm_tokens - 1)
-    w[#w + 1], w[#w + 2] = 'rpm_at', now_s
-  end
-  if tpm ~= nil then
-    w[#w + 1], w[#w + 2] = 'tpm_tokens', fmt(tpm_tokens - cost)
-    w[#w + 1], w[#w + 2] = 'tpm_at', now_s
-  end
-"""
-_A_SPEC_FIELDS = """  for k, f in ipairs({'max_concurrency', 'rpm', 'rpm_cap', 'tpm', 'tpm_cap',
-      'breaker_failures', 'cooldown_s', 'cooldown_max_s'}) do
-    w[#w + 1], w[#w + 2] = f, ARGV[a + 1 + k]
-  end
-"""
-_A_FLUSH = """  if #w > 0 then
-    redis.call('HSET', sk, unpack(w))
-  end
-"""
-_R_MAIN_HSET = """\
-redis.call('HSET', sk, 'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
-  'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
-  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe)
-"""
-_R_RECONCILE = """local used = tonumber(ARGV[6])
-if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
-  local reserved = tonumber(string.match(meta or '0', '^(%S+)'))
-  redis.call('HSET', sk, 'tpm_tokens', fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
-end
-"""
-_R_ONE_HSET = """-- EXPERIMENT: the outcome and the tpm reconciliation in one HSET
-local w = {'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
-  'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
-  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe}
-local used = tonumber(ARGV[6])
-if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
-  local reserved = tonumber(string.match(meta or '0', '^(%S+)'))
-  w[#w + 1] = 'tpm_tokens'
-  w[#w + 1] = fmt(math.min(tpm_cap, tpm_tokens + reserved - used))
-end
-redis.call('HSET', sk, unpack(w))
-"""
-
-
-_A_FIRST_SIGHT = "'probe_until', '0', 'not_before', '0')\n"
-
-
-def _spec_at_first_sight(a: str, r: str) -> tuple[str, str]:
-    """The spec written at a source's first sight only (RELEASE needs it: never cut it)."""
-    edits = [(_A_SPEC_HSET, ""), (_A_FIRST_SIGHT, _A_FIRST_SIGHT + _A_SPEC_HSET)]
-    return _edit(a, edits, "spec at first sight"), r
-
-
-def _no_expire(a: str, r: str) -> tuple[str, str]:
-    return _edit(a, _A_EXPIRES, "no EXPIRE"), _edit(r, [_R_EXPIRE], "no EXPIRE")
-
-
-def _no_sources_zscore(a: str, r: str) -> tuple[str, str]:
-    return _edit(a, [_A_SOURCES], "no sources ZSCORE"), r
-
-
-def _no_sweep(a: str, r: str) -> tuple[str, str]:
-    return (
-        _edit(a, [(_A_SWEEP_CALL, "")], "no sweep"),
-        _edit(r, [(_R_SWEEP, "")], "no sweep"),
-    )
-
-
-def _sweep_peek(a: str, r: str) -> tuple[str, str]:
-    peek_a = (
-        "  local low = redis.call('ZRANGE', lk, 0, 0, 'WITHSCORES')  -- EXPERIMENT: peek first\n"
-        "  if low[2] == nil or tonumber(low[2]) > now then\n"
-        "    return\n"
-        "  end\n" + _A_SWEEP_RANGE
-    )
-    peek_r = (
-        "\nlocal low = redis.call('ZRANGE', lk, 0, 0, 'WITHSCORES')  -- EXPERIMENT: peek first\n"
-        "local expired = {}\n"
-        "if low[2] ~= nil and tonumber(low[2]) <= now then\n"
-        "  expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)\n"
-        "end\n"
-    )
-    return (
-        _edit(a, [(_A_SWEEP_RANGE, peek_a)], "sweep peek"),
-        _edit(r, [(_R_SWEEP_RANGE, peek_r)], "sweep peek"),
-    )
-
-
-def _one_hset(a: str, r: str, *, spec: bool = True) -> tuple[str, str]:
-    commit = _A_ONE_HSET + (_A_SPEC_FIELDS if spec else "") + _A_FLUSH
-    if not spec:
-        a, r = _spec_at_first_sight(a, r)
-    else:
-        a = _edit(a, [(_A_SPEC_HSET, "")], "one HSET")
-    a = _edit(a, [*_A_REFILL_HSETS, (_A_COMMIT_HSETS, commit)], "one HSET")
-    r = _edit(r, [(_R_RECONCILE, ""), (_R_MAIN_HSET, _R_ONE_HSET)], "one HSET")
-    return a, r
-
-
-def _no_lease_meta(a: str, r: str) -> tuple[str, str]:
-    a = _edit(
-        a,
-        [("  redis.call('HSET', mk, lease_id, fmt(cost) .. ' ' .. fmt(ttl))\n", "")],
-        "no lease_meta",
-    )
-    if "ipairs({lk, mk})" in a:
-        a = _edit(a, [("ipairs({lk, mk})", "ipairs({lk})")], "no lease_meta")
-    r = _edit(
-        r,
-        [
-            (
-                "local meta = redis.call('HGET', mk, lease_id)\n",
-                "local meta = nil  -- EXPERIMENT: the reservation would travel with the lease\n",
-            ),
-            ("redis.call('HDEL', mk, lease_id)\n", ""),
-        ],
-        "no lease_meta",
-    )
-    return a, r
-
-
-def _all_stripped(a: str, r: str) -> tuple[str, str]:
-    a, r = _one_hset(a, r, spec=False)
-    for strip in (_no_expire, _no_sources_zscore, _no_sweep, _no_lease_meta):
-        a, r = strip(a, r)
-    return a, r
-
-
-_VERDICTS_READ = """
--- EXPERIMENT: a per-scope hash (the last KEY) of sources known full: state key -> until when
--- (the earliest expiry among its leases); read for every candidate in one HMGET.
-local vk = KEYS[#KEYS]
-local names = {}
-for i = 1, count do
-  names[i] = KEYS[3 * i - 1]
-end
-local verdicts = redis.call('HMGET', vk, unpack(names))
-
-local result = {0, 0}
-"""
-_VERDICTS_LOOP = """  local reason, reopen, probe
-  local v = verdicts[i]
-  if v and tonumber(v) > now then
-    reason = 'concurrency'
-  else
-    reason, reopen, probe = examine(i, 5 + 9 * (i - 1))
-    if reason == 'concurrency' then
-      local low = redis.call('ZRANGE', KEYS[3 * i], 0, 0, 'WITHSCORES')
-      redis.call('HSET', vk, names[i], low[2])
-    end
-  end
-"""
-
-
-def _verdicts(a: str, r: str) -> tuple[str, str]:
-    a = _edit(
-        a,
-        [
-            ("\nlocal result = {0, 0}\n", _VERDICTS_READ),
-            (
-                "  local reason, reopen, probe = examine(i, 5 + 9 * (i - 1))\n",
-                _VERDICTS_LOOP,
-            ),
-        ],
-        "verdicts",
-    )
-    r = _edit(
-        r,
-        [
-            (
-                "redis.call('ZREM', lk, lease_id)\n",
-                "redis.call('ZREM', lk, lease_id)\n"
-                "redis.call('HDEL', KEYS[7], sk)  -- EXPERIMENT: a release ends the verdict\n",
-            )
-        ],
-        "verdicts",
-    )
-    return a, r
-
-
-def _stripped_and_verdicts(a: str, r: str) -> tuple[str, str]:
-    return _verdicts(*_all_stripped(a, r))
+# -- the floor: a script that takes the same KEYS and ARGV and does nothing ------------------
 
 
 _EMPTY = "-- EXPERIMENT: the same KEYS and ARGV, no work: EVALSHA's own floor\nreturn 1\n"
@@ -340,13 +80,12 @@ def _empty(a: str, r: str) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One pair of scripts to measure: ``current`` or an experiment on it."""
+    """One pair of scripts to measure: ``current``, or the floor of EVALSHA."""
 
     key: str
     label: str
     make: Callable[[str, str], tuple[str, str]] | None
     cases: tuple[str, ...]
-    verdicts: bool = False  # takes the per-scope verdict hash as its last KEY
     checked: bool = True  # replies are the real contract's (grant, freed)
 
 
@@ -354,22 +93,6 @@ ONE, TWO, WALK = "one", "two", "walk"
 CASES = ("baseline", ONE, TWO, WALK)
 VARIANTS = (
     Variant("current", "current scripts", None, (ONE, TWO, WALK)),
-    Variant("spec_once", "spec HSET at first sight only", _spec_at_first_sight, (ONE,)),
-    Variant("no_expire", "- EXPIRE / TTL (both)", _no_expire, (ONE,)),
-    Variant("no_sources_zscore", "- sources ZSCORE (ACQUIRE)", _no_sources_zscore, (ONE,)),
-    Variant("no_sweep", "- lease sweep (both)", _no_sweep, (ONE,)),
-    Variant("sweep_peek", "sweep behind ZRANGE 0 0 peek", _sweep_peek, (ONE,)),
-    Variant("one_hset", "one HSET per script (spec included)", _one_hset, (ONE,)),
-    Variant("no_lease_meta", "- lease_meta hash (both)", _no_lease_meta, (ONE,)),
-    Variant("all_stripped", "all of the above cuts", _all_stripped, (ONE, TWO, WALK)),
-    Variant("verdicts", "full sources skipped by verdict", _verdicts, (TWO, WALK), verdicts=True),
-    Variant(
-        "stripped_verdicts",
-        "all cuts + verdicts",
-        _stripped_and_verdicts,
-        (TWO, WALK),
-        verdicts=True,
-    ),
     Variant("empty", "empty script, same KEYS/ARGV", _empty, (ONE, TWO, WALK), checked=False),
 )
 
@@ -396,9 +119,10 @@ def expected_rows(sources: int) -> list[tuple[str, str]]:
 
 
 def _spec_args(name: str, max_concurrency: int) -> list[str]:
-    """A candidate's nine ARGV (``RedisBackend._args_of``): rpm and tpm set."""
-    limits = ["6000000.0", "1000000.0", "1000000000.0", "1000000000.0", "5", "30.0", "300.0"]
-    return [name, str(max_concurrency), *limits]
+    """A candidate's ten ARGV (``RedisBackend._args_of``): rpm and tpm set."""
+    limits = [str(max_concurrency), "6000000.0", "1000000.0", "1000000000.0", "1000000000.0"]
+    limits += ["5", "30.0", "300.0"]
+    return [name, *limits, " ".join(limits)]
 
 
 @dataclass(slots=True)
@@ -407,7 +131,6 @@ class _Scope:
 
     name: str
     sources: int
-    verdicts: bool
     acquire_keys: list[str] = field(default_factory=list)
     acquire_specs: list[str] = field(default_factory=list)
     release_keys: list[str] = field(default_factory=list)
@@ -417,16 +140,12 @@ class _Scope:
         self.acquire_keys = [codec.key(s, "sources")]
         for i in range(self.sources):
             src = f"s{i:03d}"
-            self.acquire_keys += [codec.key(s, p, src) for p in ("src", "leases", "lease_meta")]
+            self.acquire_keys += [codec.key(s, p, src) for p in ("src", "leases")]
             last = i == self.sources - 1
             self.acquire_specs += _spec_args(src, BATCH if last else 1)
-        if self.verdicts:
-            self.acquire_keys.append(codec.key(s, "verdicts"))
         last = f"s{self.sources - 1:03d}"
-        self.release_keys = [codec.key(s, p, last) for p in ("src", "leases", "lease_meta")]
+        self.release_keys = [codec.key(s, p, last) for p in ("src", "leases")]
         self.release_keys += [codec.key(s, p) for p in ("progress", "waiting", "waiting_until")]
-        if self.verdicts:
-            self.release_keys.append(codec.key(s, "verdicts"))
 
     def acquire(self, lease_id: str, ttl_s: float = LEASE_TTL_S) -> list[Any]:
         keys = self.acquire_keys
@@ -435,7 +154,7 @@ class _Scope:
 
     def release(self, lease_id: str) -> list[Any]:
         keys = self.release_keys
-        outcome = ["", lease_id, "success", "0", "", str(TOKENS_USED)]
+        outcome = ["", lease_id, "success", "0", "", str(TOKENS_USED), str(COST_TOKENS)]
         return [
             len(keys),
             *keys,
@@ -454,9 +173,9 @@ class _Scope:
 def _fill(client: redis.Redis, scope: _Scope, sha: str) -> None:
     """Make every source but the last full: one long lease each, by the real ACQUIRE."""
     for i in range(scope.sources - 1):
-        one = _Scope(scope.name, 1, False)
-        one.acquire_keys = [scope.acquire_keys[0], *scope.acquire_keys[1 + 3 * i : 4 + 3 * i]]
-        one.acquire_specs = scope.acquire_specs[9 * i : 9 * i + 9]
+        one = _Scope(scope.name, 1)
+        one.acquire_keys = [scope.acquire_keys[0], *scope.acquire_keys[1 + 2 * i : 3 + 2 * i]]
+        one.acquire_specs = scope.acquire_specs[10 * i : 10 * i + 10]
         reply = client.evalsha(sha, *one.acquire(f"full-{i}", FULL_LEASE_TTL_S))
         if int(reply[0]) != 1:
             raise RuntimeError(f"filling source {i} of {scope.name} was refused: {reply!r}")
@@ -553,7 +272,7 @@ def _scripts_run(
     tag: str,
 ) -> _Run:
     acquire_sha, release_sha = shas
-    scope = _Scope(f"cost-{tag}", sources, variant.verdicts)
+    scope = _Scope(f"cost-{tag}", sources)
     _fill(client, scope, real_acquire)
     granted = sources if variant.checked else None
     serial = 0
@@ -571,7 +290,7 @@ def _scripts_run(
         if variant.checked:
             _check(replies, expect, what)
 
-    # Warm-up: first sight of every source, the verdicts learnt, scripts compiled.
+    # Warm-up: first sight of every source, scripts compiled.
     for lease in ids(2):
         call(acquire_sha, [scope.acquire(lease)], granted, f"{tag} acquire")
         call(release_sha, [scope.release(lease)], None, f"{tag} release")
@@ -598,7 +317,7 @@ def _scripts_run(
     run.cpu_s, run.cpu_pairs = _cpu_s(client) - cpu, pairs
     if variant.checked and not client.exists(codec.key(scope.name, "progress")):
         # RELEASE returns 1 on its short path too (a source without its spec): not measured.
-        raise RuntimeError(f"{tag}: RELEASE never recorded an outcome, the experiment is wrong")
+        raise RuntimeError(f"{tag}: RELEASE never recorded an outcome, the call layout is wrong")
     return run
 
 

@@ -131,7 +131,6 @@ async def test_every_key_of_a_scope_uses_its_hash_tag(
         "pgw:{chat}:sources",
         "pgw:{chat}:src:a",
         "pgw:{chat}:leases:a",
-        "pgw:{chat}:lease_meta:a",
         "pgw:{chat}:progress",
     }
     assert all(k.startswith(("pgw:{chat}:", "pgw:{embed}:")) for k in keys)

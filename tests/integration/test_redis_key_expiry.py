@@ -1,10 +1,15 @@
 """Every key the Redis scripts write expires (research-wiki/guides/redis-fleet.md, keys).
 
-A scope's state outlives its last use by ``_STATE_TTL_S`` (one day), or by the
-longest breaker cool-down when that is longer, so an open breaker is never
-forgotten while it is open; lease keys live at least as long as their
-longest lease. Only a real server shows TTLs, so this file has no memory twin.
-Millisecond TTLs (``PTTL``) tell a second off either way from the figure.
+A source's keys (and its scope's list of sources) outlive their last use by
+between half their life and their life: a day (``_STATE_TTL_S``), or twice
+the longest lease or breaker cool-down when that is longer, so that an open
+breaker is never forgotten while it is open and lease keys live as long as
+their leases. ACQUIRE sets them to expire only once half their life is gone
+(the state's ``expires_at``), not at every call
+(research-wiki/designs/script-cost.md). Only a real server shows TTLs, so
+this file has no memory twin. The scripts run on a fake clock (``expires_at``
+and lease expiries); the server's TTLs run on its own, so millisecond TTLs
+(``PTTL``) tell a second off either way from the figure.
 """
 
 from __future__ import annotations
@@ -21,74 +26,163 @@ from polygateway.testing import FakeClock
 
 SCOPE = "chat"
 DAY_MS = _STATE_TTL_S * 1000
-LONG_COOLDOWN_S = _STATE_TTL_S + 13_599.5  # ceil + 1 = one day + 13,601 s
-LONG_COOLDOWN_MS = (_STATE_TTL_S + 13_601) * 1000
+HALF_DAY_S = _STATE_TTL_S / 2
+LONG_S = _STATE_TTL_S + 13_599.5  # ceil + 1 = one day + 13,601 s
+LONG_LIFE_MS = 2 * (_STATE_TTL_S + 13_601) * 1000
+SOURCE_KEYS = ("sources", "src:a", "leases:a")
 
 
 @pytest.fixture
-async def backend(redis_url: str) -> AsyncIterator[RedisBackend]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def backend(redis_url: str, clock: FakeClock) -> AsyncIterator[RedisBackend]:
     """A RedisBackend on a fake clock (lease expiries), the server's clock for key TTLs."""
-    b = RedisBackend(redis_url, now=FakeClock())
+    b = RedisBackend(redis_url, now=clock)
     yield b
     await b.aclose()
 
 
+def _key(name: str) -> str:
+    return f"pgw:{{{SCOPE}}}:{name}"
+
+
 def _pttl(redis_url: str, key: str) -> int:
     with redis.Redis.from_url(redis_url) as client:
-        return int(client.pttl(f"pgw:{{{SCOPE}}}:{key}"))
+        return int(client.pttl(_key(key)))
 
 
-def _within_a_second_below(pttl: int, expected_ms: int) -> bool:
+def _shorten(redis_url: str, *keys: str) -> None:
+    """Set the keys to expire in a minute: a TTL the scripts did not set, to see if they do."""
+    with redis.Redis.from_url(redis_url) as client:
+        for key in keys:
+            client.expire(_key(key), 60)
+
+
+def _within_a_second_below(pttl: int, expected_ms: float) -> bool:
     return expected_ms - 1000 < pttl <= expected_ms
+
+
+async def _lease(backend: RedisBackend, spec: SourceSpec | None = None, ttl_s: float = 30.0):  # type: ignore[no-untyped-def]
+    result = await backend.acquire(SCOPE, [spec or SourceSpec("a", max_concurrency=4)], ttl_s=ttl_s)
+    assert result.lease is not None
+    return result.lease
 
 
 async def test_an_acquire_sets_a_day_on_every_key_it_writes(
     backend: RedisBackend, redis_url: str
 ) -> None:
-    """Sources, source state and both lease keys expire a day after the acquire."""
-    result = await backend.acquire(SCOPE, [SourceSpec("a", max_concurrency=2)], ttl_s=30.0)
-    assert result.lease is not None
-    for key in ("sources", "src:a", "leases:a", "lease_meta:a"):
+    """Sources, source state and lease keys expire a day after the first acquire."""
+    await _lease(backend)
+    for key in SOURCE_KEYS:
         assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
 
 
-async def test_a_cool_down_longer_than_a_day_keeps_the_source_state_that_long(
+async def test_acquires_set_the_lifetimes_again_only_once_half_of_it_is_gone(
+    backend: RedisBackend, redis_url: str, clock: FakeClock
+) -> None:
+    """Half a day after the first acquire, exactly, nothing is set; a moment later all is."""
+    await _lease(backend)
+    clock.advance(HALF_DAY_S - 200)
+    await _lease(backend, ttl_s=3600.0)  # live at half a day: the lease key is not made anew
+    _shorten(redis_url, *SOURCE_KEYS)
+    clock.advance(200.0)
+    await _lease(backend)
+    for key in SOURCE_KEYS:
+        assert _within_a_second_below(_pttl(redis_url, key), 60_000), key
+    clock.advance(0.001)
+    await _lease(backend)
+    for key in SOURCE_KEYS:
+        assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
+
+
+async def test_a_refused_acquire_sets_the_lifetimes_too(
+    backend: RedisBackend, redis_url: str, clock: FakeClock
+) -> None:
+    """A source refused (its one permit held) past half its keys' life sets them again."""
+    spec = SourceSpec("a", max_concurrency=1)
+    await backend.release(await _lease(backend, spec), AttemptOutcome("success"))
+    clock.advance(HALF_DAY_S - 200)
+    await _lease(backend, spec, ttl_s=3600.0)
+    _shorten(redis_url, *SOURCE_KEYS)
+    clock.advance(201.0)
+    refused = await backend.acquire(SCOPE, [spec], ttl_s=30.0)
+    assert refused.lease is None
+    for key in SOURCE_KEYS:
+        assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
+
+
+async def test_a_lease_key_made_anew_gets_what_the_state_has_left(
+    backend: RedisBackend, redis_url: str, clock: FakeClock
+) -> None:
+    """The source's last lease gone, its key is gone; the next lease makes it again, and it
+    expires with the source's state (a day from the first acquire), not never."""
+    lease = await _lease(backend)
+    await backend.release(lease, AttemptOutcome("success"))
+    with redis.Redis.from_url(redis_url) as client:
+        assert not client.exists(_key("leases:a"))
+    clock.advance(1000.0)
+    await _lease(backend)
+    assert _within_a_second_below(_pttl(redis_url, "leases:a"), DAY_MS - 1_000_000)
+
+
+async def test_a_cool_down_longer_than_a_day_keeps_the_source_state_twice_that_long(
     backend: RedisBackend, redis_url: str
 ) -> None:
-    """cooldown_max_s past a day: the state lives ceil(cooldown_max_s) + 1 s, after acquire
-    and after release."""
-    spec = SourceSpec("a", max_concurrency=2, cooldown_max_s=LONG_COOLDOWN_S)
-    result = await backend.acquire(SCOPE, [spec], ttl_s=30.0)
-    assert result.lease is not None
-    assert _within_a_second_below(_pttl(redis_url, "src:a"), LONG_COOLDOWN_MS)
-    with redis.Redis.from_url(redis_url) as client:
-        client.expire(f"pgw:{{{SCOPE}}}:src:a", 60)
-    await backend.release(result.lease, AttemptOutcome("success"))
-    assert _within_a_second_below(_pttl(redis_url, "src:a"), LONG_COOLDOWN_MS)
+    """cooldown_max_s past a day: the keys live twice ceil(cooldown_max_s) + 1 s."""
+    await _lease(backend, SourceSpec("a", max_concurrency=2, cooldown_max_s=LONG_S))
+    for key in SOURCE_KEYS:
+        assert _within_a_second_below(_pttl(redis_url, key), LONG_LIFE_MS), key
 
 
 async def test_lease_keys_outlive_their_longest_lease(
     backend: RedisBackend, redis_url: str
 ) -> None:
-    """A lease longer than a day stretches its keys to ceil(ttl) + 1 s; a later short one
-    does not shorten them."""
-    spec = SourceSpec("a", max_concurrency=2)
-    assert (await backend.acquire(SCOPE, [spec], ttl_s=LONG_COOLDOWN_S)).lease is not None
-    assert (await backend.acquire(SCOPE, [spec], ttl_s=1.0)).lease is not None
-    for key in ("leases:a", "lease_meta:a"):
-        assert _within_a_second_below(_pttl(redis_url, key), LONG_COOLDOWN_MS), key
+    """A lease longer than a day stretches the keys to twice ceil(ttl) + 1 s; a later short
+    one does not shorten them."""
+    await _lease(backend, ttl_s=LONG_S)
+    await _lease(backend, ttl_s=1.0)
+    for key in SOURCE_KEYS:
+        assert _within_a_second_below(_pttl(redis_url, key), LONG_LIFE_MS), key
 
 
-async def test_a_release_sets_the_source_state_a_day_again(
+async def test_a_release_late_in_the_states_life_keeps_a_cool_down_time_to_run(
     backend: RedisBackend, redis_url: str
 ) -> None:
-    """With a short cool-down, a release gives the source state a full day once more."""
-    result = await backend.acquire(SCOPE, [SourceSpec("a", max_concurrency=2)], ttl_s=30.0)
-    assert result.lease is not None
+    """A lease renewed long enough that less than a cool-down is left of its keys' life: its
+    release sets the state and lease keys a day again (so a breaker it trips is not
+    forgotten); with more left, it sets nothing."""
+    lease = await _lease(backend, ttl_s=3600.0)
+    await _lease(backend, ttl_s=3600.0)  # still held at the end: the lease key stays
+    _shorten(redis_url, "src:a", "leases:a")
+    await backend.release(await _lease(backend, ttl_s=3600.0), AttemptOutcome("success"))
+    assert _within_a_second_below(_pttl(redis_url, "src:a"), 60_000)
     with redis.Redis.from_url(redis_url) as client:
-        client.expire(f"pgw:{{{SCOPE}}}:src:a", 60)
-    await backend.release(result.lease, AttemptOutcome("success"))
-    assert _within_a_second_below(_pttl(redis_url, "src:a"), DAY_MS)
+        # As if renewals had carried the lease to 300 s (the default cool-down) before
+        # the end of its keys' life.
+        now = float(client.hget(_key("src:a"), "expires_at") or 0) - _STATE_TTL_S
+        client.hset(_key("src:a"), "expires_at", repr(now + 300))
+    await backend.release(lease, AttemptOutcome("transient"))
+    for key in ("src:a", "leases:a"):
+        assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
+
+
+async def test_a_renewal_late_in_the_states_life_keeps_the_lease_its_time(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    """Less than the lease's TTL left of its keys' life: a renewal sets them a day again."""
+    lease = await _lease(backend, ttl_s=600.0)
+    _shorten(redis_url, "src:a", "leases:a")
+    assert await backend.renew(lease)
+    assert _within_a_second_below(_pttl(redis_url, "leases:a"), 60_000)
+    with redis.Redis.from_url(redis_url) as client:
+        now = float(client.hget(_key("src:a"), "expires_at") or 0) - _STATE_TTL_S
+        client.hset(_key("src:a"), "expires_at", repr(now + 600))
+    assert await backend.renew(lease)
+    for key in ("src:a", "leases:a"):
+        assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
 
 
 async def test_a_source_whose_state_expired_is_left_out_of_the_snapshot(

@@ -39,9 +39,9 @@ CANDIDATES = (
     SourceSpec(name="c", max_concurrency=1),
 )
 CANDIDATE_ARGV = {
-    "a": ["a", "4", "120.0", "2.0", "", "", "5", "30.0", "300.0"],
-    "b": ["b", "2", "", "", "6000.0", "500.0", "3", "1.5", "60.0"],
-    "c": ["c", "1", "", "", "", "", "5", "30.0", "300.0"],
+    "a": ["a", "4", "120.0", "2.0", "", "", "5", "30.0", "300.0", "4 120.0 2.0   5 30.0 300.0"],
+    "b": ["b", "2", "", "", "6000.0", "500.0", "3", "1.5", "60.0", "2   6000.0 500.0 3 1.5 60.0"],
+    "c": ["c", "1", "", "", "", "", "5", "30.0", "300.0", "1     5 30.0 300.0"],
 }
 
 
@@ -55,8 +55,8 @@ def sha(text: str) -> str:
 
 
 def source_keys(scope: str, name: str) -> list[str]:
-    """A source's state, leases and lease metadata keys, as the scripts' headers name them."""
-    return [f"pgw:{{{scope}}}:{kind}:{name}" for kind in ("src", "leases", "lease_meta")]
+    """A source's state and leases keys, as the scripts' headers name them."""
+    return [f"pgw:{{{scope}}}:{kind}:{name}" for kind in ("src", "leases")]
 
 
 class FakeWire:
@@ -93,7 +93,7 @@ def backend_on(fake: FakeWire) -> RedisBackend:
 
 @pytest.mark.parametrize("count", [1, 3])
 async def test_acquire_writes_what_redis_py_encodes(count: int) -> None:
-    """ACQUIRE with 1 and 3 candidates: numkeys 1 + 3n, 5 + 9n ARGV, bytes as redis-py's."""
+    """ACQUIRE with 1 and 3 candidates: numkeys 1 + 2n, 5 + 10n ARGV, bytes as redis-py's."""
     specs = CANDIDATES[:count]
     fake = FakeWire([1, 0])
     result = await backend_on(fake).acquire(SCOPE, specs, cost_tokens=10, ttl_s=30)
@@ -114,12 +114,12 @@ async def test_arguments_beyond_ascii_are_counted_in_bytes() -> None:
     assert result.lease is not None
     keys = [f"pgw:{{{scope}}}:sources", *source_keys(scope, spec.name)]
     argv = [repr(NOW), result.lease.lease_id, "30.0", "0", "86400", spec.name, "1"]
-    argv += ["", "", "", "", "5", "30.0", "300.0"]
-    assert fake.written == [encoded("EVALSHA", sha(scripts.ACQUIRE), 4, *keys, *argv)]
+    argv += ["", "", "", "", "5", "30.0", "300.0", "1     5 30.0 300.0"]
+    assert fake.written == [encoded("EVALSHA", sha(scripts.ACQUIRE), 3, *keys, *argv)]
 
 
 async def test_release_writes_what_redis_py_encodes() -> None:
-    """RELEASE: 6 KEYS (the source's three, the progress mark, the waiting registry), 14 ARGV."""
+    """RELEASE: 5 KEYS (the source's two, the progress mark, the waiting registry), 15 ARGV."""
     lease = Lease(scope=SCOPE, source="a", lease_id="L1", ttl_s=30.0, tokens=5, probe=False)
     outcome = AttemptOutcome("transient", aimd_decrease=True, tokens_used=42)
     fake = FakeWire(1)
@@ -127,22 +127,31 @@ async def test_release_writes_what_redis_py_encodes() -> None:
     await backend.release(lease, outcome)
     keys = [*source_keys(SCOPE, "a"), "pgw:{chat}:progress"]
     keys += ["pgw:{chat}:waiting", "pgw:{chat}:waiting_until"]
-    argv = [repr(NOW), "L1", "transient", "1", "", "42"]
+    argv = [repr(NOW), "L1", "transient", "1", "", "42", "5"]
     argv += [repr(AIMD_COOLOFF_S), repr(AIMD_FACTOR), "3600", "86400"]
     # This process, the wake-up's message, prune the gone, how long a handed-off permit is held.
     argv += [backend._proc, SCOPE, "1", "1.0"]
-    assert fake.written == [encoded("EVALSHA", sha(scripts.RELEASE), 6, *keys, *argv)]
+    assert fake.written == [encoded("EVALSHA", sha(scripts.RELEASE), 5, *keys, *argv)]
 
 
 async def test_renew_and_progress_write_what_redis_py_encodes() -> None:
-    """RENEW: 3 KEYS, now and the lease id; PROGRESS: the progress key and now."""
+    """RENEW: 2 KEYS, now, the lease id, its TTL, the state TTL; PROGRESS: the mark and now."""
     lease = Lease(scope=SCOPE, source="a", lease_id="L1", ttl_s=30.0, tokens=0, probe=False)
     fake = FakeWire(1, b"")
     backend = backend_on(fake)
     assert await backend.renew(lease) is True
     await backend.progress_age_s(SCOPE)
     assert fake.written == [
-        encoded("EVALSHA", sha(scripts.RENEW), 3, *source_keys(SCOPE, "a"), repr(NOW), "L1"),
+        encoded(
+            "EVALSHA",
+            sha(scripts.RENEW),
+            2,
+            *source_keys(SCOPE, "a"),
+            repr(NOW),
+            "L1",
+            "30.0",
+            "86400",
+        ),
         encoded("EVALSHA", sha(scripts.PROGRESS), 1, "pgw:{chat}:progress", repr(NOW)),
     ]
 
@@ -154,7 +163,7 @@ async def test_snapshot_writes_what_redis_py_encodes() -> None:
     assert snapshot.sources == ()
     keys = ["pgw:{chat}:progress"]
     for name in ("a", "b"):
-        keys += source_keys(SCOPE, name)[:2]
+        keys += source_keys(SCOPE, name)
     assert fake.written == [
         encoded("ZRANGE", "pgw:{chat}:sources", 0, -1),
         encoded("EVALSHA", sha(scripts.SNAPSHOT), 5, *keys, repr(NOW)),

@@ -73,8 +73,7 @@ _BOUNDS = {
     "'-inf', fmt(now))": "'-inf', '(' .. fmt(now))",
     "'(' .. now_s, '+inf')": "now_s, '+inf')",
 }
-_SWEEP_LOOP = re.compile(r"\n( *)for first = 1, n, 1000 do\n.*?\n\1end\n", re.DOTALL)
-_SWEEP_CALL = re.compile(r"\n *drop_expired\(lk, mk\)\n")
+_SWEEP_CALL = re.compile(r"\n *redis\.call\('ZREMRANGEBYSCORE', lk, [^\n]*\)\n")
 _EXPIRE_CALL = re.compile(r"redis\.call\('P?EXPIRE', ")
 _SET_EX = re.compile(r", 'EX', ARGV\[\d+\]")
 
@@ -181,11 +180,10 @@ def mutants_of(constant: str, text: str) -> Iterator[Mutant]:
             yield _mutant(constant, text, m.start(), end, "", "expire", "call dropped")
     for m in _SET_EX.finditer(text):
         yield _mutant(constant, text, m.start(), m.end(), "", "expire", "`EX` dropped")
-    for pattern in (_SWEEP_LOOP, _SWEEP_CALL):
-        for m in pattern.finditer(text):
-            yield _mutant(
-                constant, text, m.start() + 1, m.end() - 1, "", "sweep", "lease sweep dropped"
-            )
+    for m in _SWEEP_CALL.finditer(text):
+        yield _mutant(
+            constant, text, m.start() + 1, m.end() - 1, "", "sweep", "lease sweep dropped"
+        )
 
 
 def all_mutants() -> list[Mutant]:

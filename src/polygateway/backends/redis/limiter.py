@@ -501,33 +501,31 @@ class RedisBackend:
         if cached is None:
             rpm = spec.rpm is not None
             tpm = spec.tpm is not None
-            cached = bulks(
-                (
-                    spec.name,
-                    str(int(spec.max_concurrency)),
-                    codec.num(spec.rpm),
-                    codec.num(spec.rpm_capacity) if rpm else "",
-                    codec.num(spec.tpm),
-                    codec.num(spec.tpm_capacity) if tpm else "",
-                    str(int(spec.breaker_failures)),
-                    codec.num(spec.cooldown_s),
-                    codec.num(spec.cooldown_max_s),
-                )
+            limits = (
+                str(int(spec.max_concurrency)),
+                codec.num(spec.rpm),
+                codec.num(spec.rpm_capacity) if rpm else "",
+                codec.num(spec.tpm),
+                codec.num(spec.tpm_capacity) if tpm else "",
+                str(int(spec.breaker_failures)),
+                codec.num(spec.cooldown_s),
+                codec.num(spec.cooldown_max_s),
             )
+            # The limits, then the same as one string: the script writes them when it changed.
+            cached = bulks((spec.name, *limits, " ".join(limits)))
             if len(self._spec_args) >= _MAX_SPEC_CACHE:
                 self._spec_args.clear()
             self._spec_args[spec] = cached
         return cached
 
     def _keys_of(self, scope: str, source: str) -> tuple[Arg, ...]:
-        """A source's three keys (state, leases, lease metadata), packed once per scope."""
+        """A source's two keys (state, leases), packed once per scope."""
         cached = self._spec_keys.get((scope, source))
         if cached is None:
             cached = bulks(
                 (
                     codec.key(scope, "src", source),
                     codec.key(scope, "leases", source),
-                    codec.key(scope, "lease_meta", source),
                 )
             )
             if len(self._spec_keys) >= _MAX_SPEC_CACHE:
@@ -769,6 +767,7 @@ class RedisBackend:
             _AIMD_DECREASE if outcome.aimd_decrease else _NO_AIMD_DECREASE,
             _EMPTY if pause is None else bulk(repr(pause)),
             _EMPTY if outcome.tokens_used is None else bulk(str(int(outcome.tokens_used))),
+            bulk(str(int(lease.tokens))),
             *_RELEASE_TAIL,
             self._proc_arg,
             bulk(scope),
@@ -832,7 +831,7 @@ class RedisBackend:
     async def renew(self, lease: Lease) -> bool:
         """Extend a live lease by its TTL from now in one RENEW run."""
         scope = lease.scope
-        argv = (self._now_arg(), bulk(lease.lease_id))
+        argv = (self._now_arg(), bulk(lease.lease_id), bulk(codec.num(lease.ttl_s)), _STATE_TTL_ARG)
         return await self._eval(
             "renew", scope, self._keys_of(scope, lease.source), argv, codec.is_one
         )

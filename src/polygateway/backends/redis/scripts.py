@@ -23,12 +23,21 @@ Conventions shared by every script:
   the pause's probe: ``reopen_probe`` "1"/"0", ``pprobe_id``, ``pprobe_until``;
   absent is "0" / none),
   buckets (``rpm_tokens``, ``rpm_at``, ``tpm_tokens``, ``tpm_at``: absent is
-  no bucket yet) and the last spec seen (``max_concurrency``, ``rpm``,
+  no bucket yet), the last spec seen (``max_concurrency``, ``rpm``,
   ``rpm_cap``, ``tpm``, ``tpm_cap``, ``breaker_failures``, ``cooldown_s``,
-  ``cooldown_max_s``), which release and snapshot need.
-- Leases: zset ``pgw:{scope}:leases:<source>`` (lease id -> expiry) and hash
-  ``pgw:{scope}:lease_meta:<source>`` (lease id -> ``"<tokens> <ttl_s>"``);
-  a lease with ``expiry <= now`` is dead and dropped at every operation.
+  ``cooldown_max_s``), which release and snapshot need, with ``spec``, the
+  same eight values as one string (written only when it changes), and
+  ``expires_at``, when the source's keys were last set to expire.
+- Leases: zset ``pgw:{scope}:leases:<source>`` (lease id -> expiry). A lease
+  with ``expiry <= now`` is dead: never counted, and dropped by RELEASE and
+  RENEW. What a release or a renewal needs of a lease (its tpm reservation,
+  its TTL) travels with the call: the client's ``Lease`` holds it.
+- Lifetimes: the keys of a source (and its scope's list of sources) outlive
+  the last call by at least half a day (``state TTL / 2``, longer when a
+  lease's TTL or a breaker's cool-down needs it) and at most a day. ACQUIRE
+  sets them to expire when ``expires_at`` says half that time is gone, not
+  at every call: a handful of EXPIREs per source per day
+  (research-wiki/designs/script-cost.md).
 - Waiting registry (Redis-only queueing state, not policy: the memory backend
   has no twin; research-wiki/designs/fleet-wakeups.md): zset
   ``pgw:{scope}:waiting`` (process id -> when it was registered or last woken,
@@ -51,20 +60,21 @@ ACQUIRE = """
 -- ACQUIRE: lease the first admissible candidate, in the given order.
 --
 -- KEYS[1]          pgw:{scope}:sources          zset: source name -> order of first sight
--- KEYS[3i-1]       pgw:{scope}:src:<name_i>     hash: the source's state and last spec
--- KEYS[3i]         pgw:{scope}:leases:<name_i>  zset: lease id -> expiry
--- KEYS[3i+1]       pgw:{scope}:lease_meta:<name_i>  hash: lease id -> "<tokens> <ttl_s>"
+-- KEYS[2i]         pgw:{scope}:src:<name_i>     hash: the source's state and last spec
+-- KEYS[2i+1]       pgw:{scope}:leases:<name_i>  zset: lease id -> expiry
 -- ARGV[1]  now ("" = server TIME)       ARGV[2] lease id       ARGV[3] ttl_s
 -- ARGV[4]  cost_tokens                  ARGV[5] state key TTL in seconds
--- ARGV[6 + 9(i-1) ..] candidate i: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
---          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit)
+-- ARGV[6 + 10(i-1) ..] candidate i: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
+--          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit),
+--          then the eight limits joined by spaces (the spec as one string, compared
+--          with the one stored to write the limits only when they changed)
 -- Optional, last (n candidates; the two arguments, or the three, or none):
--- KEYS[3n+2]       pgw:{scope}:waiting          zset: process id -> registered / last woken
--- KEYS[3n+3]       pgw:{scope}:waiting_until    zset: process id -> registration expiry
--- ARGV[6+9n]       the caller's process id      ARGV[7+9n] registration TTL in seconds
+-- KEYS[2n+2]       pgw:{scope}:waiting          zset: process id -> registered / last woken
+-- KEYS[2n+3]       pgw:{scope}:waiting_until    zset: process id -> registration expiry
+-- ARGV[6+10n]      the caller's process id      ARGV[7+10n] registration TTL in seconds
 -- With priority classes (m of them), the registry is one such pair per class
--- (KEYS[3n+2j], KEYS[3n+2j+1]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
--- and ARGV[8+9n] is m characters, the j-th "1" when the caller's process has calls
+-- (KEYS[2n+2j], KEYS[2n+2j+1]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
+-- and ARGV[8+10n] is m characters, the j-th "1" when the caller's process has calls
 -- waiting (or asking) in class j, else "0".
 -- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
 -- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
@@ -75,9 +85,9 @@ ACQUIRE = """
 -- registers it in each class it waits in (a new member's score is now, an existing one
 -- keeps its score), extends those registrations by the TTL, and unregisters it from the
 -- classes it no longer waits in.
--- A full candidate holding the placeholder ``handoff:<process id>`` (a permit RELEASE
--- promised this process, counted already) passes the concurrency check; a grant at a
--- candidate holding one, full or not, replaces it with the lease. Every other check
+-- A full candidate holding the live placeholder ``handoff:<process id>`` (a permit
+-- RELEASE promised this process, counted already) passes the concurrency check; a grant
+-- at a candidate holding one, full or not, replaces it with the lease. Every other check
 -- applies as usual.
 
 local function fmt(x)
@@ -94,188 +104,232 @@ local lease_id = ARGV[2]
 local ttl = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
 local state_ttl = tonumber(ARGV[5])
-local count = math.floor((#ARGV - 5) / 9)
-local tail = #ARGV - 5 - 9 * count
+local count = math.floor((#ARGV - 5) / 10)
+local tail = #ARGV - 5 - 10 * count
 local proc, promised
 local classes = {}  -- per class: its two registry keys, and whether proc waits in it
 if tail >= 2 then
-  proc = ARGV[6 + 9 * count]
+  proc = ARGV[6 + 10 * count]
   promised = 'handoff:' .. proc
   if tail == 3 then
-    local flags = ARGV[8 + 9 * count]
+    local flags = ARGV[8 + 10 * count]
     for j = 1, #flags do
-      classes[j] = {KEYS[3 * count + 2 * j], KEYS[3 * count + 2 * j + 1],
+      classes[j] = {KEYS[2 * count + 2 * j], KEYS[2 * count + 2 * j + 1],
         string.sub(flags, j, j) == '1'}
     end
   else
-    classes[1] = {KEYS[3 * count + 2], KEYS[3 * count + 3], true}
-  end
-end
-
--- Dead leases (expiry <= now) are forgotten, with their metadata.
-local function drop_expired(lk, mk)
-  local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)
-  local n = #expired
-  for first = 1, n, 1000 do
-    local last = math.min(first + 999, n)
-    redis.call('ZREM', lk, unpack(expired, first, last))
-    redis.call('HDEL', mk, unpack(expired, first, last))
+    classes[1] = {KEYS[2 * count + 2], KEYS[2 * count + 3], true}
   end
 end
 
 -- The checks of source_state.admit, in order; returns reason, reopen_in_s, probe.
--- Stored whatever the verdict: first sight, dropped leases, open -> half_open, refills.
+-- Stored whatever the verdict, in one HSET: first sight, a changed spec, open ->
+-- half_open, refills, the commit. Dead leases are not counted (and left to RELEASE's
+-- sweep).
 local function examine(i, a)
-  local sk, lk, mk = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
-  local name = ARGV[a + 1]
+  local sk, lk = KEYS[2 * i], KEYS[2 * i + 1]
   local maxc = tonumber(ARGV[a + 2])
   local rpm = tonumber(ARGV[a + 3])
   local rpm_cap = tonumber(ARGV[a + 4])
   local tpm = tonumber(ARGV[a + 5])
   local tpm_cap = tonumber(ARGV[a + 6])
   local cooldown_max = tonumber(ARGV[a + 9])
-
-  if not redis.call('ZSCORE', KEYS[1], name) then
-    redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), name)
-  end
-  redis.call('EXPIRE', KEYS[1], state_ttl)
+  local spec = ARGV[a + 10]
 
   local h = redis.call('HMGET', sk, 'limit', 'breaker', 'open_until', 'probe_id',
     'probe_until', 'not_before', 'rpm_tokens', 'rpm_at', 'tpm_tokens', 'tpm_at',
-    'reopen_probe', 'pprobe_id', 'pprobe_until')
+    'reopen_probe', 'pprobe_id', 'pprobe_until', 'spec', 'expires_at')
+  local writes = {}
+  local function put(field, value)
+    writes[#writes + 1] = field
+    writes[#writes + 1] = value
+  end
   local limit = tonumber(h[1])
   local breaker, open_until, probe_id, probe_until, not_before
-  local rpm_tokens, rpm_at, tpm_tokens, tpm_at
+  local rpm_tokens, rpm_at = tonumber(h[7]), tonumber(h[8])
+  local tpm_tokens, tpm_at = tonumber(h[9]), tonumber(h[10])
+  local rpm_moved, tpm_moved = false, false  -- a bucket's values below are to be stored
   local reopen_probe = h[11] == '1'
   local pprobe_id, pprobe_until = h[12] or '', tonumber(h[13]) or 0
   if limit == nil then
     -- First sight (source_state.new_source_state): closed, limit at its max, buckets full.
     limit, breaker, open_until, probe_id, probe_until, not_before = maxc, 'closed', 0, '', 0, 0
-    redis.call('HSET', sk, 'limit', fmt(limit), 'breaker', breaker, 'failures', '0',
-      'trips', '0', 'open_until', '0', 'probe_id', '', 'probe_until', '0', 'not_before', '0')
+    put('limit', fmt(limit))
+    put('breaker', breaker)
+    put('failures', '0')
+    put('trips', '0')
+    put('open_until', '0')
+    put('probe_id', '')
+    put('probe_until', '0')
+    put('not_before', '0')
+    rpm_tokens, rpm_at, tpm_tokens, tpm_at = nil, nil, nil, nil
     if rpm ~= nil then
       rpm_tokens, rpm_at = rpm_cap, now
-      redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s)
     end
     if tpm ~= nil then
       tpm_tokens, tpm_at = tpm_cap, now
-      redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens), 'tpm_at', now_s)
     end
+    rpm_moved, tpm_moved = rpm ~= nil, tpm ~= nil
   else
     breaker = h[2]
     open_until = tonumber(h[3])
     probe_id = h[4] or ''
     probe_until = tonumber(h[5])
     not_before = tonumber(h[6])
-    rpm_tokens, rpm_at = tonumber(h[7]), tonumber(h[8])
-    tpm_tokens, tpm_at = tonumber(h[9]), tonumber(h[10])
   end
-  -- The last spec seen: release and snapshot work from it.
-  redis.call('HSET', sk, 'max_concurrency', ARGV[a + 2], 'rpm', ARGV[a + 3],
-    'rpm_cap', ARGV[a + 4], 'tpm', ARGV[a + 5], 'tpm_cap', ARGV[a + 6],
-    'breaker_failures', ARGV[a + 7], 'cooldown_s', ARGV[a + 8], 'cooldown_max_s', ARGV[a + 9])
-  redis.call('EXPIRE', sk, math.max(state_ttl, math.ceil(cooldown_max) + 1))
-
-  drop_expired(lk, mk)
-
-  -- 1. Breaker (breaker.admit).
-  if breaker == 'open' then
-    if now < open_until then
-      return 'breaker_open', open_until - now, false
-    end
-    breaker = 'half_open'
-    redis.call('HSET', sk, 'breaker', breaker)
-  end
-  local probe = false
-  if breaker == 'half_open' then
-    if probe_id ~= '' and probe_until > now then
-      return 'probe_in_flight', nil, false
-    end
-    probe = true
+  -- The last spec seen, which release and snapshot work from: written when it changed.
+  if h[14] ~= spec then
+    put('max_concurrency', ARGV[a + 2])
+    put('rpm', ARGV[a + 3])
+    put('rpm_cap', ARGV[a + 4])
+    put('tpm', ARGV[a + 5])
+    put('tpm_cap', ARGV[a + 6])
+    put('breaker_failures', ARGV[a + 7])
+    put('cooldown_s', ARGV[a + 8])
+    put('cooldown_max_s', ARGV[a + 9])
+    put('spec', spec)
   end
 
-  -- 2. Pacer; once a failure's pause lapses, one probe fleet-wide.
-  if now < not_before then
-    return 'paced', not_before - now, false
-  end
-  local pace_probe = false
-  if reopen_probe then
-    if pprobe_id ~= '' and pprobe_until > now then
-      return 'probe_in_flight', nil, false
+  local live = nil  -- live leases, once counted
+  local function admit()
+    -- 1. Breaker (breaker.admit).
+    if breaker == 'open' then
+      if now < open_until then
+        return 'breaker_open', open_until - now, false
+      end
+      breaker = 'half_open'
+      put('breaker', breaker)
     end
-    pace_probe = true
+    local probe = false
+    if breaker == 'half_open' then
+      if probe_id ~= '' and probe_until > now then
+        return 'probe_in_flight', nil, false
+      end
+      probe = true
+    end
+
+    -- 2. Pacer; once a failure's pause lapses, one probe fleet-wide.
+    if now < not_before then
+      return 'paced', not_before - now, false
+    end
+    local pace_probe = false
+    if reopen_probe then
+      if pprobe_id ~= '' and pprobe_until > now then
+        return 'probe_in_flight', nil, false
+      end
+      pace_probe = true
+    end
+
+    -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max. A
+    -- full source still admits the process a release promised a permit to (RELEASE's
+    -- hand-off): its placeholder is counted already. Looked up here only when full; a
+    -- grant removes it whether full or not (below).
+    live = redis.call('ZCOUNT', lk, '(' .. now_s, '+inf')
+    if live >= math.max(1, math.min(maxc, math.floor(limit))) then
+      local held = promised and tonumber(redis.call('ZSCORE', lk, promised))
+      if not (held and held > now) then
+        return 'concurrency', nil, false
+      end
+    end
+
+    -- 4. rpm bucket (ratelimit.refill, then wait_for 1 token).
+    if rpm ~= nil then
+      if rpm_tokens == nil then
+        rpm_tokens, rpm_at = rpm_cap, now
+      end
+      rpm_tokens = math.min(rpm_cap, rpm_tokens + (now - rpm_at) * rpm / 60)
+      rpm_at = now
+      rpm_moved = true
+      if not (rpm_tokens >= 1) then
+        return 'rpm', (1 - rpm_tokens) * 60 / rpm, false
+      end
+    end
+
+    -- 5. tpm bucket: the reservation is capped at the bucket, so a big request can pass.
+    if tpm ~= nil then
+      if tpm_tokens == nil then
+        tpm_tokens, tpm_at = tpm_cap, now
+      end
+      tpm_tokens = math.min(tpm_cap, tpm_tokens + (now - tpm_at) * tpm / 60)
+      tpm_at = now
+      tpm_moved = true
+      local need = math.min(cost, tpm_cap)
+      if not (tpm_tokens >= need) then
+        return 'tpm', (need - tpm_tokens) * 60 / tpm, false
+      end
+    end
+
+    -- Commit (source_state.commit): take the tokens (buckets may go negative), add the
+    -- lease.
+    if rpm ~= nil then
+      rpm_tokens = rpm_tokens - 1
+    end
+    if tpm ~= nil then
+      tpm_tokens = tpm_tokens - cost
+    end
+    local expiry = now + ttl
+    if promised then
+      -- A grant here fulfils the process's promise, claimed at a full source or not:
+      -- left standing, it would hold a permit for nobody once the process stops waiting.
+      redis.call('ZREM', lk, promised)
+    end
+    redis.call('ZADD', lk, fmt(expiry), lease_id)
+    if probe then
+      put('probe_id', lease_id)
+      put('probe_until', fmt(expiry))
+    end
+    if pace_probe then
+      put('pprobe_id', lease_id)
+      put('pprobe_until', fmt(expiry))
+    end
+    return nil, nil, probe
   end
 
-  -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max. A
-  -- full source still admits the process a release promised a permit to (RELEASE's
-  -- hand-off): its placeholder is counted already. Looked up here only when full; a
-  -- grant removes it whether full or not (below).
-  if redis.call('ZCARD', lk) >= math.max(1, math.min(maxc, math.floor(limit))) then
-    if not (promised and redis.call('ZSCORE', lk, promised)) then
-      return 'concurrency', nil, false
-    end
+  local reason, reopen, probe = admit()
+  if rpm_moved then
+    put('rpm_tokens', fmt(rpm_tokens))
+    put('rpm_at', fmt(rpm_at))
+  end
+  if tpm_moved then
+    put('tpm_tokens', fmt(tpm_tokens))
+    put('tpm_at', fmt(tpm_at))
   end
 
-  -- 4. rpm bucket (ratelimit.refill, then wait_for 1 token).
-  if rpm ~= nil then
-    if rpm_tokens == nil then
-      rpm_tokens, rpm_at = rpm_cap, now
+  -- Lifetimes: the source's keys (and the scope's list of sources) outlive the last
+  -- touch by between ``life / 2`` and ``life``, so that a lease, a breaker's cool-down
+  -- and a day's idleness fit in. ``expires_at`` is when they were last set to expire;
+  -- they are set again only once half of that is gone, not at every call.
+  local need = math.max(math.ceil(ttl), math.ceil(cooldown_max)) + 1
+  local life = math.max(state_ttl, 2 * need)
+  local expires_at = tonumber(h[15])
+  local renewed = expires_at == nil or expires_at - now < life / 2
+  if renewed then
+    expires_at = now + life
+    put('expires_at', fmt(expires_at))
+  end
+  if #writes > 0 then
+    redis.call('HSET', sk, unpack(writes))
+  end
+  if renewed then
+    redis.call('EXPIRE', sk, life)
+    redis.call('EXPIRE', lk, life)
+    local name = ARGV[a + 1]
+    if not redis.call('ZSCORE', KEYS[1], name) then
+      redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), name)
     end
-    rpm_tokens = math.min(rpm_cap, rpm_tokens + (now - rpm_at) * rpm / 60)
-    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s)
-    if not (rpm_tokens >= 1) then
-      return 'rpm', (1 - rpm_tokens) * 60 / rpm, false
-    end
+    redis.call('EXPIRE', KEYS[1], life)
+  elseif reason == nil and live == 0 then
+    -- The lease may have made the key anew (an empty zset is no key): it gets the
+    -- lifetime the others have left.
+    redis.call('EXPIRE', lk, math.ceil(expires_at - now))
   end
-
-  -- 5. tpm bucket: the reservation is capped at the bucket, so a big request can pass.
-  if tpm ~= nil then
-    if tpm_tokens == nil then
-      tpm_tokens, tpm_at = tpm_cap, now
-    end
-    tpm_tokens = math.min(tpm_cap, tpm_tokens + (now - tpm_at) * tpm / 60)
-    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens), 'tpm_at', now_s)
-    local need = math.min(cost, tpm_cap)
-    if not (tpm_tokens >= need) then
-      return 'tpm', (need - tpm_tokens) * 60 / tpm, false
-    end
-  end
-
-  -- Commit (source_state.commit): take the tokens (buckets may go negative), add the lease.
-  if rpm ~= nil then
-    redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens - 1))
-  end
-  if tpm ~= nil then
-    redis.call('HSET', sk, 'tpm_tokens', fmt(tpm_tokens - cost))
-  end
-  local expiry = now + ttl
-  if promised then
-    -- A grant here fulfils the process's promise, claimed at a full source or not:
-    -- left standing, it would hold a permit for nobody once the process stops waiting.
-    redis.call('ZREM', lk, promised)
-  end
-  redis.call('ZADD', lk, fmt(expiry), lease_id)
-  redis.call('HSET', mk, lease_id, fmt(cost) .. ' ' .. fmt(ttl))
-  -- Lease keys empty themselves; the TTL only collects those of a crashed fleet.
-  local keep = math.max(state_ttl, math.ceil(ttl) + 1)
-  for _, key in ipairs({lk, mk}) do
-    if redis.call('TTL', key) < keep then
-      redis.call('EXPIRE', key, keep)
-    end
-  end
-  if probe then
-    redis.call('HSET', sk, 'probe_id', lease_id, 'probe_until', fmt(expiry))
-  end
-  if pace_probe then
-    redis.call('HSET', sk, 'pprobe_id', lease_id, 'pprobe_until', fmt(expiry))
-  end
-  return nil, nil, probe
+  return reason, reopen, probe
 end
 
 local result = {0, 0}
 local for_release = false
 for i = 1, count do
-  local reason, reopen, probe = examine(i, 5 + 9 * (i - 1))
+  local reason, reopen, probe = examine(i, 5 + 10 * (i - 1))
   if reason == nil then
     result[1] = i
     if probe then
@@ -301,7 +355,7 @@ for i = 1, count do
 end
 -- Refused: a process waiting for a release is registered to be woken by one.
 if proc and for_release then
-  local wttl = tonumber(ARGV[7 + 9 * count])
+  local wttl = tonumber(ARGV[7 + 10 * count])
   local keep = math.ceil(wttl) + 1
   for _, c in ipairs(classes) do
     if c[3] then
@@ -322,38 +376,41 @@ RELEASE = """
 -- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome).
 --
 -- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
--- KEYS[3] pgw:{scope}:lease_meta:<source>   KEYS[4] pgw:{scope}:progress
+-- KEYS[3] pgw:{scope}:progress
 -- ARGV[1] now ("" = server TIME)   ARGV[2] lease id
 -- ARGV[3] outcome kind: success | transient | rate_limited | source_misconfigured |
 --         request_rejected | cancelled
 -- ARGV[4] "1" when the failure asks for an AIMD decrease (transient only)
 -- ARGV[5] pause_s ("" = none): pacer.pause_for already applied by the caller, so it is
 --         set for rate_limited always and for success / transient only when hinted
--- ARGV[6] tokens_used ("" = not reported)   ARGV[7] AIMD cool-off s   ARGV[8] AIMD factor
--- ARGV[9] progress key TTL s               ARGV[10] state key TTL s
+-- ARGV[6] tokens_used ("" = not reported)   ARGV[7] the lease's tpm reservation (tokens)
+-- ARGV[8] AIMD cool-off s   ARGV[9] AIMD factor   ARGV[10] progress key TTL s
+-- ARGV[11] state key TTL s
 -- Optional, last (all or none):
--- KEYS[5] pgw:{scope}:waiting   KEYS[6] pgw:{scope}:waiting_until   (see ACQUIRE)
--- ARGV[11] the releasing process's id   ARGV[12] the scope (the wake-up's message)
--- ARGV[13] "1" when a PUBLISH that reaches no subscriber means the process is gone
+-- KEYS[4] pgw:{scope}:waiting   KEYS[5] pgw:{scope}:waiting_until   (see ACQUIRE)
+-- ARGV[12] the releasing process's id   ARGV[13] the scope (the wake-up's message)
+-- ARGV[14] "1" when a PUBLISH that reaches no subscriber means the process is gone
 --          (one server); "0" when receivers are not counted here (a cluster's bus)
--- ARGV[14] hand-off TTL in seconds (optional: absent, no hand-off)
--- With priority classes (m of them, after ARGV[14]): KEYS[3+2j], KEYS[4+2j] class j's
--- registry (see ACQUIRE) in place of KEYS[5], KEYS[6]; KEYS[5+2m] pgw:{scope}:classes
--- (hash: vtime, pass:<class>, on:<class>); ARGV[13+2j] class j's name, ARGV[14+2j] its
+-- ARGV[15] hand-off TTL in seconds (optional: absent, no hand-off)
+-- With priority classes (m of them, after ARGV[15]): KEYS[2+2j], KEYS[3+2j] class j's
+-- registry (see ACQUIRE) in place of KEYS[4], KEYS[5]; KEYS[4+2m] pgw:{scope}:classes
+-- (hash: vtime, pass:<class>, on:<class>); ARGV[14+2j] class j's name, ARGV[15+2j] its
 -- share. The class whose turn it is is chosen first (stride scheduling, below), then
 -- the process; the wake-up's message is the scope, a newline and the class, and the
 -- releasing process's own turn returns {1, class} in place of 1.
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
--- (then nothing but the dropping of dead leases happened). With the optional arguments,
--- a freed permit wakes one registered process, the least recently woken live one (its
--- score becomes now): itself, or nobody registered, returns 1 (the releasing process
--- wakes its own waiters); another process is sent the scope on ``pgw:wake:<id>`` and 2
--- is returned (the releasing process leaves the permit to it). With a hand-off TTL, and
--- room for the permit under the source's limit (AIMD may just have lowered it), the
--- permit is also held for the woken process, itself included: the placeholder
--- ``handoff:<id>`` in the lease zset, expiring after the TTL, counts as a lease for
--- everyone else. A process already holding one here has its turn pending and is passed
--- over; when every registered process is, the first is woken with nothing held.
+-- (then nothing but the dropping of the source's dead leases happened, which only
+-- RELEASE and RENEW do: ACQUIRE counts live leases and leaves the dead). With the
+-- optional arguments, a freed permit wakes one registered process, the least recently
+-- woken live one (its score becomes now): itself, or nobody registered, returns 1 (the
+-- releasing process wakes its own waiters); another process is sent the scope on
+-- ``pgw:wake:<id>`` and 2 is returned (the releasing process leaves the permit to it).
+-- With a hand-off TTL, and room for the permit under the source's limit (AIMD may just
+-- have lowered it), the permit is also held for the woken process, itself included: the
+-- placeholder ``handoff:<id>`` in the lease zset, expiring after the TTL, counts as a
+-- lease for everyone else. A process already holding one here has its turn pending and
+-- is passed over; when every registered process is, the first is woken with nothing
+-- held.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -365,42 +422,33 @@ if now == nil then
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local now_s = fmt(now)
-local sk, lk, mk = KEYS[1], KEYS[2], KEYS[3]
+local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
 local kind = ARGV[3]
 
-local expiry = tonumber(redis.call('ZSCORE', lk, lease_id))
-local meta = redis.call('HGET', mk, lease_id)
-local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', now_s)
-local n = #expired
-for first = 1, n, 1000 do
-  local last = math.min(first + 999, n)
-  redis.call('ZREM', lk, unpack(expired, first, last))
-  redis.call('HDEL', mk, unpack(expired, first, last))
-end
-if expiry == nil or expiry <= now then
+-- Dead leases (expiry <= now) go first: the lease is live exactly when it is still there.
+redis.call('ZREMRANGEBYSCORE', lk, '-inf', now_s)
+if redis.call('ZREM', lk, lease_id) == 0 then
   return 0
 end
-redis.call('ZREM', lk, lease_id)
-redis.call('HDEL', mk, lease_id)
 
 -- The freed permit's one wake-up: the least recently woken live registered process (of
 -- the class whose turn it is, with priority classes), for whom the permit is held when
 -- there is room for it (``cap``: the source's limit).
-local function wake(cap)
-  if #ARGV < 13 then
+local function wake(cap, expires_at)
+  if #ARGV < 14 then
     return 1
   end
-  local me = ARGV[11]
+  local me = ARGV[12]
   -- The registries: per class its two keys, its name and its share (one, nameless,
   -- without classes). Swept of lapsed registrations; those with someone left are live.
-  local m = math.floor((#ARGV - 14) / 2)
+  local m = math.floor((#ARGV - 15) / 2)
   local regs, live = {}, {}
   if m < 1 then
-    regs[1] = {KEYS[5], KEYS[6], nil, 1}
+    regs[1] = {KEYS[4], KEYS[5], nil, 1}
   else
     for j = 1, m do
-      regs[j] = {KEYS[3 + 2 * j], KEYS[4 + 2 * j], ARGV[13 + 2 * j], tonumber(ARGV[14 + 2 * j])}
+      regs[j] = {KEYS[2 + 2 * j], KEYS[3 + 2 * j], ARGV[14 + 2 * j], tonumber(ARGV[15 + 2 * j])}
     end
   end
   for j, r in ipairs(regs) do
@@ -427,7 +475,7 @@ local function wake(cap)
     -- larger share on a tie, then the class listed first) and moves on by 1 / share; a
     -- class back from idle (no registration at the last wake-up) starts level with the
     -- classes that were waiting, or where the last one served left off (vtime).
-    local ck = KEYS[5 + 2 * m]
+    local ck = KEYS[4 + 2 * m]
     local fields = {'vtime'}
     for _, r in ipairs(regs) do
       table.insert(fields, 'pass:' .. r[3])
@@ -463,11 +511,12 @@ local function wake(cap)
       table.insert(writes, on[k] and '1' or '0')
     end
     redis.call('HSET', ck, unpack(writes))
-    redis.call('EXPIRE', ck, ARGV[10])
+    redis.call('EXPIRE', ck, ARGV[11])
   end
   local wk, wuk, class = regs[j][1], regs[j][2], regs[j][3]
-  local handoff = tonumber(ARGV[14])
-  local held = cap and handoff and redis.call('ZCARD', lk) < cap
+  local handoff = tonumber(ARGV[15])
+  local left = cap and handoff and redis.call('ZCARD', lk)  -- live leases: swept above
+  local held = left and left < cap
   local i = 0
   while true do
     local head = redis.call('ZRANGE', wk, i, i)[1]
@@ -484,7 +533,16 @@ local function wake(cap)
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
         redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head)
-        redis.call('EXPIRE', lk, math.max(redis.call('TTL', lk), math.ceil(handoff) + 1))
+        if left == 0 then
+          -- The placeholder made the key anew: it gets the lifetime the source's state
+          -- has left (ACQUIRE's leases may join it), at least the placeholder's own.
+          local life = math.ceil(handoff) + 1
+          if expires_at ~= nil then
+            life = math.max(life, math.ceil(expires_at - now))
+          end
+          redis.call('EXPIRE', lk, life)
+        end
+        left = left + 1
       end
       if head == me then
         if class then
@@ -492,17 +550,19 @@ local function wake(cap)
         end
         return 1
       end
-      local message = ARGV[12]
+      local message = ARGV[13]
       if class then
         message = message .. string.char(10) .. class  -- "<scope>" newline "<class>"
       end
-      if redis.call('PUBLISH', 'pgw:wake:' .. head, message) > 0 or ARGV[13] ~= '1' then
+      if redis.call('PUBLISH', 'pgw:wake:' .. head, message) > 0 or ARGV[14] ~= '1' then
         return 2
       end
       -- Nobody listens on its channel: the process is gone (or not yet listening).
       redis.call('ZREM', wk, head)
       redis.call('ZREM', wuk, head)
-      redis.call('ZREM', lk, 'handoff:' .. head)
+      if redis.call('ZREM', lk, 'handoff:' .. head) == 1 then
+        left = left - 1
+      end
     end
   end
 end
@@ -510,11 +570,11 @@ end
 local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_failures',
   'cooldown_s', 'cooldown_max_s', 'breaker', 'failures', 'trips', 'open_until', 'probe_id',
   'probe_until', 'limit', 'last_decrease', 'not_before', 'tpm_tokens', 'reopen_probe',
-  'pprobe_id')
+  'pprobe_id', 'expires_at')
 local maxc = tonumber(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
-  return wake(nil)
+  return wake(nil, nil)
 end
 local tpm, tpm_cap = tonumber(h[2]), tonumber(h[3])
 local threshold, cooldown, cooldown_max = tonumber(h[4]), tonumber(h[5]), tonumber(h[6])
@@ -543,10 +603,10 @@ end
 
 -- aimd.on_overload: at most one decrease per cool-off.
 local function overload()
-  if last_decrease ~= nil and now - last_decrease < tonumber(ARGV[7]) then
+  if last_decrease ~= nil and now - last_decrease < tonumber(ARGV[8]) then
     return
   end
-  limit = math.max(1, limit * tonumber(ARGV[8]))
+  limit = math.max(1, limit * tonumber(ARGV[9]))
   last_decrease = now
   decreased = true
 end
@@ -592,36 +652,52 @@ if pause ~= nil then
   not_before = math.max(not_before, now + pause)
 end
 
-redis.call('HSET', sk, 'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
+local writes = {'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
   'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
-  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe)
+  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe}
 if pprobe_freed then
-  redis.call('HSET', sk, 'pprobe_id', '', 'pprobe_until', '0')
+  table.insert(writes, 'pprobe_id')
+  table.insert(writes, '')
+  table.insert(writes, 'pprobe_until')
+  table.insert(writes, '0')
 end
 if decreased then
-  redis.call('HSET', sk, 'last_decrease', fmt(last_decrease))
+  table.insert(writes, 'last_decrease')
+  table.insert(writes, fmt(last_decrease))
 end
 
 -- ratelimit.reconcile: replace the reservation with real usage.
 local used = tonumber(ARGV[6])
 if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
-  local reserved = tonumber(string.match(meta or '0', '^(%S+)'))
-  redis.call('HSET', sk, 'tpm_tokens', fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
+  local reserved = tonumber(ARGV[7]) or 0
+  table.insert(writes, 'tpm_tokens')
+  table.insert(writes, fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
 end
-redis.call('EXPIRE', sk, math.max(tonumber(ARGV[10]), math.ceil(cooldown_max) + 1))
+redis.call('HSET', sk, unpack(writes))
+
+-- Lifetimes (see ACQUIRE): a lease renewed past half the state's life still leaves a
+-- breaker's cool-down time to run out. ``expires_at`` is left to ACQUIRE, which also
+-- keeps the scope's list of sources.
+local expires_at = tonumber(h[19])
+local need = math.ceil(cooldown_max) + 1
+if expires_at == nil or expires_at - now < need then
+  local life = math.max(tonumber(ARGV[11]), 2 * need)
+  redis.call('EXPIRE', sk, life)
+  redis.call('EXPIRE', lk, life)
+end
 
 if kind == 'success' then
-  redis.call('SET', KEYS[4], now_s, 'EX', ARGV[9])
+  redis.call('SET', KEYS[3], now_s, 'EX', ARGV[10])
 end
-return wake(math.min(maxc, math.floor(limit)))
+return wake(math.min(maxc, math.floor(limit)), expires_at)
 """
 
 RENEW = """
 -- RENEW: extend a live lease by its own TTL from now (and the probe slot it may hold).
 --
 -- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
--- KEYS[3] pgw:{scope}:lease_meta:<source>
--- ARGV[1] now ("" = server TIME)   ARGV[2] lease id
+-- ARGV[1] now ("" = server TIME)   ARGV[2] lease id   ARGV[3] the lease's TTL in seconds
+-- ARGV[4] state key TTL s
 -- Returns 1 when the lease was live and is renewed, 0 when it was unknown or expired.
 
 local function fmt(x)
@@ -633,32 +709,30 @@ if now == nil then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-local sk, lk, mk = KEYS[1], KEYS[2], KEYS[3]
+local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
+local ttl = tonumber(ARGV[3])
 
-local expired = redis.call('ZRANGEBYSCORE', lk, '-inf', fmt(now))
-local n = #expired
-for first = 1, n, 1000 do
-  local last = math.min(first + 999, n)
-  redis.call('ZREM', lk, unpack(expired, first, last))
-  redis.call('HDEL', mk, unpack(expired, first, last))
-end
+redis.call('ZREMRANGEBYSCORE', lk, '-inf', fmt(now))
 if not redis.call('ZSCORE', lk, lease_id) then
-  return 0
-end
-local meta = redis.call('HGET', mk, lease_id) or ''
-local ttl = tonumber(string.match(meta, '%S+%s+(%S+)'))
-if ttl == nil then
   return 0
 end
 local expiry = fmt(now + ttl)
 redis.call('ZADD', lk, 'XX', expiry, lease_id)
-local probes = redis.call('HMGET', sk, 'probe_id', 'pprobe_id')
-if probes[1] and probes[1] ~= '' and probes[1] == lease_id then
+local h = redis.call('HMGET', sk, 'probe_id', 'pprobe_id', 'expires_at')
+if h[1] and h[1] ~= '' and h[1] == lease_id then
   redis.call('HSET', sk, 'probe_until', expiry)
 end
-if probes[2] and probes[2] ~= '' and probes[2] == lease_id then
+if h[2] and h[2] ~= '' and h[2] == lease_id then
   redis.call('HSET', sk, 'pprobe_until', expiry)
+end
+-- Lifetimes (see ACQUIRE): a lease renewed past half the state's life keeps its keys.
+local expires_at = tonumber(h[3])
+local need = math.ceil(ttl) + 1
+if expires_at == nil or expires_at - now < need then
+  local life = math.max(tonumber(ARGV[4]), 2 * need)
+  redis.call('EXPIRE', sk, life)
+  redis.call('EXPIRE', lk, life)
 end
 return 1
 """
