@@ -333,6 +333,12 @@ class SentinelSetup:
             _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER)
             return int(port)
 
+    def config_epoch(self) -> int:
+        """The Sentinel's configuration epoch of the master: one more at each failover it made."""
+        with self.sentinel.client() as client:
+            fields = client.execute_command("SENTINEL", "MASTER", self.MASTER)  # paired by redis-py
+        return int(fields[b"config-epoch"])
+
     def wait_for_failover(self, old_port: int, timeout_s: float = 30.0) -> Process:
         """Wait until the Sentinel names another primary and it says so (ROLE); return it."""
 

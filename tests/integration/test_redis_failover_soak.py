@@ -100,6 +100,8 @@ class Cycle:
     """``time.time()`` at the fault: the servers' clock, which lease expiries are scored in."""
     stray: int = 0
     """Backend connections found on the old primary 1.5 s after its thaw (frozen cycles)."""
+    failovers: int = 1
+    """Failovers Sentinel made for this fault (its config epoch's steps): one, or state was lost."""
     steady: Counter[str] = field(default_factory=Counter)
 
 
@@ -222,6 +224,7 @@ async def fail_over(setup: SentinelSetup, traffic: Traffic, fault: str) -> Cycle
     """Kill or freeze the primary, wait for the promotion and the old one's rejoin, and service."""
     old_port = setup.primary_port()
     old = node_at(setup, old_port)
+    epoch = await asyncio.to_thread(setup.config_epoch)
     fault_at, fault_wall = time.monotonic(), time.time()
     if fault == "kill":
         await asyncio.to_thread(old.kill)
@@ -241,8 +244,13 @@ async def fail_over(setup: SentinelSetup, traffic: Traffic, fault: str) -> Cycle
         stray = await asyncio.to_thread(backend_connections, old)
     await wait_until_acknowledging(new, SERVED_BOUND_S - (time.monotonic() - promoted_at))
     rejoined_at = time.monotonic()
-    # One failover per fault: a second one would have promoted the old primary back.
-    assert await asyncio.to_thread(setup.primary_port) == new.port, "Sentinel failed over again"
+    # One failover per fault. A second one would have promoted the old primary (a killed
+    # one restarted with the data of its previous life, or a thawed one) over the state
+    # the fleet wrote meanwhile: failovers = config epoch steps (_redis_topologies.py,
+    # SentinelSetup.DOWN_AFTER_MS, for why Sentinel once did so a second after the first).
+    failovers = await asyncio.to_thread(setup.config_epoch) - epoch
+    assert failovers == 1, f"{fault}: Sentinel made {failovers} failovers"
+    assert await asyncio.to_thread(setup.primary_port) == new.port
 
     async def served() -> bool:
         return traffic.first_ok(started_after=fault_at) is not None
@@ -267,6 +275,7 @@ async def fail_over(setup: SentinelSetup, traffic: Traffic, fault: str) -> Cycle
         ended=traffic.between(fault_at, first.ended),
         fault_wall=fault_wall,
         stray=stray,
+        failovers=failovers,
     )
 
 
