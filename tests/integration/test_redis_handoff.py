@@ -131,6 +131,19 @@ async def test_an_unclaimed_placeholder_lapses_after_the_handoff_ttl(
     assert (await w.holder.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
 
 
+async def test_a_placeholder_at_its_exact_expiry_is_no_longer_the_processs(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """At the instant its placeholder lapses, the permit is anyone's: taken by another, P
+    is refused, as a lease expiring at that instant is dead."""
+    w = await p_waiting(fleet, admin, spec(1))
+    await w.holder.release(w.leases[0], SUCCESS)
+    await woken(w.room)
+    clock.advance(FLEET_SOCKET_TIMEOUT_S)
+    assert (await w.holder.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
+    await refused(w.p, spec(1), "concurrency")
+
+
 async def test_a_claiming_process_is_still_refused_by_rpm(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:

@@ -20,8 +20,9 @@ Operators, applied to code only (never inside a comment or a string literal):
 
 The tests: the Redis half of the contract suite and the differential test
 (both drive the scripts' ``now`` argument from a fake clock), then the Redis
-backend's server-clock tests, ``test_redis_key_expiry.py``, which see what
-only a real server shows (``TIME``, key TTLs), and ``test_redis_handoff.py``
+backend's server-clock tests, ``test_redis_key_expiry.py`` and
+``test_redis_script_writes.py``, which see what only a real server shows
+(``TIME``, key TTLs, the commands a script ran), and ``test_redis_handoff.py``
 (RELEASE's hand-off of a permit to a woken process, ACQUIRE's claim of it).
 
 Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``.
@@ -53,6 +54,7 @@ TESTS = [
     "tests/integration/test_backend_contract.py",
     "tests/integration/test_redis_differential.py",
     "tests/integration/test_redis_key_expiry.py",
+    "tests/integration/test_redis_script_writes.py",
     "tests/integration/test_redis_backend.py",
     "tests/integration/test_redis_handoff.py",
     "tests/integration/test_redis_wakeups.py",

@@ -162,14 +162,9 @@ local function examine(i, a)
     put('probe_id', '')
     put('probe_until', '0')
     put('not_before', '0')
+    -- Buckets start full: made so when first checked (below), as a full bucket refills to
+    -- itself, whatever the time between.
     rpm_tokens, rpm_at, tpm_tokens, tpm_at = nil, nil, nil, nil
-    if rpm ~= nil then
-      rpm_tokens, rpm_at = rpm_cap, now
-    end
-    if tpm ~= nil then
-      tpm_tokens, tpm_at = tpm_cap, now
-    end
-    rpm_moved, tpm_moved = rpm ~= nil, tpm ~= nil
   else
     breaker = h[2]
     open_until = tonumber(h[3])
