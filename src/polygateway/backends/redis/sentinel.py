@@ -5,7 +5,13 @@ Before each new connection the primary's wire asks the Sentinels, in turn,
 timeout; the one that answered is asked first next time), connects there, and
 checks with ``ROLE`` that the server is a primary, as Sentinel's client
 guidelines ask: a Sentinel that has not yet noticed a failover names a server
-that now refuses writes, and that connection fails like any other.
+that now refuses writes, and that connection fails like any other. Once the
+connection is up the Sentinels are asked again, and a server they no longer
+name is left: connecting to a frozen primary waits until it thaws, and a
+Sentinel names the promoted replica a moment before it announces
+``+switch-master``, so a primary thawed in between (its ROLE still master)
+would otherwise receive what was queued for the connection, lost at its
+demotion.
 
 A failover is followed as Sentinel announces it: the backend listens to
 ``+switch-master`` on one Sentinel (through redis-py's ``PubSub``: rare
