@@ -144,6 +144,22 @@ async def test_a_placeholder_at_its_exact_expiry_is_no_longer_the_processs(
     await refused(w.p, spec(1), "concurrency")
 
 
+async def test_releasing_a_lease_that_expired_wakes_nobody(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """A lease gone by its TTL frees nothing when released late: no wake-up, no placeholder."""
+    b = fleet()
+    room = waiting_in(b)
+    await listening(admin, 1)
+    (lease,) = await hold(b, 1, spec(1))
+    await register(admin, b, spec(1))
+    clock.advance(1000.0)  # the lease's TTL
+    await b.release(lease, SUCCESS)
+    await b.snapshot(SCOPE)  # one more round trip on the same connection: the reply was read
+    assert room.wakeups == 0
+    assert await admin.zrange(LEASES, 0, -1) == []
+
+
 async def test_a_claiming_process_is_still_refused_by_rpm(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
@@ -247,6 +263,9 @@ async def test_a_permit_held_for_a_process_that_stopped_listening_goes_to_the_ne
     await holder.release(lease, SUCCESS)
     await woken(room)
     assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{proc}"]
+    # The key emptied when the first placeholder was taken back, and the second made it anew:
+    # it expires with the source's state, as the lease that claims it will need.
+    assert await admin.ttl(LEASES) > 3600
 
 
 async def test_the_permit_is_held_for_the_first_registered_process_only(

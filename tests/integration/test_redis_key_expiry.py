@@ -151,20 +151,21 @@ async def test_lease_keys_outlive_their_longest_lease(
 async def test_a_release_late_in_the_states_life_keeps_a_cool_down_time_to_run(
     backend: RedisBackend, redis_url: str
 ) -> None:
-    """A lease renewed long enough that less than a cool-down is left of its keys' life: its
-    release sets the state and lease keys a day again (so a breaker it trips is not
-    forgotten); with more left, it sets nothing."""
-    lease = await _lease(backend, ttl_s=3600.0)
+    """Leases renewed until their keys have only a cool-down (300 s by default) plus 1 s
+    left: a release then sets nothing; with a second less, it sets the state and lease keys
+    a day again, so that a breaker it trips is not forgotten while open."""
+    first, second = await _lease(backend, ttl_s=3600.0), await _lease(backend, ttl_s=3600.0)
     await _lease(backend, ttl_s=3600.0)  # still held at the end: the lease key stays
     _shorten(redis_url, "src:a", "leases:a")
-    await backend.release(await _lease(backend, ttl_s=3600.0), AttemptOutcome("success"))
-    assert _within_a_second_below(_pttl(redis_url, "src:a"), 60_000)
     with redis.Redis.from_url(redis_url) as client:
-        # As if renewals had carried the lease to 300 s (the default cool-down) before
-        # the end of its keys' life.
         now = float(client.hget(_key("src:a"), "expires_at") or 0) - _STATE_TTL_S
+        client.hset(_key("src:a"), "expires_at", repr(now + 301))
+    await backend.release(first, AttemptOutcome("success"))
+    for key in ("src:a", "leases:a"):
+        assert _within_a_second_below(_pttl(redis_url, key), 60_000), key
+    with redis.Redis.from_url(redis_url) as client:
         client.hset(_key("src:a"), "expires_at", repr(now + 300))
-    await backend.release(lease, AttemptOutcome("transient"))
+    await backend.release(second, AttemptOutcome("transient"))
     for key in ("src:a", "leases:a"):
         assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
 
@@ -172,13 +173,17 @@ async def test_a_release_late_in_the_states_life_keeps_a_cool_down_time_to_run(
 async def test_a_renewal_late_in_the_states_life_keeps_the_lease_its_time(
     backend: RedisBackend, redis_url: str
 ) -> None:
-    """Less than the lease's TTL left of its keys' life: a renewal sets them a day again."""
+    """The lease's TTL (600 s) plus 1 s left of its keys' life: a renewal sets nothing; a
+    second less, and it sets them a day again."""
     lease = await _lease(backend, ttl_s=600.0)
     _shorten(redis_url, "src:a", "leases:a")
-    assert await backend.renew(lease)
-    assert _within_a_second_below(_pttl(redis_url, "leases:a"), 60_000)
     with redis.Redis.from_url(redis_url) as client:
         now = float(client.hget(_key("src:a"), "expires_at") or 0) - _STATE_TTL_S
+        client.hset(_key("src:a"), "expires_at", repr(now + 601))
+    assert await backend.renew(lease)
+    for key in ("src:a", "leases:a"):
+        assert _within_a_second_below(_pttl(redis_url, key), 60_000), key
+    with redis.Redis.from_url(redis_url) as client:
         client.hset(_key("src:a"), "expires_at", repr(now + 600))
     assert await backend.renew(lease)
     for key in ("src:a", "leases:a"):
