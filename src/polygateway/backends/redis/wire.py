@@ -102,6 +102,7 @@ __all__ = [
     "Redirect",
     "Script",
     "Topology",
+    "Unanswered",
     "Wire",
     "bulk",
     "bulks",
@@ -132,6 +133,14 @@ Locate = Callable[[], Awaitable[Endpoint]]
 
 Arg = NewType("Arg", bytes)
 """One command argument, packed (a RESP bulk string): a command counts its ``Arg``s."""
+
+
+class Unanswered(RedisConnectionError):
+    """A command written, whose connection was lost before its reply: it may have run.
+
+    Commands that failed before they were written (the connection could not be
+    made) get the connect error instead: they certainly did not run.
+    """
 
 
 def bulk(value: str) -> Arg:
@@ -297,7 +306,7 @@ class Link(asyncio.Protocol):
         reason = "connection closed" if exc is None else f"connection lost: {exc}"
         pending, self._pending = self._pending, deque()
         for on_reply, _, _ in pending:
-            on_reply(RedisConnectionError(reason))
+            on_reply(Unanswered(reason))
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         if self._on_down is not None:
