@@ -1,11 +1,10 @@
 """An ACQUIRE that ran but whose reply was lost with its connection gives its lease back.
 
-The failover soak (``test_redis_failover_soak.py``) once ended with one permit
-held for its ten-minute lease: granted on the primary at the very moment it
-was frozen (SIGSTOP), replicated to the replica (``redis_replica_acks = 1``),
-whose promotion kept it, while the reply never reached the backend. The
-backend logged the acquire as failed ("nobody waits for it: a permit it holds
-frees itself when its lease expires"), and nothing released the lease. Its id
+A grant can run and be replicated while its reply is lost with the
+connection: the failover soak (``test_redis_failover_soak.py``) showed one,
+granted on the primary at the moment it was frozen (SIGSTOP) and kept by the
+replica's promotion (``redis_replica_acks = 1``), which would otherwise hold
+its permit for its whole lease. Its id
 is the backend's own (``acquire`` makes it before writing the script), and
 releasing an id that holds nothing is harmless (RELEASE returns 0), so an
 ACQUIRE whose connection was lost after it was written (``wire.Unanswered``)
@@ -38,11 +37,6 @@ TTL_S = 600.0
 """The lease would hold its permit ten minutes: only a written release frees it in time."""
 SOCKET_TIMEOUT_S = 2.0
 GIVEN_BACK_WITHIN_S = 5.0
-
-pytestmark = pytest.mark.xfail(
-    strict=True,
-    reason="needs the limiter to give back an ACQUIRE lost unanswered (report of this change)",
-)
 
 
 class Relay:

@@ -105,12 +105,21 @@ from polygateway.backends.base import (
     SourceSpec,
 )
 from polygateway.backends.redis import codec, scripts
-from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Late, Reply
+from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Failed, Late, Reply
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.sentinel import SentinelPrimary
 from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups
-from polygateway.backends.redis.wire import Arg, Script, Topology, Wire, bulk, bulks, command
+from polygateway.backends.redis.wire import (
+    Arg,
+    Script,
+    Topology,
+    Unanswered,
+    Wire,
+    bulk,
+    bulks,
+    command,
+)
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.config.masking import mask_url, scrub, url_secrets
 from polygateway.config.settings import (
@@ -439,10 +448,11 @@ class RedisBackend:
         argv: Sequence[Arg],
         parse: Callable[[Any], T],
         late: Late | None = None,
+        failed: Failed | None = None,
     ) -> Coroutine[Any, Any, T]:
         """Run one script on ``keys`` and ``argv`` (its header's KEYS and ARGV, in order)."""
         script = self._scripts[operation]
-        return self._call(operation, scope, script.command(keys, argv), parse, script, late)
+        return self._call(operation, scope, script.command(keys, argv), parse, script, late, failed)
 
     def _call(
         self,
@@ -452,10 +462,15 @@ class RedisBackend:
         parse: Callable[[Any], T],
         script: Script | None = None,
         late: Late | None = None,
+        failed: Failed | None = None,
     ) -> Coroutine[Any, Any, T]:
         """Send one command (one round trip); the caller awaits its parsed reply (``_wait``)."""
         reply = Reply(
-            asyncio.get_running_loop().create_future(), late, operation, scope, self._late_failure
+            asyncio.get_running_loop().create_future(),
+            late,
+            operation,
+            scope,
+            failed or self._late_failure,
         )
         self._wire.route(scope).send(data, reply, script)
         return self._wait(operation, scope, reply, parse)
@@ -662,9 +677,32 @@ class RedisBackend:
             if lease is not None:
                 self._release(lease, _CANCELLED, waited=False)
 
-        if self._acks:
-            return await self._acquire_acknowledged(scope, keys, argv, parse, give_back)
-        return await self._eval("acquire", scope, keys, argv, parse, give_back)
+        def unanswered(exc: BaseException | None) -> None:
+            # Written, then its connection was lost before the reply: the script may have
+            # run and granted ``lease_id`` on any candidate (a replica may keep it through a
+            # failover). Released on each; an id that holds nothing is left as it is.
+            if isinstance(exc, Unanswered):
+                for spec in specs:
+                    maybe = Lease(
+                        scope=scope,
+                        source=spec.name,
+                        lease_id=lease_id,
+                        ttl_s=ttl_s,
+                        tokens=cost_tokens,
+                    )
+                    self._release(maybe, _CANCELLED, waited=False)
+
+        def failed(operation: str, scope: str, exc: BaseException) -> None:
+            unanswered(exc)
+            self._late_failure(operation, scope, exc)
+
+        try:
+            if self._acks:
+                return await self._acquire_acknowledged(scope, keys, argv, parse, give_back, failed)
+            return await self._eval("acquire", scope, keys, argv, parse, give_back, failed)
+        except GovernanceBackendError as exc:
+            unanswered(exc.__cause__)
+            raise
 
     async def _acquire_acknowledged(
         self,
@@ -673,6 +711,7 @@ class RedisBackend:
         argv: Sequence[Arg],
         parse: Callable[[Any], AcquireResult],
         give_back: Late,
+        failed: Failed,
     ) -> AcquireResult:
         """ACQUIRE and ``WAIT`` written together; a grant the replicas did not acknowledge fails.
 
@@ -704,7 +743,7 @@ class RedisBackend:
             late,
             "acquire",
             scope,
-            self._late_failure,
+            failed,
         )
         wire = self._wire.route(scope)
         both = _Acknowledged(reply, wire, self._ack_command)
