@@ -4,6 +4,11 @@ Every process listens on a free loopback port with its own temporary
 directory, and is stopped (thawed first when frozen) by the fixture that
 started it. Startup waits are bounded; a topology that does not come up
 fails the test with the servers' logs, never a skip.
+
+A Cluster or a Sentinel setup can serve TLS only (``tls=``, certificates from
+``_redis_tls.tls_files``): every process then listens on its ``tls-port``
+with ``port 0`` and talks TLS to the others (``tls-replication yes``,
+``tls-cluster yes``), as Redis's TLS documentation describes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from redis.crc import key_slot
 
 from _ports import free_port
 
+TLSFiles = tuple[Path, Path, Path]
+"""A CA, and a certificate for 127.0.0.1 it signed with its key (``_redis_tls.tls_files``)."""
+
 _START_S = 15.0
 _STOP_S = 10.0
 
@@ -40,7 +48,14 @@ class Process:
     """One redis-server (or redis-sentinel) on 127.0.0.1: started, frozen, killed, stopped."""
 
     def __init__(
-        self, directory: Path, program: str, *args: str, config: str = "", password: str = ""
+        self,
+        directory: Path,
+        program: str,
+        *args: str,
+        config: str = "",
+        password: str = "",
+        username: str = "",
+        tls: TLSFiles | None = None,
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
@@ -50,6 +65,10 @@ class Process:
         self.config = config
         self.password = password
         """What ``client()`` logs in with (its ``requirepass``, written in ``config``)."""
+        self.username = username
+        """With ``password``: the ACL user ``client()`` logs in as (a ``user`` line)."""
+        self.tls = tls
+        """TLS only: ``port`` is the ``tls-port`` (``port 0``), replication and bus over TLS."""
         self.process: subprocess.Popen[bytes] | None = None
         self.paused = False
         self.log = directory / "log.txt"
@@ -60,8 +79,16 @@ class Process:
 
     def client(self) -> redis.Redis:
         """A synchronous client for setup and inspection."""
+        tls: dict[str, object] = {}
+        if self.tls is not None:
+            tls = {"ssl": True, "ssl_ca_certs": str(self.tls[0])}
         return redis.Redis(
-            host="127.0.0.1", port=self.port, password=self.password or None, socket_timeout=5.0
+            host="127.0.0.1",
+            port=self.port,
+            username=self.username or None,
+            password=self.password or None,
+            socket_timeout=5.0,
+            **tls,  # type: ignore[arg-type]
         )
 
     def start(self) -> None:
@@ -71,7 +98,14 @@ class Process:
             conf = self.directory / "redis.conf"
             conf.write_text(self.config)
             argv.append(str(conf))
-        argv += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory)]
+        if self.tls is None:
+            argv += ["--port", str(self.port)]
+        else:
+            ca, cert, key = self.tls
+            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-replication", "yes"]
+            argv += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+            argv += ["--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+        argv += ["--bind", "127.0.0.1", "--dir", str(self.directory)]
         argv += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.args]
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -137,7 +171,8 @@ def wait_for(what: str, check: object, timeout_s: float = _START_S) -> None:
 class Cluster:
     """Three masters, no replicas, created with ``redis-cli --cluster create``."""
 
-    def __init__(self, directory: Path, masters: int = 3) -> None:
+    def __init__(self, directory: Path, masters: int = 3, *, tls: TLSFiles | None = None) -> None:
+        self.tls = tls
         self.nodes = [
             Process(
                 directory / f"node{i}",
@@ -151,20 +186,26 @@ class Cluster:
                 # The bus port is the client port + 10000 unless given: a free port may be too high.
                 "--cluster-port",
                 str(free_port()),
+                *(("--tls-cluster", "yes") if tls else ()),
+                tls=tls,
             )
             for i in range(masters)
         ]
 
     @property
     def seed_url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://{self.nodes[0].address}/0?ssl_ca_certs={self.tls[0]}"
         return f"redis://{self.nodes[0].address}/0"
 
     def start(self) -> None:
         for node in self.nodes:
             node.start()
+        tls = ("--tls", "--cacert", str(self.tls[0])) if self.tls is not None else ()
         subprocess.run(
             [
                 binary("redis-cli"),
+                *tls,
                 "--cluster",
                 "create",
                 *(node.address for node in self.nodes),
@@ -262,8 +303,12 @@ def slot_of(scope: str) -> int:
 class SentinelSetup:
     """A primary, its replica and one Sentinel watching them as ``mymaster``.
 
-    With ``sentinel_password`` the Sentinel requires it (``requirepass`` in its
-    config); the primary and the replica take none either way.
+    With ``sentinel_password`` the Sentinel requires it: ``requirepass`` in its
+    config, or, with ``sentinel_username`` too, an ACL user of that name (a
+    ``user`` line, all commands, keys and channels) with the ``default`` user
+    off, as redis.io's "Sentinel Access Control List authentication" sets one
+    up. The primary and the replica take no password either way. With ``tls``
+    all three serve TLS only and talk TLS to each other (``_redis_topologies``).
     """
 
     MASTER = "mymaster"
@@ -288,13 +333,23 @@ class SentinelSetup:
     """
 
     def __init__(
-        self, directory: Path, *, down_after_ms: int = DOWN_AFTER_MS, sentinel_password: str = ""
+        self,
+        directory: Path,
+        *,
+        down_after_ms: int = DOWN_AFTER_MS,
+        sentinel_password: str = "",
+        sentinel_username: str = "",
+        tls: TLSFiles | None = None,
     ) -> None:
-        self.primary = Process(directory / "primary", "redis-server")
-        self.replica = Process(directory / "replica", "redis-server")
+        self.primary = Process(directory / "primary", "redis-server", tls=tls)
+        self.replica = Process(directory / "replica", "redis-server", tls=tls)
         self.down_after_ms = down_after_ms
         self.sentinel = Process(
-            directory / "sentinel", "redis-sentinel", password=sentinel_password
+            directory / "sentinel",
+            "redis-sentinel",
+            password=sentinel_password,
+            username=sentinel_username,
+            tls=tls,
         )
 
     @property
@@ -312,7 +367,12 @@ class SentinelSetup:
             f"sentinel failover-timeout {self.MASTER} 10000\n"
             f"sentinel parallel-syncs {self.MASTER} 1\n"
         )
-        if self.sentinel.password:
+        if self.sentinel.username:
+            self.sentinel.config += (
+                f"user {self.sentinel.username} on >{self.sentinel.password} +@all ~* &*\n"
+                "user default off\n"
+            )
+        elif self.sentinel.password:
             self.sentinel.config += f"requirepass {self.sentinel.password}\n"
         self.sentinel.start()
         wait_for("the Sentinel to see the replica", self._sentinel_sees_replica)

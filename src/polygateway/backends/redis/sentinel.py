@@ -33,6 +33,12 @@ So a command that finds the primary gone waits a socket timeout at most for
 it, plus one Sentinel round; until Sentinel has promoted a replica, commands
 fail closed.
 
+Over TLS (a ``rediss://`` URL) the Sentinels are asked with the URL's TLS
+settings too, the primary's CA and checks: a Sentinel watching TLS servers
+talks TLS to them (``tls-replication yes``) and then listens on a
+``tls-port`` of its own, which is the one to list (redis.io's TLS page,
+"Sentinel"). The ``+switch-master`` subscription uses the same context.
+
 Sentinels that require a password (``requirepass`` in ``sentinel.conf``) are
 logged in to with the one given for them all, both by the wire that asks
 them and by the ``+switch-master`` subscription; the primary's own
@@ -52,14 +58,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from polygateway.backends.redis import codec
 from polygateway.backends.redis.endpoint import Endpoint
+from polygateway.backends.redis.wakeups import pubsub_client
 from polygateway.backends.redis.wire import OnReply, Script, Wire, command
 
 __all__ = ["SentinelPrimary"]
@@ -71,7 +75,8 @@ class SentinelPrimary:
     Args:
         sentinels: the Sentinels' addresses (``host``, ``port``).
         master: the name they monitor the primary under.
-        template: credentials, database, TLS and timeouts of the primary's connection.
+        template: credentials, database, TLS and timeouts of the primary's connection;
+            its TLS context (only) is the Sentinels' connections' too.
         timeout_s: how long one Sentinel may take to answer (connect included).
         password: the Sentinels' own password (``requirepass``); ``None`` or empty: none.
     """
@@ -105,7 +110,11 @@ class SentinelPrimary:
         self._sentinels = [
             Wire(
                 Endpoint(
-                    host=host, port=port, password=self._password, connect_timeout_s=timeout_s
+                    host=host,
+                    port=port,
+                    password=self._password,
+                    tls=template.tls,
+                    connect_timeout_s=timeout_s,
                 ),
                 late_reply_s=timeout_s,
             )
@@ -184,14 +193,8 @@ class SentinelPrimary:
         """Drop the primary's connection whenever a Sentinel announces a new primary."""
         while True:
             for sentinel in list(self._sentinels):
-                address = sentinel.endpoint
-                client = aioredis.Redis(
-                    host=address.host,
-                    port=address.port,
-                    password=self._password,
-                    socket_connect_timeout=self._timeout_s,
-                    retry=Retry(NoBackoff(), 0),  # a Sentinel down: the next one, at once
-                )
+                # No retry: a Sentinel down, the next one, at once. Its login and TLS context.
+                client = pubsub_client(sentinel.endpoint, self._timeout_s)
                 try:
                     async with client.pubsub() as pubsub:
                         await pubsub.subscribe("+switch-master")

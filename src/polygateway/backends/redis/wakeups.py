@@ -50,7 +50,7 @@ from redis.exceptions import RedisError
 from polygateway.backends.redis import codec
 from polygateway.backends.redis.endpoint import Endpoint
 
-__all__ = ["CHANNEL_PREFIX", "Wakeups"]
+__all__ = ["CHANNEL_PREFIX", "Wakeups", "pubsub_client"]
 
 logger = logging.getLogger("polygateway.backends.redis")
 
@@ -124,7 +124,7 @@ class Wakeups:
         while not self._closing.is_set():
             try:
                 endpoint = await self._where()
-                client = _client(endpoint, self._timeout_s)
+                client = pubsub_client(endpoint, self._timeout_s)
             except (RedisError, OSError, ValueError) as exc:
                 logger.debug("wake-up subscription: no server to subscribe on: %s", exc)
             else:
@@ -182,8 +182,12 @@ class Wakeups:
             listening.cancel()
 
 
-def _client(endpoint: Endpoint, timeout_s: float) -> aioredis.Redis:
-    """A redis-py client for ``endpoint``'s server, login and TLS context."""
+def pubsub_client(endpoint: Endpoint, timeout_s: float) -> aioredis.Redis:
+    """A redis-py client for ``endpoint``'s server, login and TLS context, without retries.
+
+    For subscriptions (rare messages, no hot path): this module's, and the
+    ``+switch-master`` listener of ``sentinel.py``.
+    """
     common: dict[str, Any] = {
         "username": endpoint.username,
         "password": endpoint.password,
