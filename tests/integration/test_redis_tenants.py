@@ -392,3 +392,22 @@ async def test_a_tenant_in_three_processes_and_one_in_one_are_served_alternately
     # did, before the fleet took turns of tenants). The bound leaves room for a turn lost
     # now and then to a process's second turn before it claimed its first.
     assert window["T2"] >= 34, window
+
+
+async def test_the_tenant_keys_expire_like_the_registries(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A crashed fleet leaves no tenant key for ever: 61 s, like the registries, also the
+    turn a wake-up made anew (the tenant "" of a process that names none)."""
+    holder, a, p = releasing(fleet()), fleet(), fleet()
+    room_of(a, "")
+    room_of(p, "T1")
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(a)
+    await refused(p)
+    await admin.delete(key("tenants"))
+    await holder.release(leases[0], SUCCESS)
+    assert await admin.zrange(key("tenants"), 0, -1) == [""]
+    for k in ("flows", "flows_of", "tenants"):
+        assert 0 < await admin.ttl(key(k)) <= 61, k

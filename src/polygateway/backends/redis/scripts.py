@@ -41,6 +41,14 @@ Conventions shared by every script:
   lease zset, which only that process's ACQUIRE may claim and which lapses like
   a lease. Both take these keys and arguments last, optionally, so the policy
   half of each contract is unchanged.
+- Tenants (research-wiki/designs/priority-fairness.md, "On Redis"), per class (or
+  for the scope without classes), only from a process whose room named a tenant:
+  zset ``pgw:{scope}:flows[:<class>]`` (all scores 0, members
+  ``"<len>:<tenant><process id>"``: the processes of a tenant by prefix), hash
+  ``pgw:{scope}:flows_of[:<class>]`` (process id -> its tenant list, what a
+  grant, a new list or a lapse removes) and zset ``pgw:{scope}:tenants[:<class>]``
+  (tenant -> place in the fleet's turn, lowest next). A process's tenant
+  registrations live and lapse with its registration in the class.
 """
 
 from __future__ import annotations
@@ -602,6 +610,9 @@ local function wake(cap)
     if redis.call('ZCARD', wk) > redis.call('HLEN', fok) then
       local last = redis.call('ZRANGE', tk, -1, -1, 'WITHSCORES')
       redis.call('ZADD', tk, 'NX', (tonumber(last[2]) or 0) + 1, '')
+      if redis.call('TTL', tk) < 0 then
+        redis.call('EXPIRE', tk, math.max(redis.call('TTL', wk), 1))  -- made here: as wk
+      end
     end
     local fallback, fallback_t
     local i = 0
