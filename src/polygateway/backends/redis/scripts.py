@@ -687,6 +687,7 @@ local function wake(cap)
       held, i = false, 0  -- each holds a promise here: wake the first, holding nothing more
     elseif tenant == nil and not redis.call('ZSCORE', wuk, head) then
       redis.call('ZREM', wk, head)  -- its expiry was lost with its key: not live
+      drop_flows(reg, head)
     elseif tenant == nil and held and redis.call('ZSCORE', lk, 'handoff:' .. head) then
       i = i + 1  -- a permit here is promised to it already: its turn is pending
     else
