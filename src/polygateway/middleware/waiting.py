@@ -132,7 +132,9 @@ class WaitingRoom:
     they wait; a class with nobody waiting takes no part (its share is lent
     to the others) and comes back at the current virtual time, with no
     credit saved up. Inside a class, tenants are served in turn (round robin),
-    each tenant's calls in arrival order.
+    each tenant's calls in arrival order. On a fleet the backend may name the
+    class and the tenant whose turn a freed permit is (``notify``): their
+    first call is the head until the room's next grant.
 
     A class with ``reserved`` permits that holds fewer than that (in this
     process) while its calls wait goes before the stride choice, and such a
