@@ -169,6 +169,22 @@ async def test_a_scope_whose_calls_name_no_tenant_writes_no_tenant_key(
     assert await admin.keys(key("tenants*")) == []
 
 
+async def test_a_class_without_tenant_registrations_is_woken_as_before_by_one_that_knows(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The releasing process sends the tenant keys, but nobody waiting registered a tenant:
+    the wake-up is per process, names no tenant, and writes no turn of tenants."""
+    holder, p = releasing(fleet()), fleet()
+    room = room_of(p, "")
+    await listening(admin, 2)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    await holder.release(leases[0], SUCCESS)
+    await woken(room, 1)
+    assert room.waiting_tenants() is None, "no wake-up named a tenant"
+    assert await admin.keys(key("tenants*")) == []
+
+
 async def test_releases_take_turns_of_tenants_fleet_wide_not_of_processes(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
@@ -237,22 +253,23 @@ async def test_the_woken_process_is_told_the_tenant_and_serves_that_tenants_call
 async def test_a_lapsed_registration_leaves_the_turn_with_its_tenants(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
-    """T1's one process stopped polling 60 s ago (lapsed at that very instant): the release
-    goes to T2's process; T1's index entries are swept and T1 leaves the turn."""
+    """T1's (and T3's) one process stopped polling 60 s ago (lapsed at that very instant):
+    the release goes to T2's process; the lapsed process's index entries are swept, every
+    one, and its tenants leave the turn."""
     holder, p, q = releasing(fleet()), fleet(), fleet()
-    lapsed, alive = room_of(p, "T1"), room_of(q, "T2")
+    lapsed, alive = room_of(p, "T1", "T3"), room_of(q, "T2")
     await listening(admin, 3)
     leases = await hold(holder, SOURCE.max_concurrency)
     gone = await register(admin, p)
     clock.advance(60.0)  # the registration's TTL: it expires now
-    await refused(q)
+    other = await register(admin, q)
     await holder.release(leases[0], SUCCESS)
     await woken(alive, 1)
     assert lapsed.wakeups == 0
     assert alive.head().tenant == "T2"  # type: ignore[union-attr]
     assert await admin.hget(key("flows_of"), gone) is None, "swept"
-    assert not any(str(m).startswith("2:T1") for m in await admin.zrange(key("flows"), 0, -1))
-    assert await admin.zrange(key("tenants"), 0, -1) == ["T2"], "T1 is out of the turn"
+    assert await admin.zrange(key("flows"), 0, -1) == [flow("T2", other)]
+    assert await admin.zrange(key("tenants"), 0, -1) == ["T2"], "T1 and T3 are out of the turn"
 
 
 async def test_a_process_of_no_tenant_takes_its_turns_as_the_tenant_with_no_name(
@@ -411,3 +428,27 @@ async def test_the_tenant_keys_expire_like_the_registries(
     assert await admin.zrange(key("tenants"), 0, -1) == [""]
     for k in ("flows", "flows_of", "tenants"):
         assert 0 < await admin.ttl(key(k)) <= 61, k
+
+
+@pytest.mark.parametrize("tenants", [("", ""), ("T1", "T2")], ids=["no tenant", "tenants"])
+async def test_a_process_whose_expiry_entry_is_gone_is_dropped_not_woken(
+    fleet: Callable[[], RedisBackend],
+    admin: aioredis.Redis,
+    clock: FakeClock,
+    tenants: tuple[str, str],
+) -> None:
+    """P's entry in the expiry set is gone (lost with a key): the release skips P, drops it
+    (and its tenants) and wakes Q, by process as by tenant."""
+    holder, p, q = releasing(fleet()), fleet(), fleet()
+    lost, alive = room_of(p, tenants[0]), room_of(q, tenants[1])
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    gone = await register(admin, p)
+    clock.advance(1.0)
+    await refused(q)
+    await admin.zrem(key("waiting_until"), gone)
+    await holder.release(leases[0], SUCCESS)
+    await woken(alive, 1)
+    assert lost.wakeups == 0
+    assert await admin.zscore(WAITING, gone) is None
+    assert await admin.hget(key("flows_of"), gone) is None
