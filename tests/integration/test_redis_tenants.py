@@ -250,6 +250,31 @@ async def test_the_woken_process_is_told_the_tenant_and_serves_that_tenants_call
     assert room.head().tenant == "T2"  # type: ignore[union-attr]
 
 
+async def test_a_tenant_whose_processes_all_hold_a_promise_keeps_its_place(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """T2's one process Q holds a permit promised here, unclaimed: the next release goes,
+    held, to T1 (next in the turn, not T3 after it); T2 stays first for the one after."""
+    holder, q, p, r = releasing(fleet()), fleet(), fleet(), fleet()
+    rooms = {"Q": room_of(q, "T2"), "P": room_of(p, "T1"), "R": room_of(r, "T3")}
+    await listening(admin, 4)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    ids = {}
+    for name, backend in (("Q", q), ("P", p), ("R", r)):
+        clock.advance(1.0)
+        ids[name] = await register(admin, backend)
+    await holder.release(leases[0], SUCCESS)  # T2's turn: Q is promised the permit
+    await woken(rooms["Q"], 1)
+    await admin.zadd(key("tenants"), {"T2": 0})  # T2 first again, its promise unclaimed
+    await holder.release(leases[1], SUCCESS)
+    await woken(rooms["P"], 1)
+    assert rooms["Q"].wakeups == 1
+    assert rooms["R"].wakeups == 0
+    assert (await admin.zrange(key("tenants"), 0, 0)) == ["T2"], "T2 keeps its place"
+    promised = await admin.zrange(f"pgw:{{{SCOPE}}}:leases:a", 0, -1)
+    assert {f"handoff:{ids['Q']}", f"handoff:{ids['P']}"} <= set(promised), "both held"
+
+
 async def test_a_lapsed_registration_leaves_the_turn_with_its_tenants(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
