@@ -328,7 +328,7 @@ async def test_a_process_of_no_tenant_takes_its_turns_as_the_tenant_with_no_name
 
 
 async def test_with_classes_each_class_has_its_own_turn_of_tenants(
-    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
     """The class is chosen first (stride), then the tenant in that class's own turn."""
     shares = {"interactive": 3.0, "batch": 1.0}
@@ -352,6 +352,20 @@ async def test_with_classes_each_class_has_its_own_turn_of_tenants(
     head = room.head()
     assert head is not None
     assert (head.priority_class, head.tenant) == ("interactive", "I2")
+    # P lapses; Q waits in interactive with no tenant: the release sweeps P's tenants of
+    # the class and, with no tenant registration left there, wakes Q by process.
+    q = fleet()
+    other = room_for(q, SCOPE)
+    other.declare(shares, {})
+    other.enter(priority_class="interactive")
+    await listening(admin, 3)
+    clock.advance(60.0)
+    await hold(holder, 1)  # in place of P's promise, lapsed too: full again
+    await refused(q)
+    await holder.release(leases[1], SUCCESS)
+    await woken(other, 1)
+    assert await admin.hgetall(key("flows_of", "interactive")) == {}
+    assert await admin.zcard(key("flows", "interactive")) == 0
 
 
 def _settings(url: str, base_url: str, classes: dict[str, Any] | None) -> GatewaySettings:
