@@ -405,3 +405,38 @@ class TestAFleetsTurn:
         room.enter(priority_class="batch")
         room.slot("interactive").asking += 1
         assert room.waiting_classes() == ["interactive", "batch"]
+
+
+class TestAFleetsTenantTurn:
+    """``notify(priority_class, tenant)``: a fleet's backend gave the permit to that tenant."""
+
+    def test_the_named_tenants_first_call_is_head_until_the_rooms_next_grant(self) -> None:
+        room = WaitingRoom()
+        first = room.enter(tenant="T1")
+        room.enter(tenant="T1")
+        turn = room.enter(tenant="T2")
+        room.enter(tenant="T2")
+        assert room.head() is first
+        room.notify("", "T2")
+        assert room.head() is turn
+        room.leave(turn, granted=True)
+        assert room.head() is first, "the turn was one grant"
+
+    def test_a_turn_for_a_tenant_not_waiting_here_leaves_the_classs_own_turn(self) -> None:
+        room = WaitingRoom({"interactive": 3.0, "batch": 1.0})
+        room.enter(priority_class="batch", tenant="T2")
+        waiter = room.enter(priority_class="interactive", tenant="T1")
+        room.notify("interactive", "T2")  # T2 waits here, but in batch
+        assert room.head() is waiter
+
+    def test_waiting_tenants_are_none_until_a_call_or_a_wake_up_names_one(self) -> None:
+        room = WaitingRoom({"interactive": 3.0, "batch": 1.0})
+        room.enter(priority_class="batch")
+        assert room.waiting_tenants() is None
+        room.enter(priority_class="interactive", tenant="T1")
+        room.enter(priority_class="interactive", tenant="")
+        assert room.waiting_tenants() == {"interactive": ["T1", ""], "batch": [""]}
+        other = WaitingRoom()
+        other.enter()
+        other.notify("", "")  # the fleet takes turns of tenants: the tenant "" is one
+        assert other.waiting_tenants() == {"": [""]}

@@ -171,8 +171,16 @@ class ReleaseListener(Protocol):
         """The classes with calls of this process waiting or asking for a permit."""
         ...
 
-    def notify(self, priority_class: str | None = None) -> None:
-        """A freed permit is this process's to take (``priority_class``: for that class).
+    def waiting_tenants(self) -> Mapping[str, Collection[str]] | None:
+        """Per class, the tenants with calls of this process waiting (``""``: no tenant).
+
+        ``None`` while no call of the room named a tenant: the fleet then
+        registers the process per class only.
+        """
+        ...
+
+    def notify(self, priority_class: str | None = None, tenant: str | None = None) -> None:
+        """A freed permit is this process's to take (for that class, and that tenant of it).
 
         Runs synchronously and must not raise.
         """
@@ -197,12 +205,14 @@ class ReleaseListeners:
         """Tell ``listener`` of every later release of a permit of ``scope``."""
         self._by_scope.setdefault(scope, []).append(listener)
 
-    def released(self, scope: str, priority_class: str | None = None) -> None:
-        """A permit of ``scope`` was freed (for ``priority_class``'s turn): tell its listeners."""
+    def released(
+        self, scope: str, priority_class: str | None = None, tenant: str | None = None
+    ) -> None:
+        """A permit of ``scope`` was freed (for that class's, and tenant's, turn): tell them."""
         listeners = self._by_scope.get(scope)
         if listeners:
             for listener in listeners:
-                listener.notify(priority_class)
+                listener.notify(priority_class, tenant)
 
 
 @runtime_checkable

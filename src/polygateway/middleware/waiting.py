@@ -132,7 +132,9 @@ class WaitingRoom:
     they wait; a class with nobody waiting takes no part (its share is lent
     to the others) and comes back at the current virtual time, with no
     credit saved up. Inside a class, tenants are served in turn (round robin),
-    each tenant's calls in arrival order.
+    each tenant's calls in arrival order. On a fleet the backend may name the
+    class and the tenant whose turn a freed permit is (``notify``): their
+    first call is the head until the room's next grant.
 
     A class with ``reserved`` permits that holds fewer than that (in this
     process) while its calls wait goes before the stride choice, and such a
@@ -150,8 +152,10 @@ class WaitingRoom:
         "_stale",
         "_tickets",
         "_turn",
+        "_turn_tenant",
         "_vtime",
         "asking",
+        "named_tenants",
         "shares",
         "wakeups",
     )
@@ -167,6 +171,10 @@ class WaitingRoom:
         self._head: Waiter | None = None
         self._stale = False
         self._turn: str | None = None
+        self._turn_tenant: str | None = None
+        # Whether a call naming a tenant ever entered (or a fleet's wake-up named one): from
+        # then on a fleet's backend registers the process per tenant too (``waiting_tenants``).
+        self.named_tenants = False
         self._tickets = itertools.count()
         self.wakeups = 0  # releases that found a head to wake; for tests and telemetry
         # Acquires in flight for this scope in this process (kept by the loop): past
@@ -189,6 +197,18 @@ class WaitingRoom:
     def waiting_classes(self) -> list[str]:
         """The classes with calls waiting or asking (a fleet's backend registers the process)."""
         return [name for name, c in self._classes.items() if c.waiting or c.asking]
+
+    def waiting_tenants(self) -> dict[str, list[str]] | None:
+        """Per class with calls waiting, its tenants with calls waiting, in turn order.
+
+        ``None`` while no call naming a tenant has entered the room and no
+        wake-up named one: a fleet's backend then registers the process per
+        class only, as without tenants (research-wiki/designs/priority-fairness.md,
+        "On Redis").
+        """
+        if not self.named_tenants:
+            return None
+        return {name: list(c.rotation) for name, c in self._classes.items() if c.rotation}
 
     def waiting_by_class(self) -> dict[str, int]:
         """How many calls wait, per priority class (``""``: a scope without classes)."""
@@ -268,6 +288,8 @@ class WaitingRoom:
         if flow is None:
             flow = klass.flows[tenant] = deque()
             klass.rotation.append(tenant)
+            if tenant:
+                self.named_tenants = True
         ticket = waiter.ticket
         if not flow or flow[-1].ticket < ticket:
             flow.append(waiter)
@@ -292,7 +314,7 @@ class WaitingRoom:
             turn = None if self._turn is None else self._classes.get(self._turn)
             if turn is not None and turn.waiting:
                 # The fleet gave this permit to that class (``notify``): its head asks.
-                return self._set_head(turn)
+                return self._set_head(turn, self._turn_tenant)
             for klass in self._classes.values():
                 if not klass.waiting:
                     continue
@@ -312,8 +334,14 @@ class WaitingRoom:
             return self._set_head(best)
         return self._head
 
-    def _set_head(self, klass: ClassState | None) -> Waiter | None:
-        self._head = None if klass is None else klass.flows[klass.rotation[0]][0]
+    def _set_head(self, klass: ClassState | None, tenant: str | None = None) -> Waiter | None:
+        if klass is None:
+            self._head = None
+        else:
+            # ``tenant``: the fleet's tenant turn (``notify``), if it waits here; else the
+            # class's own turn of tenants.
+            flow = None if tenant is None else klass.flows.get(tenant)
+            self._head = (flow or klass.flows[klass.rotation[0]])[0]
         return self._head
 
     def is_head(self, waiter: Waiter) -> bool:
@@ -343,6 +371,7 @@ class WaitingRoom:
         self._count -= 1
         if granted:
             self._turn = None  # the fleet's turn, if any, was this grant's
+            self._turn_tenant = None
         if granted and klass.in_use >= klass.reserved:
             self._vtime = klass.pass_
             klass.pass_ += 1.0 / klass.share
@@ -372,16 +401,29 @@ class WaitingRoom:
                 waiter.failure = failure
                 waiter._fire()
 
-    def notify(self, priority_class: str | None = None) -> None:
+    def notify(self, priority_class: str | None = None, tenant: str | None = None) -> None:
         """A permit was released: wake the head only.
 
         ``priority_class``: a fleet's backend gave the permit to that class
         (stride scheduling across the fleet): its head is the head until the
         room's next grant, if the class has calls waiting here; otherwise
-        the room's own order stands.
+        the room's own order stands. ``tenant``: the fleet gave it to that
+        tenant of the class (round robin over the fleet's tenants): the
+        tenant's first call is the head, if it waits here in that class;
+        otherwise the class's own turn of tenants stands.
         """
-        if priority_class is not None or self._turn is not None:
+        if tenant is not None:
+            # The fleet takes turns of tenants in this scope: so does this process from now
+            # on (its calls of no tenant are then the tenant "", its releases take the turn).
+            self.named_tenants = True
+        if (
+            priority_class is not None
+            or tenant is not None
+            or self._turn is not None
+            or self._turn_tenant is not None
+        ):
             self._turn = priority_class
+            self._turn_tenant = tenant
             self._stale = True
         head = self.head()
         if head is not None:

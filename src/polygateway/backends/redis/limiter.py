@@ -78,7 +78,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar, cast
 
@@ -200,6 +200,7 @@ _EMPTY = bulk("")
 _AIMD_DECREASE = bulk("1")
 _NO_AIMD_DECREASE = bulk("0")
 _STATE_TTL_ARG = bulk(str(_STATE_TTL_S))
+_ONE_CLASS = bulk("1")  # ACQUIRE's class flags without classes: the one class waits
 _WAITING_TTL_ARG = bulk(str(_WAITING_TTL_S))
 _RELEASE_TAIL = bulks(
     (repr(AIMD_COOLOFF_S), repr(AIMD_FACTOR), str(_PROGRESS_TTL_S), str(_STATE_TTL_S))
@@ -272,6 +273,7 @@ class RedisBackend:
         "_serial",
         "_spec_args",
         "_spec_keys",
+        "_tenant_keys",
         "_timeout_s",
         "_url",
         "_wake_tail",
@@ -384,6 +386,7 @@ class RedisBackend:
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
         self._scope_keys: dict[str, tuple[Arg, ...]] = {}
         self._class_args: dict[tuple[str, tuple[tuple[str, float], ...]], _Classes] = {}
+        self._tenant_keys: dict[tuple[str, tuple[str, ...] | None], tuple[Arg, ...]] = {}
         self._serial = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -596,10 +599,33 @@ class RedisBackend:
             self._class_args[(scope, declared)] = cached
         return cached
 
+    def _tenant_keys_of(self, scope: str, names: tuple[str, ...] | None) -> tuple[Arg, ...]:
+        """Per class (one without classes): its tenant keys, flows, flows_of and tenants."""
+        cached = self._tenant_keys.get((scope, names))
+        if cached is None:
+            cached = bulks(
+                [
+                    codec.key(scope, part, *name)
+                    for name in ([()] if names is None else [(n,) for n in names])
+                    for part in ("flows", "flows_of", "tenants")
+                ]
+            )
+            if len(self._tenant_keys) >= _MAX_SPEC_CACHE:
+                self._tenant_keys.clear()
+            self._tenant_keys[(scope, names)] = cached
+        return cached
+
     def _woken(self, message: str) -> None:
-        """A wake-up heard: the scope, or the scope, a newline and the class (``scripts.py``)."""
-        scope, _, priority_class = message.partition("\n")
-        self._listeners.released(scope, priority_class or None)
+        """A wake-up heard: the scope, then on lines of their own the class and the tenant.
+
+        ``scripts.py``: the scope alone, the scope and the class, or the scope,
+        the class (``""`` without classes) and the tenant.
+        """
+        scope, *rest = message.split("\n", 2)
+        if len(rest) == 2:
+            self._listeners.released(scope, rest[0], rest[1])
+        else:
+            self._listeners.released(scope, rest[0] if rest and rest[0] else None)
 
     # -- the Backend protocol ----------------------------------------------------------
     #
@@ -642,12 +668,20 @@ class RedisBackend:
             if not wakeups.started:
                 wakeups.start()
             classes = self._classes_of(scope, room)
+            flows = room.waiting_tenants()
             if classes is None:
                 keys += self._keys_of_scope(scope)[2:]
                 argv += (self._proc_arg, _WAITING_TTL_ARG)
+                if flows is not None:
+                    # Its tenants too (a call here named one): registered per tenant.
+                    keys += self._tenant_keys_of(scope, None)
+                    argv += (_ONE_CLASS, _tenant_lists(("",), flows))
             else:
                 keys += classes.registry
                 argv += (self._proc_arg, _WAITING_TTL_ARG, classes.flags(room))
+                if flows is not None:
+                    keys += self._tenant_keys_of(scope, classes.names)
+                    argv.append(_tenant_lists(classes.names, flows))
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
@@ -799,6 +833,9 @@ class RedisBackend:
                 *classes.registry,
                 classes.hash_key,
             )
+        if room is not None and room.waiting_tenants() is not None:
+            # A call here named a tenant: the wake-up takes the fleet's turn of tenants.
+            keys += self._tenant_keys_of(scope, None if classes is None else classes.names)
         argv = (
             self._now_arg(),
             bulk(lease.lease_id),
@@ -818,9 +855,11 @@ class RedisBackend:
         def freed(reply: Any) -> None:
             # 1: the permit is this process's turn (or nobody waits): its waiters hear of it.
             # [1, class]: this process's turn, for that priority class.
+            # [1, class, tenant]: for that tenant of the class (class "": no classes).
             # 2: the fleet's turn went to another process, woken on its channel.
             if isinstance(reply, list):
-                self._listeners.released(scope, codec.text(reply[1]))
+                tenant = codec.text(reply[2]) if len(reply) > 2 else None
+                self._listeners.released(scope, codec.text(reply[1]), tenant)
             elif codec.is_one(reply):
                 self._listeners.released(scope)
 
@@ -964,6 +1003,18 @@ class _Classes:
         """ACQUIRE's class argument: per class "1" when this process waits (or asks) in it."""
         waiting = room.waiting_classes()
         return bulk("".join("1" if name in waiting else "0" for name in self.names))
+
+
+def _tenant_lists(names: Sequence[str], flows: Mapping[str, Collection[str]]) -> Arg:
+    """ACQUIRE's tenant argument: per class in order, "<len>:<list>" of "<len>:<tenant>"s.
+
+    Lengths in bytes of the UTF-8 the argument is sent as (``scripts.py``).
+    """
+    lists = []
+    for name in names:
+        inner = "".join(f"{len(t.encode())}:{t}" for t in flows.get(name, ()))
+        lists.append(f"{len(inner.encode())}:{inner}")
+    return bulk("".join(lists))
 
 
 _NOT_YET: Any = object()

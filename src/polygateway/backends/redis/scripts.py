@@ -50,6 +50,14 @@ Conventions shared by every script:
   lease zset, which only that process's ACQUIRE may claim and which lapses like
   a lease. Both take these keys and arguments last, optionally, so the policy
   half of each contract is unchanged.
+- Tenants (research-wiki/designs/priority-fairness.md, "On Redis"), per class (or
+  for the scope without classes), only from a process whose room named a tenant:
+  zset ``pgw:{scope}:flows[:<class>]`` (all scores 0, members
+  ``"<len>:<tenant><process id>"``: the processes of a tenant by prefix), hash
+  ``pgw:{scope}:flows_of[:<class>]`` (process id -> its tenant list, what a
+  grant, a new list or a lapse removes) and zset ``pgw:{scope}:tenants[:<class>]``
+  (tenant -> place in the fleet's turn, lowest next). A process's tenant
+  registrations live and lapse with its registration in the class.
 """
 
 from __future__ import annotations
@@ -76,6 +84,16 @@ ACQUIRE = """
 -- (KEYS[2n+2j], KEYS[2n+2j+1]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
 -- and ARGV[8+10n] is m characters, the j-th "1" when the caller's process has calls
 -- waiting (or asking) in class j, else "0".
+-- With tenants (the caller's room named one; m = 1 and flags "1" without classes):
+-- ARGV[9+10n] lists per class j, in order, the tenants the process waits with there, as
+-- "<len>:<list>" with list "<len>:<tenant>" after one another (lengths in bytes), and
+-- after the registries come per class three keys, KEYS[2n+2m+3j-1 .. 2n+2m+3j+1]:
+-- pgw:{scope}:flows[:<class>] (zset, all scores 0: "<len>:<tenant><process id>", the
+-- tenants' index), pgw:{scope}:flows_of[:<class>] (hash: process id -> its tenant list)
+-- and pgw:{scope}:tenants[:<class>] (zset: tenant -> place in the fleet's turn, lowest
+-- first). A refusal registers (tenant, process) for each tenant listed, a tenant new to
+-- the turn at its back, and forgets the process's tenants no longer listed; a grant, or
+-- a class it no longer waits in, forgets them all.
 -- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
 -- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
 -- half-open probe, then one (reason, reopen_in_s or "") pair per rejected candidate,
@@ -107,15 +125,28 @@ local state_ttl = tonumber(ARGV[5])
 local count = math.floor((#ARGV - 5) / 10)
 local tail = #ARGV - 5 - 10 * count
 local proc, promised
-local classes = {}  -- per class: its two registry keys, and whether proc waits in it
+-- Per class: its two registry keys, whether proc waits in it, and with tenants its three
+-- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there.
+local classes = {}
 if tail >= 2 then
   proc = ARGV[6 + 10 * count]
   promised = 'handoff:' .. proc
-  if tail == 3 then
+  if tail >= 3 then
     local flags = ARGV[8 + 10 * count]
     for j = 1, #flags do
       classes[j] = {KEYS[2 * count + 2 * j], KEYS[2 * count + 2 * j + 1],
         string.sub(flags, j, j) == '1'}
+    end
+    if tail == 4 then
+      local lists, at = ARGV[9 + 10 * count], 1
+      for j, c in ipairs(classes) do
+        local base = 2 * count + 2 * #flags + 3 * j - 1
+        local colon = string.find(lists, ':', at, true)
+        local len = tonumber(string.sub(lists, at, colon - 1))
+        c[4], c[5], c[6] = KEYS[base], KEYS[base + 1], KEYS[base + 2]
+        c[7] = string.sub(lists, colon + 1, colon + len)
+        at = colon + len + 1
+      end
     end
   else
     classes[1] = {KEYS[2 * count + 2], KEYS[2 * count + 3], true}
@@ -321,6 +352,33 @@ local function examine(i, a)
   return reason, reopen, probe
 end
 
+-- Tenants (fleet-wide turns of tenants inside a class): a list "<len>:<tenant>..." as a
+-- table; the index member of (tenant, process); forgetting a process's tenants.
+local function tenants_of(list)
+  local out, at = {}, 1
+  while at <= #list do
+    local colon = string.find(list, ':', at, true)
+    local len = tonumber(string.sub(list, at, colon - 1))
+    table.insert(out, string.sub(list, colon + 1, colon + len))
+    at = colon + len + 1
+  end
+  return out
+end
+
+local function flow(t, p)
+  return #t .. ':' .. t .. p
+end
+
+local function drop_flows(fk, fok, p)
+  local list = redis.call('HGET', fok, p)
+  if list then
+    for _, t in ipairs(tenants_of(list)) do
+      redis.call('ZREM', fk, flow(t, p))
+    end
+    redis.call('HDEL', fok, p)
+  end
+end
+
 local result = {0, 0}
 local for_release = false
 for i = 1, count do
@@ -334,6 +392,9 @@ for i = 1, count do
       for _, c in ipairs(classes) do
         redis.call('ZREM', c[1], proc)
         redis.call('ZREM', c[2], proc)
+        if c[4] then
+          drop_flows(c[4], c[5], proc)
+        end
       end
     end
     return result
@@ -361,6 +422,28 @@ if proc and for_release then
     else
       redis.call('ZREM', c[1], proc)
       redis.call('ZREM', c[2], proc)
+    end
+    if c[4] then
+      -- Its tenants in the class as listed now (none listed: its calls there are only
+      -- asking, tenants unknown yet; it counts as a process of no tenant until its next
+      -- refused poll). A tenant new to the fleet's turn joins it at the back.
+      local list = c[3] and c[7] or ''
+      local old = redis.call('HGET', c[5], proc)
+      if old and old ~= list then
+        drop_flows(c[4], c[5], proc)
+      end
+      if list ~= '' then
+        local last = redis.call('ZRANGE', c[6], -1, -1, 'WITHSCORES')
+        local turn = (tonumber(last[2]) or 0) + 1
+        for _, t in ipairs(tenants_of(list)) do
+          redis.call('ZADD', c[4], 0, flow(t, proc))
+          turn = turn + redis.call('ZADD', c[6], 'NX', turn, t)
+        end
+        redis.call('HSET', c[5], proc, list)
+        for k = 4, 6 do
+          redis.call('EXPIRE', c[k], keep)
+        end
+      end
     end
   end
 end
@@ -393,6 +476,14 @@ RELEASE = """
 -- share. The class whose turn it is is chosen first (stride scheduling, below), then
 -- the process; the wake-up's message is the scope, a newline and the class, and the
 -- releasing process's own turn returns {1, class} in place of 1.
+-- With tenants (the releasing process's room named one): after the keys above come per
+-- class (one, without classes) its three tenant keys, flows, flows_of and tenants (see
+-- ACQUIRE). When the chosen class has tenant registrations, the turn goes to the tenant
+-- first (the lowest place in the class's turn that has a live registered process; a
+-- process registered with no tenant counts as the tenant ""), then to that tenant's
+-- least recently woken process; the tenant goes to the back of the turn, the message is
+-- the scope, the class ("" without classes) and the tenant, each on a line of its own,
+-- and the releasing process's own turn returns {1, class, tenant}.
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
 -- (then nothing but the dropping of the source's dead leases happened, which only
 -- RELEASE and RENEW do: ACQUIRE counts live leases and leaves the dead). With the
@@ -436,16 +527,53 @@ local function wake(cap, expires_at)
   end
   local me = ARGV[12]
   -- The registries: per class its two keys, its name and its share (one, nameless,
-  -- without classes). Swept of lapsed registrations; those with someone left are live.
+  -- without classes), and with tenants its three tenant keys. Swept of lapsed
+  -- registrations; those with someone left are live.
   local m = math.floor((#ARGV - 15) / 2)
   local regs, live = {}, {}
   if m < 1 then
     regs[1] = {KEYS[4], KEYS[5], nil, 1}
+    if #KEYS >= 8 then
+      regs[1][5], regs[1][6], regs[1][7] = KEYS[6], KEYS[7], KEYS[8]
+    end
   else
+    local tenants = #KEYS >= 4 + 5 * m
     for j = 1, m do
       regs[j] = {KEYS[2 + 2 * j], KEYS[3 + 2 * j], ARGV[14 + 2 * j], tonumber(ARGV[15 + 2 * j])}
+      if tenants then
+        local base = 4 + 2 * m + 3 * j
+        regs[j][5], regs[j][6], regs[j][7] = KEYS[base - 2], KEYS[base - 1], KEYS[base]
+      end
     end
   end
+
+  -- Tenants: a list "<len>:<tenant>..." as a table; the index member of (tenant, process);
+  -- forgetting a process's tenants (ACQUIRE has the same three).
+  local function tenants_of(list)
+    local out, at = {}, 1
+    while at <= #list do
+      local colon = string.find(list, ':', at, true)
+      local len = tonumber(string.sub(list, at, colon - 1))
+      table.insert(out, string.sub(list, colon + 1, colon + len))
+      at = colon + len + 1
+    end
+    return out
+  end
+  local function flow(t, p)
+    return #t .. ':' .. t .. p
+  end
+  local function drop_flows(r, p)
+    if r[5] then
+      local list = redis.call('HGET', r[6], p)
+      if list then
+        for _, t in ipairs(tenants_of(list)) do
+          redis.call('ZREM', r[5], flow(t, p))
+        end
+        redis.call('HDEL', r[6], p)
+      end
+    end
+  end
+
   for j, r in ipairs(regs) do
     local n = redis.call('ZCARD', r[1])  -- nobody waits anywhere: one command per class
     if n > 0 then
@@ -454,6 +582,9 @@ local function wake(cap, expires_at)
         local last = math.min(first + 999, #gone)
         n = n - redis.call('ZREM', r[1], unpack(gone, first, last))
         redis.call('ZREM', r[2], unpack(gone, first, last))
+      end
+      for _, p in ipairs(gone) do
+        drop_flows(r, p)
       end
       if n > 0 then
         table.insert(live, j)
@@ -508,21 +639,100 @@ local function wake(cap, expires_at)
     redis.call('HSET', ck, unpack(writes))
     redis.call('EXPIRE', ck, ARGV[11])
   end
-  local wk, wuk, class = regs[j][1], regs[j][2], regs[j][3]
+  local reg = regs[j]
+  local wk, wuk, class = reg[1], reg[2], reg[3]
   local handoff = tonumber(ARGV[15])
   local left = cap and handoff and redis.call('ZCARD', lk)  -- live leases: swept above
   local held = left and left < cap
+
+  -- With tenant registrations in the class: the tenant whose turn it is, fleet-wide,
+  -- then its least recently woken live process. Returns the process and the tenant, or
+  -- nil when nobody is found (the process order below then decides).
+  local function by_tenant()
+    local fk, fok, tk = reg[5], reg[6], reg[7]
+    -- Processes registered with no tenant list take their turns as the tenant "".
+    if redis.call('ZCARD', wk) > redis.call('HLEN', fok) then
+      local last = redis.call('ZRANGE', tk, -1, -1, 'WITHSCORES')
+      redis.call('ZADD', tk, 'NX', (tonumber(last[2]) or 0) + 1, '')
+      if redis.call('TTL', tk) < 0 then
+        redis.call('EXPIRE', tk, math.max(redis.call('TTL', wk), 1))  -- made here: as wk
+      end
+    end
+    local fallback, fallback_t
+    local i = 0
+    while true do
+      local t = redis.call('ZRANGE', tk, i, i)[1]
+      if t == nil then
+        if fallback then
+          held = false  -- each holds a promise here: wake the first, holding nothing more
+        end
+        return fallback, fallback_t
+      end
+      -- Its processes, least recently woken first, those with a promise here pending last.
+      local procs = {}
+      if t == '' then
+        for _, p in ipairs(redis.call('ZRANGE', wk, 0, -1)) do
+          if redis.call('HEXISTS', fok, p) == 0 or redis.call('ZSCORE', fk, flow('', p)) then
+            table.insert(procs, p)
+          end
+        end
+      else
+        local prefix = #t .. ':' .. t
+        for _, member in ipairs(redis.call('ZRANGEBYLEX', fk, '[' .. prefix,
+            '(' .. prefix .. string.char(255))) do
+          table.insert(procs, string.sub(member, #prefix + 1))
+        end
+      end
+      local best, best_s, first, first_s
+      for _, p in ipairs(procs) do
+        local score = tonumber(redis.call('ZSCORE', wk, p))
+        if score == nil or not redis.call('ZSCORE', wuk, p) then
+          -- Not registered (or its expiry lost with its key): not live.
+          redis.call('ZREM', wk, p)
+          redis.call('ZREM', wuk, p)
+          drop_flows(reg, p)
+        else
+          if first == nil or score < first_s then
+            first, first_s = p, score
+          end
+          if not (held and redis.call('ZSCORE', lk, 'handoff:' .. p))
+              and (best == nil or score < best_s) then
+            best, best_s = p, score
+          end
+        end
+      end
+      if best then
+        return best, t
+      end
+      if first == nil then
+        redis.call('ZREM', tk, t)  -- nobody waits with it: out of the turn (back at the end)
+      else
+        if fallback == nil then
+          fallback, fallback_t = first, t  -- every one of its processes has a turn pending
+        end
+        i = i + 1
+      end
+    end
+  end
+
   local i = 0
   while true do
-    local head = redis.call('ZRANGE', wk, i, i)[1]
+    local head, tenant
+    if reg[5] and redis.call('ZCARD', reg[5]) > 0 then
+      head, tenant = by_tenant()
+    end
+    if tenant == nil then
+      head = redis.call('ZRANGE', wk, i, i)[1]
+    end
     if head == nil then
       if not held then
         return 1
       end
       held, i = false, 0  -- each holds a promise here: wake the first, holding nothing more
-    elseif not redis.call('ZSCORE', wuk, head) then
+    elseif tenant == nil and not redis.call('ZSCORE', wuk, head) then
       redis.call('ZREM', wk, head)  -- its expiry was lost with its key: not live
-    elseif held and redis.call('ZSCORE', lk, 'handoff:' .. head) then
+      drop_flows(reg, head)
+    elseif tenant == nil and held and redis.call('ZSCORE', lk, 'handoff:' .. head) then
       i = i + 1  -- a permit here is promised to it already: its turn is pending
     else
       redis.call('ZADD', wk, 'XX', now_s, head)
@@ -539,18 +749,32 @@ local function wake(cap, expires_at)
         end
         left = left + 1
       end
-      if head == me then
+      local heard = head == me
+      local message = ARGV[13]
+      if tenant ~= nil then
+        message = message .. string.char(10) .. (class or '') .. string.char(10) .. tenant
+      elseif class then
+        message = message .. string.char(10) .. class  -- "<scope>" newline "<class>"
+      end
+      if not heard then
+        heard = redis.call('PUBLISH', 'pgw:wake:' .. head, message) > 0 or ARGV[14] ~= '1'
+      end
+      if heard then
+        if tenant ~= nil then
+          -- The tenant goes to the back of the class's turn.
+          local last = redis.call('ZRANGE', reg[7], -1, -1, 'WITHSCORES')
+          redis.call('ZADD', reg[7], 'XX', tonumber(last[2]) + 1, tenant)
+        end
+        if head ~= me then
+          return 2
+        end
+        if tenant ~= nil then
+          return {1, class or '', tenant}
+        end
         if class then
           return {1, class}
         end
         return 1
-      end
-      local message = ARGV[13]
-      if class then
-        message = message .. string.char(10) .. class  -- "<scope>" newline "<class>"
-      end
-      if redis.call('PUBLISH', 'pgw:wake:' .. head, message) > 0 or ARGV[14] ~= '1' then
-        return 2
       end
       -- Nobody listens on its channel: the process is gone (or not yet listening).
       redis.call('ZREM', wk, head)
@@ -558,6 +782,7 @@ local function wake(cap, expires_at)
       if redis.call('ZREM', lk, 'handoff:' .. head) == 1 then
         left = left - 1
       end
+      drop_flows(reg, head)
     end
   end
 end
