@@ -42,6 +42,7 @@ GATEWAY_NOTES: dict[str, str] = {
     "redis_sentinels": 'sentinel mode: ["host:26379", ...]; redis_url = "redis://:PW@/DB"',
     "redis_sentinel_master": "sentinel mode: the name the Sentinels monitor the primary under",
     "redis_sentinel_password": "sentinel mode: the Sentinels' requirepass; better in the env",
+    "redis_sentinel_username": "sentinel mode: their ACL user (AUTH user pw); needs the password",
     "redis_replica_acks": "replicas that must WAIT-acknowledge a grant; 0: off (not cluster)",
     "redis_replica_ack_timeout_s": "their deadline; 0: half of redis_socket_timeout_s",
     "transport": '"httpx" or "aiohttp" (the aiohttp extra)',

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ FAILOVER_BOUND_S = 45.0
 """Sentinel's own failover (down-after 1 s, then an election) plus ours, on a loaded machine."""
 SENTINEL_PASSWORD = "sentinel-pw-SECRET-7c2a"
 WRONG_PASSWORD = "wrong-pw-SECRET-0b9d"
+SENTINEL_USER = "gateway-SECRET-4f1e"
+WRONG_USER = "intruder-SECRET-9d2a"
 
 
 @pytest.fixture
@@ -249,5 +252,90 @@ async def test_a_sentinel_refusing_the_password_fails_closed_without_it(
             assert WRONG_PASSWORD not in shown
             assert SENTINEL_PASSWORD not in shown
         assert info.value.operation == "acquire"
+    finally:
+        await backend.aclose()
+
+
+@pytest.fixture
+def acl_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
+    """A Sentinel whose only user is SENTINEL_USER (ACL, ``default`` off), with its primary."""
+    setup = SentinelSetup(
+        tmp_path, sentinel_password=SENTINEL_PASSWORD, sentinel_username=SENTINEL_USER
+    )
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()
+
+
+async def test_the_backend_finds_the_primary_and_hears_failovers_as_a_sentinel_acl_user(
+    acl_setup: SentinelSetup,
+) -> None:
+    """Logged in as the Sentinel's ACL user: the primary is found, the +switch-master
+    subscription is made, and a killed primary is followed to the promoted replica."""
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=acl_setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        sentinel_password=SENTINEL_PASSWORD,
+        sentinel_username=SENTINEL_USER,
+        socket_timeout_s=TIMEOUT_S,
+    )
+    try:
+        got = await backend.acquire(SCOPE, [SPEC], ttl_s=30)  # at once: no retry needed
+        assert got.lease is not None, got.rejections
+        await backend.release(got.lease, SUCCESS)
+        assert backend._wire.route(SCOPE).endpoint.port == acl_setup.primary.port
+        async with asyncio.timeout(FAILOVER_BOUND_S):  # the failover listener logged in
+            while await asyncio.to_thread(sentinel_subscribers, acl_setup) < 1:
+                await asyncio.sleep(0.05)
+        replicated(acl_setup)
+        old_port = acl_setup.primary.port
+        acl_setup.primary.kill()
+        new_primary = await asyncio.to_thread(acl_setup.wait_for_failover, old_port)
+        lease = await acquire_until_served(backend)
+        await backend.release(lease, SUCCESS)
+        assert backend._wire.route(SCOPE).endpoint.port == new_primary.port
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize(
+    ("user", "password"),
+    [(WRONG_USER, SENTINEL_PASSWORD), (SENTINEL_USER, WRONG_PASSWORD)],
+    ids=["wrong-user", "wrong-password"],
+)
+async def test_a_sentinel_refusing_the_acl_user_fails_closed_without_its_secrets(
+    acl_setup: SentinelSetup, user: str, password: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user the Sentinel does not know, or the wrong password: GovernanceBackendError within
+    a few socket timeouts, naming the Sentinel and the failed authentication, showing neither
+    the user name nor any password, in the error, its repr, the backend's or the logs."""
+    caplog.set_level(logging.DEBUG)
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=acl_setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        sentinel_password=password,
+        sentinel_username=user,
+        socket_timeout_s=TIMEOUT_S,
+    )
+    try:
+        async with asyncio.timeout(5 * TIMEOUT_S):  # fails, never hangs
+            with pytest.raises(GovernanceBackendError) as info:
+                await backend.acquire(SCOPE, [SPEC], ttl_s=30)
+        message = str(info.value)
+        assert acl_setup.sentinel.address in message
+        assert "authentication failed with the Sentinel user and password" in message
+        for shown in (message, repr(info.value), repr(backend)):
+            for secret in (WRONG_USER, SENTINEL_USER, WRONG_PASSWORD, SENTINEL_PASSWORD):
+                assert secret not in shown
+        assert info.value.operation == "acquire"
+        await backend.aclose()  # the failover listener's attempts end, then the logs are read
+        for secret in (WRONG_USER, SENTINEL_USER, WRONG_PASSWORD, SENTINEL_PASSWORD):
+            assert secret not in caplog.text
     finally:
         await backend.aclose()

@@ -12,6 +12,7 @@ from polygateway.errors import ConfigError
 
 SENTINEL = {"redis_mode": "sentinel", "redis_sentinels": ["127.0.0.1:26379"]}
 SENTINEL_PASSWORD = "sentinel-pw-SECRET-5e1f"
+SENTINEL_USERNAME = "sentinel-user-SECRET-8a3c"
 
 
 def test_standalone_is_the_default_topology() -> None:
@@ -21,6 +22,7 @@ def test_standalone_is_the_default_topology() -> None:
     assert settings.redis_sentinels == []
     assert settings.redis_sentinel_master == ""
     assert settings.redis_sentinel_password.get_secret_value() == ""
+    assert settings.redis_sentinel_username.get_secret_value() == ""
 
 
 def test_sentinel_mode_without_a_url_means_no_password_and_database_0() -> None:
@@ -65,6 +67,17 @@ def test_sentinel_mode_takes_a_password_and_database_only() -> None:
             {"redis_mode": "cluster", "redis_sentinel_password": "pw"},
             "redis_sentinel_password",
             "redis_mode is 'cluster'",
+        ),
+        ({"redis_sentinel_username": "u"}, "redis_sentinel_username", "only read with"),
+        (
+            {"redis_mode": "cluster", "redis_sentinel_username": "u"},
+            "redis_sentinel_username",
+            "redis_mode is 'cluster'",
+        ),
+        (
+            {**SENTINEL, "redis_sentinel_master": "m", "redis_sentinel_username": "u"},
+            "redis_sentinel_username",
+            "needs redis_sentinel_password",
         ),
         ({"redis_mode": "cluster", "redis_url": "unix:///tmp/r.sock"}, "redis_url", "TCP"),
         ({"redis_mode": "cluster", "redis_url": "redis://h:7000/1"}, "redis_url", "database 0"),
@@ -131,6 +144,61 @@ def test_the_sentinel_password_comes_from_the_environment_and_is_never_shown(
         str(settings.model_dump()),
         "\n".join(report_lines(rows)),
     ):
+        assert SENTINEL_PASSWORD not in shown
+    assert "**********" in row.value
+
+
+def test_a_sentinel_username_without_a_password_is_refused_without_echoing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the environment, in sentinel mode, alone: refused naming the key, not the value."""
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_USERNAME", SENTINEL_USERNAME)
+    with pytest.raises(ConfigError, match="needs redis_sentinel_password") as info:
+        GatewaySettings(**SENTINEL, redis_sentinel_master="mymaster")
+    assert info.value.field == "redis_sentinel_username"
+    assert SENTINEL_USERNAME not in str(info.value)
+    assert SENTINEL_USERNAME not in repr(info.value)
+
+
+def test_a_backend_built_in_code_refuses_a_sentinel_username_as_the_settings_do() -> None:
+    """RedisBackend(sentinel_username=...): outside sentinel mode, or without the password."""
+    with pytest.raises(ConfigError, match="only read with") as info:
+        RedisBackend("redis://127.0.0.1:6379/0", sentinel_username=SENTINEL_USERNAME)
+    assert info.value.field == "redis_sentinel_username"
+    with pytest.raises(ConfigError, match="needs redis_sentinel_password") as info:
+        RedisBackend(
+            "redis:///0",
+            mode="sentinel",
+            sentinels=["127.0.0.1:26379"],
+            sentinel_master="mymaster",
+            sentinel_username=SENTINEL_USERNAME,
+        )
+    assert info.value.field == "redis_sentinel_username"
+    assert SENTINEL_USERNAME not in str(info.value)
+
+
+def test_the_sentinel_username_comes_from_the_environment_and_is_never_shown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """POLYGATEWAY_REDIS_SENTINEL_USERNAME is read; no repr, dump or report row shows it."""
+    monkeypatch.setenv("POLYGATEWAY_REDIS_MODE", "sentinel")
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINELS", '["127.0.0.1:26379"]')
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_MASTER", "mymaster")
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_USERNAME", SENTINEL_USERNAME)
+    settings = GatewaySettings.load(env_file=None)
+    assert settings.redis_sentinel_username.get_secret_value() == SENTINEL_USERNAME
+    rows = setting_rows(settings, {}, None, None)
+    row = next(r for r in rows["gateway"] if r.key == "redis_sentinel_username")
+    assert row.origin == "env POLYGATEWAY_REDIS_SENTINEL_USERNAME"
+    for shown in (
+        str(settings),
+        repr(settings),
+        settings.model_dump_json(),
+        str(settings.model_dump()),
+        "\n".join(report_lines(rows)),
+    ):
+        assert SENTINEL_USERNAME not in shown
         assert SENTINEL_PASSWORD not in shown
     assert "**********" in row.value
 

@@ -29,8 +29,8 @@ __all__ = ["shared_backend"]
 _MEMORY: dict[int, Backend] = {}
 """``id(settings)`` -> its memory backend, for as long as the settings object lives."""
 
-_REDIS: dict[tuple[str, str, tuple[str, ...], str, str, int, float], Backend] = {}
-"""Redis URL and Sentinels' password (never printed), topology and replica acks -> its backend."""
+_REDIS: dict[tuple[str, str, tuple[str, ...], str, str, str, int, float], Backend] = {}
+"""Redis URL, Sentinels' password and user (never printed), topology, replica acks -> backend."""
 
 
 def shared_backend(settings: GatewaySettings) -> Backend:
@@ -55,6 +55,7 @@ def shared_backend(settings: GatewaySettings) -> Backend:
         sentinels,
         settings.redis_sentinel_master,
         settings.redis_sentinel_password.get_secret_value(),
+        settings.redis_sentinel_username.get_secret_value(),
         settings.redis_replica_acks,
         settings.redis_replica_ack_timeout_s,
     )
@@ -81,6 +82,7 @@ def _redis_backend(url: str, settings: GatewaySettings) -> Backend:
         sentinels=settings.redis_sentinels,
         sentinel_master=settings.redis_sentinel_master,
         sentinel_password=settings.redis_sentinel_password.get_secret_value(),
+        sentinel_username=settings.redis_sentinel_username.get_secret_value(),
         replica_acks=settings.redis_replica_acks,
         replica_ack_timeout_s=settings.redis_replica_ack_timeout_s,
     )

@@ -78,20 +78,28 @@ def redis_topology_problem(
     sentinels: Sequence[str],
     master: str | None,
     sentinel_password: str | None = None,
+    sentinel_username: str | None = None,
 ) -> tuple[str, str] | None:
     """What makes a Redis topology unusable, as ``(field, message)``; ``None`` when it is fine.
 
     The one rule for the settings (at load) and for a ``RedisBackend`` built in
-    code. Messages never quote the URL or the Sentinels' password.
+    code. Messages never quote the URL or the Sentinels' user name or password.
     """
-    if mode != "sentinel" and (sentinels or master or sentinel_password):
+    if mode != "sentinel" and (sentinels or master or sentinel_password or sentinel_username):
         if sentinels:
             name = "redis_sentinels"
         elif master:
             name = "redis_sentinel_master"
-        else:
+        elif sentinel_password:
             name = "redis_sentinel_password"
+        else:
+            name = "redis_sentinel_username"
         return name, f'{name} is only read with redis_mode = "sentinel" (redis_mode is {mode!r})'
+    if sentinel_username and not sentinel_password:
+        return "redis_sentinel_username", (
+            "redis_sentinel_username needs redis_sentinel_password: a Sentinel ACL user logs in"
+            " with AUTH <user> <password>"
+        )
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
@@ -230,6 +238,7 @@ class GatewaySettings(BaseSettings):
     redis_sentinels: list[str] = Field(default_factory=list)
     redis_sentinel_master: str = ""
     redis_sentinel_password: SecretStr = SecretStr("")
+    redis_sentinel_username: SecretStr = SecretStr("")
     redis_replica_acks: NonNegativeInt = 0
     redis_replica_ack_timeout_s: NonNegativeFloat = 0.0
     transport: Literal["httpx", "aiohttp"] = "httpx"
@@ -410,6 +419,7 @@ class GatewaySettings(BaseSettings):
             self.redis_sentinels,
             self.redis_sentinel_master,
             self.redis_sentinel_password.get_secret_value(),
+            self.redis_sentinel_username.get_secret_value(),
         )
         if problem is not None:
             field, message = problem

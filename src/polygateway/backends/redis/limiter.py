@@ -246,6 +246,9 @@ class RedisBackend:
         sentinel_password: the Sentinels' own password (their ``requirepass``),
             sent to each Sentinel, never to the primary; ``None`` or empty: none
             (``mode="sentinel"`` only).
+        sentinel_username: the Sentinels' ACL user that password belongs to
+            (``AUTH <user> <password>``); ``None`` or empty: ``requirepass``'s
+            ``AUTH <password>``. Needs ``sentinel_password``; never shown.
         replica_acks: replicas that must acknowledge a grant (``WAIT``) before
             it is handed out; 0, the default, sends no ``WAIT`` (see the module
             docstring, "Replica acknowledgements"). Not with ``mode="cluster"``.
@@ -292,14 +295,15 @@ class RedisBackend:
         sentinels: Sequence[str] = (),
         sentinel_master: str | None = None,
         sentinel_password: str | None = None,
+        sentinel_username: str | None = None,
         replica_acks: int = 0,
         replica_ack_timeout_s: float = 0.0,
     ) -> None:
         self._url = mask_url(url)
         self._secrets = url_secrets(url)
-        if sentinel_password:
+        if sentinel_password or sentinel_username:
             # Longest first, as url_secrets orders them: a secret inside another is masked whole.
-            spelled = {*self._secrets, sentinel_password}
+            spelled = {*self._secrets, *filter(None, (sentinel_password, sentinel_username))}
             self._secrets = tuple(sorted(spelled, key=len, reverse=True))
         if not socket_timeout_s > 0:
             raise ConfigError(
@@ -307,7 +311,7 @@ class RedisBackend:
                 field="redis_socket_timeout_s",
             )
         problem = redis_topology_problem(
-            mode, url, tuple(sentinels), sentinel_master, sentinel_password
+            mode, url, tuple(sentinels), sentinel_master, sentinel_password, sentinel_username
         )
         if problem is None and client is not None and mode != "standalone":
             problem = ("redis_mode", f"redis_mode = {mode!r} takes a URL, not a client")
@@ -363,6 +367,7 @@ class RedisBackend:
                 scripts=loaded,
                 timeout_s=socket_timeout_s,
                 password=sentinel_password,
+                username=sentinel_username,
             )
         else:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)

@@ -40,7 +40,8 @@ talks TLS to them (``tls-replication yes``) and then listens on a
 "Sentinel"). The ``+switch-master`` subscription uses the same context.
 
 Sentinels that require a password (``requirepass`` in ``sentinel.conf``) are
-logged in to with the one given for them all, both by the wire that asks
+logged in to with the one given for them all (with an ACL user of theirs,
+``AUTH <user> <password>``, when a user name is given too), both by the wire that asks
 them and by the ``+switch-master`` subscription; the primary's own
 credentials come from the URL and are never sent to a Sentinel. A Sentinel
 that refuses the password (or wants one and is given none) counts as one
@@ -78,7 +79,10 @@ class SentinelPrimary:
         template: credentials, database, TLS and timeouts of the primary's connection;
             its TLS context (only) is the Sentinels' connections' too.
         timeout_s: how long one Sentinel may take to answer (connect included).
-        password: the Sentinels' own password (``requirepass``); ``None`` or empty: none.
+        password: the Sentinels' own password (``requirepass``, or their ACL user's);
+            ``None`` or empty: none.
+        username: the Sentinels' ACL user (``AUTH <username> <password>``); ``None`` or
+            empty: ``AUTH <password>`` alone. Never part of a message.
     """
 
     __slots__ = (
@@ -90,6 +94,7 @@ class SentinelPrimary:
         "_sentinels",
         "_subscribed",
         "_timeout_s",
+        "_username",
     )
 
     def __init__(
@@ -102,16 +107,19 @@ class SentinelPrimary:
         scripts: Sequence[Script] = (),
         timeout_s: float,
         password: str | None = None,
+        username: str | None = None,
     ) -> None:
         self._master = master
         self._timeout_s = timeout_s
         self._password = password or None
+        self._username = username or None
         self._query = command("SENTINEL", "get-master-addr-by-name", master)
         self._sentinels = [
             Wire(
                 Endpoint(
                     host=host,
                     port=port,
+                    username=self._username,
                     password=self._password,
                     tls=template.tls,
                     connect_timeout_s=timeout_s,
@@ -151,11 +159,12 @@ class SentinelPrimary:
             try:
                 reply = await self._ask(sentinel)
             except AuthenticationError as exc:
-                # Redis's words (WRONGPASS, NOAUTH) never repeat the password sent.
+                # Redis's words (WRONGPASS, NOAUTH) repeat neither the user nor the password.
                 given = "with the" if self._password else "without a"
+                what = "user and password" if self._username else "password"
                 errors.append(
                     f"{sentinel.endpoint.address}: authentication failed {given} Sentinel"
-                    f" password: {exc}"
+                    f" {what}: {exc}"
                 )
                 continue
             except RedisError as exc:
