@@ -49,7 +49,7 @@ RESULTS = ROOT / "mutants" / "lua-results.json"
 # The contract suite's Redis half and the differential test (both on the tests' fake clock),
 # then what only a real Redis shows: the server-clock path and the expiry of every key;
 # then the fleet wake-ups: whom a refusal registers, the hand-off of a released permit, and
-# whose turn a release is when the scope has priority classes.
+# whose turn a release is when the scope has priority classes or tenants.
 TESTS = [
     "tests/integration/test_backend_contract.py",
     "tests/integration/test_redis_differential.py",
@@ -59,6 +59,7 @@ TESTS = [
     "tests/integration/test_redis_handoff.py",
     "tests/integration/test_redis_wakeups.py",
     "tests/integration/test_redis_classes.py",
+    "tests/integration/test_redis_tenants.py",
     "-k",
     "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
 ]

@@ -5,7 +5,8 @@ token-bucket functions it composes) step for step, in the same order and with
 the same float arithmetic, so that both backends make bit-identical
 decisions; research-wiki/designs/governance-policies.md is the specification
 and the differential test the guard. The scripts are constants: values only
-ever travel as KEYS / ARGV, never by building Lua text.
+ever travel as KEYS / ARGV, never by building Lua text (the one text the
+scripts share, ``_TENANT_FUNCTIONS``, is spliced in once, at import).
 
 Conventions shared by every script:
 
@@ -63,6 +64,37 @@ Conventions shared by every script:
 from __future__ import annotations
 
 __all__ = ["ACQUIRE", "PROGRESS", "RELEASE", "RENEW", "SNAPSHOT"]
+
+_TENANT_FUNCTIONS = """
+-- Tenants (fleet-wide turns of tenants inside a class): a list "<len>:<tenant>..." as a
+-- table; the index member of (tenant, process); forgetting a process's tenants (the
+-- index members and its list).
+local function tenants_of(list)
+  local out, at = {}, 1
+  while at <= #list do
+    local colon = string.find(list, ':', at, true)
+    local len = tonumber(string.sub(list, at, colon - 1))
+    table.insert(out, string.sub(list, colon + 1, colon + len))
+    at = colon + len + 1
+  end
+  return out
+end
+
+local function flow(t, p)
+  return #t .. ':' .. t .. p
+end
+
+local function drop_flows(fk, fok, p)
+  local list = redis.call('HGET', fok, p)
+  if list then
+    for _, t in ipairs(tenants_of(list)) do
+      redis.call('ZREM', fk, flow(t, p))
+    end
+    redis.call('HDEL', fok, p)
+  end
+end
+"""
+"""Lua functions ACQUIRE and RELEASE both use, written once; spliced in at its marker line."""
 
 ACQUIRE = """
 -- ACQUIRE: lease the first admissible candidate, in the given order.
@@ -352,32 +384,7 @@ local function examine(i, a)
   return reason, reopen, probe
 end
 
--- Tenants (fleet-wide turns of tenants inside a class): a list "<len>:<tenant>..." as a
--- table; the index member of (tenant, process); forgetting a process's tenants.
-local function tenants_of(list)
-  local out, at = {}, 1
-  while at <= #list do
-    local colon = string.find(list, ':', at, true)
-    local len = tonumber(string.sub(list, at, colon - 1))
-    table.insert(out, string.sub(list, colon + 1, colon + len))
-    at = colon + len + 1
-  end
-  return out
-end
-
-local function flow(t, p)
-  return #t .. ':' .. t .. p
-end
-
-local function drop_flows(fk, fok, p)
-  local list = redis.call('HGET', fok, p)
-  if list then
-    for _, t in ipairs(tenants_of(list)) do
-      redis.call('ZREM', fk, flow(t, p))
-    end
-    redis.call('HDEL', fok, p)
-  end
-end
+-- @tenant-functions
 
 local result = {0, 0}
 local for_release = false
@@ -450,6 +457,8 @@ end
 return result
 """
 
+ACQUIRE = ACQUIRE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
+
 RELEASE = """
 -- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome).
 --
@@ -518,6 +527,8 @@ if redis.call('ZREM', lk, lease_id) == 0 then
   return 0
 end
 
+-- @tenant-functions
+
 -- The freed permit's one wake-up: the least recently woken live registered process (of
 -- the class whose turn it is, with priority classes), for whom the permit is held when
 -- there is room for it (``cap``: the source's limit).
@@ -547,30 +558,10 @@ local function wake(cap, expires_at)
     end
   end
 
-  -- Tenants: a list "<len>:<tenant>..." as a table; the index member of (tenant, process);
-  -- forgetting a process's tenants (ACQUIRE has the same three).
-  local function tenants_of(list)
-    local out, at = {}, 1
-    while at <= #list do
-      local colon = string.find(list, ':', at, true)
-      local len = tonumber(string.sub(list, at, colon - 1))
-      table.insert(out, string.sub(list, colon + 1, colon + len))
-      at = colon + len + 1
-    end
-    return out
-  end
-  local function flow(t, p)
-    return #t .. ':' .. t .. p
-  end
-  local function drop_flows(r, p)
+  -- A process's tenants in a class with tenant keys, forgotten (``drop_flows``).
+  local function forget_tenants(r, p)
     if r[5] then
-      local list = redis.call('HGET', r[6], p)
-      if list then
-        for _, t in ipairs(tenants_of(list)) do
-          redis.call('ZREM', r[5], flow(t, p))
-        end
-        redis.call('HDEL', r[6], p)
-      end
+      drop_flows(r[5], r[6], p)
     end
   end
 
@@ -584,7 +575,7 @@ local function wake(cap, expires_at)
         redis.call('ZREM', r[2], unpack(gone, first, last))
       end
       for _, p in ipairs(gone) do
-        drop_flows(r, p)
+        forget_tenants(r, p)
       end
       if n > 0 then
         table.insert(live, j)
@@ -690,7 +681,7 @@ local function wake(cap, expires_at)
           -- Not registered (or its expiry lost with its key): not live.
           redis.call('ZREM', wk, p)
           redis.call('ZREM', wuk, p)
-          drop_flows(reg, p)
+          forget_tenants(reg, p)
         else
           if first == nil or score < first_s then
             first, first_s = p, score
@@ -731,7 +722,7 @@ local function wake(cap, expires_at)
       held, i = false, 0  -- each holds a promise here: wake the first, holding nothing more
     elseif tenant == nil and not redis.call('ZSCORE', wuk, head) then
       redis.call('ZREM', wk, head)  -- its expiry was lost with its key: not live
-      drop_flows(reg, head)
+      forget_tenants(reg, head)
     elseif tenant == nil and held and redis.call('ZSCORE', lk, 'handoff:' .. head) then
       i = i + 1  -- a permit here is promised to it already: its turn is pending
     else
@@ -782,7 +773,7 @@ local function wake(cap, expires_at)
       if redis.call('ZREM', lk, 'handoff:' .. head) == 1 then
         left = left - 1
       end
-      drop_flows(reg, head)
+      forget_tenants(reg, head)
     end
   end
 end
@@ -911,6 +902,8 @@ if kind == 'success' then
 end
 return wake(math.min(maxc, math.floor(limit)), expires_at)
 """
+
+RELEASE = RELEASE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
 
 RENEW = """
 -- RENEW: extend a live lease by its own TTL from now (and the probe slot it may hold).
