@@ -190,6 +190,27 @@ async def test_a_renewal_late_in_the_states_life_keeps_the_lease_its_time(
         assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
 
 
+async def test_late_in_a_long_life_a_release_and_a_renewal_set_twice_their_need(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    """A cool-down (release) or a lease TTL (renewal) past half a day: when less than it is
+    left, the keys are set to twice it plus 2 s, not to a day."""
+    spec = SourceSpec("a", max_concurrency=4, cooldown_max_s=LONG_S)
+    lease = await _lease(backend, spec, ttl_s=LONG_S)
+    await _lease(backend, spec, ttl_s=3600.0)  # held to the end: the lease key stays
+    with redis.Redis.from_url(redis_url) as client:
+        now = float(client.hget(_key("src:a"), "expires_at") or 0) - LONG_LIFE_MS / 1000
+        client.hset(_key("src:a"), "expires_at", repr(now + 600))
+    _shorten(redis_url, "src:a", "leases:a")
+    assert await backend.renew(lease)
+    for key in ("src:a", "leases:a"):
+        assert _within_a_second_below(_pttl(redis_url, key), LONG_LIFE_MS), key
+    _shorten(redis_url, "src:a", "leases:a")
+    await backend.release(lease, AttemptOutcome("transient"))
+    for key in ("src:a", "leases:a"):
+        assert _within_a_second_below(_pttl(redis_url, key), LONG_LIFE_MS), key
+
+
 async def test_a_source_whose_state_expired_is_left_out_of_the_snapshot(
     backend: RedisBackend, redis_url: str
 ) -> None:
