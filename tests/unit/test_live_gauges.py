@@ -319,9 +319,17 @@ class _AsyncOnly:
         self.inner = inner
 
     async def acquire(
-        self, scope: str, candidates: Sequence[SourceSpec], *, cost_tokens: int = 0, ttl_s: float
+        self,
+        scope: str,
+        candidates: Sequence[SourceSpec],
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+        priority_class: str = "",
     ) -> AcquireResult:
-        return await self.inner.acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+        return await self.inner.acquire(
+            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
+        )
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         await self.inner.release(lease, outcome)

@@ -609,7 +609,13 @@ class GatedBackend(MemoryBackend):
         self.acquires = 0
 
     async def acquire(
-        self, scope: str, candidates: Any, *, cost_tokens: int = 0, ttl_s: float
+        self,
+        scope: str,
+        candidates: Any,
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+        priority_class: str = "",
     ) -> Any:
         """Count the acquires in flight, wait at the gate, then acquire."""
         self.asking += 1
@@ -619,7 +625,9 @@ class GatedBackend(MemoryBackend):
         finally:
             self.asking -= 1
         self.acquires += 1
-        return await super().acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+        return await super().acquire(
+            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
+        )
 
 
 class TestAskingBound:

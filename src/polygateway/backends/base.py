@@ -72,7 +72,11 @@ class Lease:
     """The right to one attempt in flight at one source; expires ``ttl_s`` after grant or renewal.
 
     ``tokens`` is the tpm reservation made at acquire; ``probe`` marks the one
-    half-open probe of a breaker.
+    half-open probe of a breaker. ``priority_class``: the class whose permits
+    held fleet-wide count this lease (a class with reserved permits, on a
+    backend that keeps floors fleet-wide; research-wiki/designs/priority-fairness.md,
+    "On Redis"), so that its release and renewals update that count; ``None``
+    when it is in no count.
     """
 
     scope: str
@@ -81,6 +85,7 @@ class Lease:
     ttl_s: float
     tokens: int = 0
     probe: bool = False
+    priority_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +172,15 @@ class ReleaseListener(Protocol):
         """The scope's declared priority classes and their shares, in order; empty: none."""
         ...
 
+    @property
+    def floors(self) -> Mapping[str, int]:
+        """The declared classes with reserved permits, and how many; empty: none."""
+        ...
+
+    fleet_floors: bool
+    """Set by a backend that keeps the reserved floors fleet-wide: the room then leaves
+    the floor to the backend's wake-ups instead of applying its own per-process one."""
+
     def waiting_classes(self) -> Collection[str]:
         """The classes with calls of this process waiting or asking for a permit."""
         ...
@@ -237,12 +251,16 @@ class Backend(Protocol):
         *,
         cost_tokens: int = 0,
         ttl_s: float,
+        priority_class: str = "",
     ) -> AcquireResult:
         """Lease the first candidate, in the given order, that passes every check.
 
         Checks, in order: breaker admission (half-open admits one probe
         fleet-wide), pacer deadline, AIMD limit and ``max_concurrency`` against
         live leases, rpm bucket, tpm bucket (reserving ``cost_tokens``).
+        ``priority_class`` is the calling call's class: a backend shared by a
+        fleet counts the permits of classes with reserved floors by it (the
+        lease then names it); a backend of one process ignores it.
         """
         ...
 

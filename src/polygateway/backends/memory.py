@@ -113,8 +113,13 @@ class MemoryBackend:
         *,
         cost_tokens: int = 0,
         ttl_s: float,
+        priority_class: str = "",
     ) -> AcquireResult:
-        """Lease the first admissible candidate, in order; see governance/source_state.py."""
+        """Lease the first admissible candidate, in order; see governance/source_state.py.
+
+        ``priority_class`` is ignored: in one process the waiting room's floors are
+        the fleet's.
+        """
         now = self._now()
         sc = self._scopes.get(scope)
         if sc is None:

@@ -274,9 +274,10 @@ class SourceConfig(BaseModel):
 class PriorityClassConfig(BaseModel):
     """A priority class of a scope: its share of the scope's permits while its calls wait.
 
-    ``reserved``: while the class holds fewer permits than this in a process
-    and has calls waiting there, they go first; a floor on who goes first,
-    never permits set aside (research-wiki/designs/priority-fairness.md).
+    ``reserved``: while the class holds fewer permits than this (in the
+    process on a memory backend, fleet-wide on Redis) and has calls waiting,
+    they go first; a floor on who goes first, never permits set aside
+    (research-wiki/designs/priority-fairness.md).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -654,6 +654,7 @@ class Call:
                 [spec for _, spec in candidates],
                 cost_tokens=self.cost_tokens,
                 ttl_s=ttl_s,
+                priority_class=self.priority_class,
             )
         except GovernanceBackendError as exc:
             # Fail closed together: the calls queued behind this one would each

@@ -143,6 +143,13 @@ class WaitingRoom:
     nobody of that class waiting, the others take every permit. Permits in
     use are counted per class (``hold``, ``unhold``: the loop calls them for
     every permit its calls get, queued or not).
+
+    On a backend that keeps the floors fleet-wide (``fleet_floors``, set by
+    the Redis backend), the room applies no floor of its own: its counts are
+    this process's, and a class at its floor fleet-wide would still go first
+    here, against the fleet's choice. The fleet's wake-ups give a class below
+    its floor the turn (``notify``), and every grant moves the class's
+    virtual time (research-wiki/designs/priority-fairness.md, "On Redis").
     """
 
     __slots__ = (
@@ -155,6 +162,8 @@ class WaitingRoom:
         "_turn_tenant",
         "_vtime",
         "asking",
+        "fleet_floors",
+        "floors",
         "named_tenants",
         "shares",
         "wakeups",
@@ -164,6 +173,10 @@ class WaitingRoom:
         self, shares: Mapping[str, float] | None = None, reserved: Mapping[str, int] | None = None
     ) -> None:
         self.shares: dict[str, float] = {}
+        # The declared classes with reserved permits (a fleet's backend counts theirs).
+        self.floors: dict[str, int] = {}
+        # Set by a backend that keeps the floors fleet-wide: no per-process floor here.
+        self.fleet_floors = False
         self._classes: dict[str, ClassState] = {}
         self.declare(shares or {}, reserved or {})
         self._count = 0
@@ -229,6 +242,10 @@ class WaitingRoom:
             klass = self.slot(name)
             klass.share = share
             klass.reserved = reserved.get(name, 0)
+            if klass.reserved > 0:
+                self.floors[name] = klass.reserved
+            else:
+                self.floors.pop(name, None)
         self._stale = True
 
     def slot(self, priority_class: str) -> ClassState:
@@ -244,13 +261,13 @@ class WaitingRoom:
         A scope without reserved permits pays one integer update for it.
         """
         klass.in_use += 1
-        if klass.reserved:
+        if klass.reserved and not self.fleet_floors:
             self._reschedule()
 
     def unhold(self, klass: ClassState) -> None:
         """A permit ``hold`` counted is being released: once per permit, before the release."""
         klass.in_use -= 1
-        if klass.reserved:
+        if klass.reserved and not self.fleet_floors:
             self._reschedule()
 
     def _reschedule(self) -> None:
@@ -318,7 +335,7 @@ class WaitingRoom:
             for klass in self._classes.values():
                 if not klass.waiting:
                     continue
-                below = klass.in_use < klass.reserved
+                below = klass.in_use < klass.reserved and not self.fleet_floors
                 if (
                     best is None
                     or below > floor
@@ -372,7 +389,7 @@ class WaitingRoom:
         if granted:
             self._turn = None  # the fleet's turn, if any, was this grant's
             self._turn_tenant = None
-        if granted and klass.in_use >= klass.reserved:
+        if granted and (klass.in_use >= klass.reserved or self.fleet_floors):
             self._vtime = klass.pass_
             klass.pass_ += 1.0 / klass.share
         if not flow:

@@ -109,17 +109,30 @@ class CountingBackend:
         *,
         cost_tokens: int = 0,
         ttl_s: float,
+        priority_class: str = "",
     ) -> AcquireResult:
         """Count, wait at the gate if one is closed, then delegate."""
         gate = self.hold_acquire
         if gate is None:
             self._count("acquire")
-            return await self.inner.acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+            return await self.inner.acquire(
+                scope,
+                candidates,
+                cost_tokens=cost_tokens,
+                ttl_s=ttl_s,
+                priority_class=priority_class,
+            )
 
         async def gated() -> AcquireResult:
             await gate.wait()
             self._count("acquire")
-            return await self.inner.acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+            return await self.inner.acquire(
+                scope,
+                candidates,
+                cost_tokens=cost_tokens,
+                ttl_s=ttl_s,
+                priority_class=priority_class,
+            )
 
         async def give_back(acquiring: asyncio.Future[AcquireResult]) -> None:
             lease = (await acquiring).lease

@@ -390,7 +390,9 @@ class RedisBackend:
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
         self._scope_keys: dict[str, tuple[Arg, ...]] = {}
-        self._class_args: dict[tuple[str, tuple[tuple[str, float], ...]], _Classes] = {}
+        self._class_args: dict[
+            tuple[str, tuple[tuple[str, float], ...], tuple[int, ...]], _Classes
+        ] = {}
         self._tenant_keys: dict[tuple[str, tuple[str, ...] | None], tuple[Arg, ...]] = {}
         self._serial = itertools.count(1)
 
@@ -579,9 +581,12 @@ class RedisBackend:
         if not shares:
             return None
         declared = tuple(shares.items())
-        cached = self._class_args.get((scope, declared))
+        floors = room.floors
+        reserved = tuple(floors.get(name, 0) for name in shares) if floors else ()
+        cached = self._class_args.get((scope, declared, reserved))
         if cached is None:
             names = tuple(shares)
+            held = {name: bulk(codec.key(scope, "held", name)) for name in names if name in floors}
             cached = _Classes(
                 names=names,
                 registry=bulks(
@@ -598,10 +603,15 @@ class RedisBackend:
                 shares=bulks(
                     [item for name, share in declared for item in (name, codec.num(share))]
                 ),
+                held=held,
+                held_keys=(
+                    bulks([codec.key(scope, "held", name) for name in names]) if held else ()
+                ),
+                reserved=reserved,
             )
             if len(self._class_args) >= _MAX_SPEC_CACHE:
                 self._class_args.clear()
-            self._class_args[(scope, declared)] = cached
+            self._class_args[(scope, declared, reserved)] = cached
         return cached
 
     def _tenant_keys_of(self, scope: str, names: tuple[str, ...] | None) -> tuple[Arg, ...]:
@@ -644,8 +654,14 @@ class RedisBackend:
         *,
         cost_tokens: int = 0,
         ttl_s: float,
+        priority_class: str = "",
     ) -> AcquireResult:
-        """Lease the first admissible candidate, in order, in one ACQUIRE run (see ``_wait``)."""
+        """Lease the first admissible candidate, in order, in one ACQUIRE run (see ``_wait``).
+
+        A call of a class with reserved permits (its room's ``floors``) has its
+        lease counted toward the class's permits held fleet-wide, and the
+        lease names the class.
+        """
         if not candidates:
             return AcquireResult(None)
         specs = tuple(candidates)
@@ -667,6 +683,7 @@ class RedisBackend:
             argv += self._args_of(spec)
         wakeups = self._wakeups
         room = self._listening.get(scope)
+        counted: str | None = None  # the class whose held permits the lease joins
         if room is not None:
             # Someone here waits for this scope's releases: a refusal registers the process
             # (under each priority class it waits in, when the scope has classes).
@@ -687,6 +704,11 @@ class RedisBackend:
                 if flows is not None:
                     keys += self._tenant_keys_of(scope, classes.names)
                     argv.append(_tenant_lists(classes.names, flows))
+                held = classes.held.get(priority_class)
+                if held is not None:
+                    # Its class reserves permits: the lease counts toward it fleet-wide.
+                    keys.append(held)
+                    counted = priority_class
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
@@ -707,6 +729,7 @@ class RedisBackend:
                 ttl_s=ttl_s,
                 tokens=cost_tokens,
                 probe=int(reply[1]) == 1,
+                priority_class=counted,
             )
             return AcquireResult(lease, rejections)
 
@@ -728,6 +751,7 @@ class RedisBackend:
                         lease_id=lease_id,
                         ttl_s=ttl_s,
                         tokens=cost_tokens,
+                        priority_class=counted,
                     )
                     self._release(maybe, _CANCELLED, waited=False)
 
@@ -841,6 +865,11 @@ class RedisBackend:
         if room is not None and room.waiting_tenants() is not None:
             # A call here named a tenant: the wake-up takes the fleet's turn of tenants.
             keys += self._tenant_keys_of(scope, None if classes is None else classes.names)
+        floors: tuple[Arg, ...] = ()
+        if classes is not None and classes.held:
+            # Reserved floors, fleet-wide: each class's held permits, the lease's leaving.
+            keys += classes.held_keys
+            floors = (classes.floors(lease.priority_class),)
         argv = (
             self._now_arg(),
             bulk(lease.lease_id),
@@ -855,6 +884,7 @@ class RedisBackend:
             self._wake_tail,
             self._handoff_arg,
             *(() if classes is None else classes.shares),
+            *floors,
         )
 
         def freed(reply: Any) -> None:
@@ -915,9 +945,11 @@ class RedisBackend:
         """Extend a live lease by its TTL from now in one RENEW run."""
         scope = lease.scope
         argv = (self._now_arg(), bulk(lease.lease_id), bulk(codec.num(lease.ttl_s)), _STATE_TTL_ARG)
-        return await self._eval(
-            "renew", scope, self._keys_of(scope, lease.source), argv, codec.is_one
-        )
+        keys = self._keys_of(scope, lease.source)
+        if lease.priority_class is not None:
+            # Counted toward its class's reserved floor fleet-wide: extended there too.
+            keys = (*keys, bulk(codec.key(scope, "held", lease.priority_class)))
+        return await self._eval("renew", scope, keys, argv, codec.is_one)
 
     async def progress_age_s(self, scope: str) -> float:
         """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
@@ -970,6 +1002,7 @@ class RedisBackend:
         fleet whose wake-up names this process (``wakeups.py``): processes with
         waiters take the releases in turn, least recently woken first.
         """
+        listener.fleet_floors = True  # reserved floors are the fleet's (RELEASE's wake-up)
         self._listeners.add(scope, listener)
         self._listening[scope] = listener
         with contextlib.suppress(RuntimeError):  # no running loop: at the first acquire
@@ -1003,6 +1036,17 @@ class _Classes:
     """``pgw:{scope}:classes``: the classes' passes for the fleet's stride scheduling."""
     shares: tuple[Arg, ...]
     """Per class, in order: its name and its share (RELEASE's trailing arguments)."""
+    held: Mapping[str, Arg]
+    """Per class with reserved permits: ``pgw:{scope}:held:<class>`` (its permits fleet-wide)."""
+    held_keys: tuple[Arg, ...]
+    """Per class, in order, its ``held`` key (RELEASE's last keys); empty without floors."""
+    reserved: tuple[int, ...]
+    """Per class, in order, its reserved permits."""
+
+    def floors(self, lease_class: str | None) -> Arg:
+        """RELEASE's floors argument: the lease's class (1-based, 0: none), the reserved."""
+        index = self.names.index(lease_class) + 1 if lease_class in self.held else 0
+        return bulk(" ".join(map(str, (index, *self.reserved))))
 
     def flags(self, room: ReleaseListener) -> Arg:
         """ACQUIRE's class argument: per class "1" when this process waits (or asks) in it."""

@@ -59,6 +59,12 @@ Conventions shared by every script:
   grant, a new list or a lapse removes) and zset ``pgw:{scope}:tenants[:<class>]``
   (tenant -> place in the fleet's turn, lowest next). A process's tenant
   registrations live and lapse with its registration in the class.
+- Reserved floors (research-wiki/designs/priority-fairness.md, "On Redis"), per class
+  with reserved permits, only from a process whose room declares such classes: zset
+  ``pgw:{scope}:held:<class>`` (lease id -> expiry, like the lease zsets: a crashed
+  process's leases stop counting when they lapse). ACQUIRE adds a grant's lease when
+  the call's class is one, RENEW extends it, RELEASE removes it and, choosing the class
+  to wake, prefers a live class with fewer live members than its reserved.
 """
 
 from __future__ import annotations
@@ -126,6 +132,10 @@ ACQUIRE = """
 -- first). A refusal registers (tenant, process) for each tenant listed, a tenant new to
 -- the turn at its back, and forgets the process's tenants no longer listed; a grant, or
 -- a class it no longer waits in, forgets them all.
+-- With reserved floors (the call's class reserves permits: research-wiki/designs/
+-- priority-fairness.md, "On Redis"): one key more, the very last, KEYS[#KEYS]
+-- pgw:{scope}:held:<class> (zset: lease id -> expiry, the class's permits held
+-- fleet-wide); a grant adds the lease to it with the lease's expiry.
 -- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
 -- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
 -- half-open probe, then one (reason, reopen_in_s or "") pair per rejected candidate,
@@ -184,6 +194,12 @@ if tail >= 2 then
     classes[1] = {KEYS[2 * count + 2], KEYS[2 * count + 3], true}
   end
 end
+-- The call's class's held-permits zset (reserved floors), after every other key.
+local others = 1 + 2 * count + 2 * #classes
+if tail == 4 then
+  others = others + 3 * #classes
+end
+local hk = KEYS[others + 1]
 
 -- The checks of source_state.admit, in order; returns reason, reopen_in_s, probe.
 -- Stored whatever the verdict, in one HSET: first sight, a changed spec, open ->
@@ -395,6 +411,15 @@ for i = 1, count do
     if probe then
       result[2] = 1
     end
+    if hk then
+      -- The lease counts toward its class's permits held fleet-wide until it ends or
+      -- lapses; the key outlives every live member.
+      redis.call('ZADD', hk, fmt(now + ttl), lease_id)
+      local need = math.ceil(ttl) + 1
+      if redis.call('TTL', hk) < need then
+        redis.call('EXPIRE', hk, 2 * need)
+      end
+    end
     if proc then
       for _, c in ipairs(classes) do
         redis.call('ZREM', c[1], proc)
@@ -485,6 +510,14 @@ RELEASE = """
 -- share. The class whose turn it is is chosen first (stride scheduling, below), then
 -- the process; the wake-up's message is the scope, a newline and the class, and the
 -- releasing process's own turn returns {1, class} in place of 1.
+-- With reserved floors (a class reserves permits; research-wiki/designs/priority-fairness.md,
+-- "On Redis"): one argument more, the last, ARGV[16+2m] = "<i> <reserved_1> ... <reserved_m>"
+-- (i: the released lease's class, 1-based, 0 when it is in no count), and after every
+-- other key per class j its zset KEYS[#KEYS-m+j] pgw:{scope}:held:<class j> (lease id ->
+-- expiry: the class's permits held fleet-wide). The lease leaves its class's zset (dead
+-- members swept). The class choice first prefers a live class holding fewer live members
+-- than its reserved (among several, the stride order decides); such a turn does not move
+-- the pass (nor vtime), then stride as below.
 -- With tenants (the releasing process's room named one): after the keys above come per
 -- class (one, without classes) its three tenant keys, flows, flows_of and tenants (see
 -- ACQUIRE). When the chosen class has tenant registrations, the turn goes to the tenant
@@ -521,6 +554,26 @@ local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
 local kind = ARGV[3]
 
+-- Reserved floors: per class its reserved permits and its held-permits zset.
+local floors
+if #ARGV >= 16 and (#ARGV - 15) % 2 == 1 then
+  local nclasses = math.floor((#ARGV - 15) / 2)
+  local words = {}
+  for w in string.gmatch(ARGV[#ARGV], '%d+') do
+    table.insert(words, tonumber(w))
+  end
+  floors = {}
+  for j = 1, nclasses do
+    floors[j] = {words[j + 1], KEYS[#KEYS - nclasses + j]}
+  end
+  local own = floors[words[1]]
+  if own then
+    -- The lease no longer counts toward its class's floor (lapsed ones go too).
+    redis.call('ZREMRANGEBYSCORE', own[2], '-inf', now_s)
+    redis.call('ZREM', own[2], lease_id)
+  end
+end
+
 -- Dead leases (expiry <= now) go first: the lease is live exactly when it is still there.
 redis.call('ZREMRANGEBYSCORE', lk, '-inf', now_s)
 if redis.call('ZREM', lk, lease_id) == 0 then
@@ -548,7 +601,7 @@ local function wake(cap, expires_at)
       regs[1][5], regs[1][6], regs[1][7] = KEYS[6], KEYS[7], KEYS[8]
     end
   else
-    local tenants = #KEYS >= 4 + 5 * m
+    local tenants = #KEYS - (floors and m or 0) >= 4 + 5 * m
     for j = 1, m do
       regs[j] = {KEYS[2 + 2 * j], KEYS[3 + 2 * j], ARGV[14 + 2 * j], tonumber(ARGV[15 + 2 * j])}
       if tenants then
@@ -610,17 +663,34 @@ local function wake(cap, expires_at)
       end
     end
     local vtime = lowest or tonumber(h[1]) or 0
+    -- Reserved floors first: a live class holding fewer live permits fleet-wide than its
+    -- reserved is preferred (among several, the stride order decides).
+    local below, floor = {}, false
+    if floors then
+      for _, k in ipairs(live) do
+        local reserved = floors[k][1]
+        if reserved > 0
+            and redis.call('ZCOUNT', floors[k][2], '(' .. now_s, '+inf') < reserved then
+          below[k], floor = true, true
+        end
+      end
+    end
     j = nil
     for _, k in ipairs(live) do
       if h[2 * k + 1] ~= '1' then
         pass[k] = math.max(pass[k], vtime)
       end
-      if j == nil or pass[k] < pass[j] or (pass[k] == pass[j] and regs[k][4] > regs[j][4]) then
+      if (below[k] or not floor) and (j == nil or pass[k] < pass[j]
+          or (pass[k] == pass[j] and regs[k][4] > regs[j][4])) then
         j = k
       end
     end
-    local writes = {'vtime', fmt(pass[j])}
-    pass[j] = pass[j] + 1 / regs[j][4]
+    local writes = {}
+    if not floor then
+      -- A turn at the floor comes on top of the share: only a stride turn moves the pass.
+      writes = {'vtime', fmt(pass[j])}
+      pass[j] = pass[j] + 1 / regs[j][4]
+    end
     for k, r in ipairs(regs) do
       table.insert(writes, 'pass:' .. r[3])
       table.insert(writes, fmt(pass[k]))
@@ -911,6 +981,8 @@ RENEW = """
 -- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
 -- ARGV[1] now ("" = server TIME)   ARGV[2] lease id   ARGV[3] the lease's TTL in seconds
 -- ARGV[4] state key TTL s
+-- Optional: KEYS[3] pgw:{scope}:held:<class> (the lease's class counts its permits held
+-- fleet-wide, reserved floors: see ACQUIRE), whose member is extended too.
 -- Returns 1 when the lease was live and is renewed, 0 when it was unknown or expired.
 
 local function fmt(x)
@@ -932,6 +1004,13 @@ if not redis.call('ZSCORE', lk, lease_id) then
 end
 local expiry = fmt(now + ttl)
 redis.call('ZADD', lk, 'XX', expiry, lease_id)
+if KEYS[3] then
+  redis.call('ZADD', KEYS[3], 'XX', expiry, lease_id)
+  local need = math.ceil(ttl) + 1
+  if redis.call('TTL', KEYS[3]) < need then
+    redis.call('EXPIRE', KEYS[3], 2 * need)
+  end
+end
 local h = redis.call('HMGET', sk, 'probe_id', 'pprobe_id', 'expires_at')
 if h[1] and h[1] ~= '' and h[1] == lease_id then
   redis.call('HSET', sk, 'probe_until', expiry)
