@@ -598,6 +598,22 @@ class TestWaiting:
         assert backend.calls == {"acquire": 1, "release": 1}
 
 
+class BackendWithoutClasses(MemoryBackend):
+    """A backend written before ``acquire`` took ``priority_class``: no such keyword."""
+
+    async def acquire(  # type: ignore[override]
+        self, scope: str, candidates: Any, *, cost_tokens: int = 0, ttl_s: float
+    ) -> Any:
+        return await super().acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+
+
+async def test_a_backend_without_the_class_keyword_serves_a_scope_without_floors() -> None:
+    """Only a call of a class with reserved permits names its class to the backend."""
+    clock = FakeClock()
+    chat, _, _ = make_chat(clock, [chat_completion()], backend=BackendWithoutClasses(now=clock))
+    assert (await chat.complete(MESSAGES)).text
+
+
 class GatedBackend(MemoryBackend):
     """A memory backend that holds every acquire at a gate and counts those in flight."""
 

@@ -648,14 +648,23 @@ class Call:
         slot = mw._slots[self.priority_class]
         room.asking += 1
         slot.asking += 1  # a fleet's backend registers the process under its class
+        specs = [spec for _, spec in candidates]
         try:
-            result = await mw._backend.acquire(
-                mw._scope,
-                [spec for _, spec in candidates],
-                cost_tokens=self.cost_tokens,
-                ttl_s=ttl_s,
-                priority_class=self.priority_class,
-            )
+            if slot.reserved:
+                # A class with a floor names itself: a fleet's backend counts its permits.
+                # Other calls keep the protocol's older form, so backends without the
+                # keyword serve every scope without floors.
+                result = await mw._backend.acquire(
+                    mw._scope,
+                    specs,
+                    cost_tokens=self.cost_tokens,
+                    ttl_s=ttl_s,
+                    priority_class=self.priority_class,
+                )
+            else:
+                result = await mw._backend.acquire(
+                    mw._scope, specs, cost_tokens=self.cost_tokens, ttl_s=ttl_s
+                )
         except GovernanceBackendError as exc:
             # Fail closed together: the calls queued behind this one would each
             # wait out the backend's timeout in turn otherwise.
