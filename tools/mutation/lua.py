@@ -60,6 +60,7 @@ TESTS = [
     "tests/integration/test_redis_wakeups.py",
     "tests/integration/test_redis_classes.py",
     "tests/integration/test_redis_tenants.py",
+    "tests/integration/test_redis_floors.py",
     "-k",
     "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
 ]
