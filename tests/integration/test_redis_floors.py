@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _wakeups as wakeups
 import pytest
 import redis.asyncio as aioredis
 from _wakeups import BOUND_S, listening
@@ -58,19 +59,11 @@ def room_of(
 async def hold(
     backend: RedisBackend, n: int, priority_class: str = "b", ttl_s: float = 1000.0
 ) -> list[Lease]:
-    leases = []
-    for _ in range(n):
-        result = await backend.acquire(SCOPE, [SOURCE], ttl_s=ttl_s, priority_class=priority_class)
-        assert result.lease is not None
-        leases.append(result.lease)
-    return leases
+    return await wakeups.hold(backend, SCOPE, SOURCE, n, ttl_s=ttl_s, priority_class=priority_class)
 
 
 async def refused(backend: RedisBackend, priority_class: str) -> None:
-    """Refused for concurrency (the source held full), which registers the process."""
-    result = await backend.acquire(SCOPE, [SOURCE], ttl_s=60.0, priority_class=priority_class)
-    assert result.lease is None
-    assert [r.reason for r in result.rejections] == ["concurrency"]
+    await wakeups.refused(backend, SCOPE, SOURCE, priority_class=priority_class)
 
 
 async def live(admin: aioredis.Redis, priority_class: str, now: float) -> int:

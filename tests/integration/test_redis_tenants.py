@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import _wakeups as wakeups
 import pytest
 import redis.asyncio as aioredis
 from _wakeups import BOUND_S, listening
@@ -56,19 +57,11 @@ def room_of(backend: RedisBackend, *tenants: str) -> WaitingRoom:
 
 
 async def hold(backend: RedisBackend, n: int) -> list[Lease]:
-    leases = []
-    for _ in range(n):
-        lease = (await backend.acquire(SCOPE, [SOURCE], ttl_s=1000.0)).lease
-        assert lease is not None
-        leases.append(lease)
-    return leases
+    return await wakeups.hold(backend, SCOPE, SOURCE, n)
 
 
 async def refused(backend: RedisBackend) -> None:
-    """Refused for concurrency (the source held full), which registers the process."""
-    result = await backend.acquire(SCOPE, [SOURCE], ttl_s=60.0)
-    assert result.lease is None
-    assert [r.reason for r in result.rejections] == ["concurrency"]
+    await wakeups.refused(backend, SCOPE, SOURCE)
 
 
 async def register(admin: aioredis.Redis, backend: RedisBackend, registry: str = WAITING) -> str:
