@@ -233,25 +233,35 @@ async def test_a_sentinel_refusing_the_password_fails_closed_without_it(
 ) -> None:
     """A wrong or missing Sentinel password: GovernanceBackendError within a few socket
     timeouts, naming the Sentinel and the failed authentication, never a password."""
+    error, backend_repr = await _refused_login(guarded_setup, sentinel_password=given)
+    message = str(error)
+    assert guarded_setup.sentinel.address in message
+    assert "authentication failed" in message
+    for shown in (message, repr(error), backend_repr):
+        assert WRONG_PASSWORD not in shown
+        assert SENTINEL_PASSWORD not in shown
+    assert error.operation == "acquire"
+
+
+async def _refused_login(
+    setup: SentinelSetup, **credentials: str | None
+) -> tuple[GovernanceBackendError, str]:
+    """An acquire through ``setup``'s Sentinel with these credentials, which it refuses: the
+    typed failure (within a few socket timeouts, never a hang) and the backend's repr; the
+    backend is closed on return, so its failover listener's attempts are logged by then."""
     backend = RedisBackend(
         "redis:///0",
         mode="sentinel",
-        sentinels=guarded_setup.sentinels,
+        sentinels=setup.sentinels,
         sentinel_master=SentinelSetup.MASTER,
-        sentinel_password=given,
         socket_timeout_s=TIMEOUT_S,
+        **credentials,
     )
     try:
-        async with asyncio.timeout(5 * TIMEOUT_S):  # fails, never hangs
+        async with asyncio.timeout(5 * TIMEOUT_S):
             with pytest.raises(GovernanceBackendError) as info:
                 await backend.acquire(SCOPE, [SPEC], ttl_s=30)
-        message = str(info.value)
-        assert guarded_setup.sentinel.address in message
-        assert "authentication failed" in message
-        for shown in (message, repr(info.value), repr(backend)):
-            assert WRONG_PASSWORD not in shown
-            assert SENTINEL_PASSWORD not in shown
-        assert info.value.operation == "acquire"
+        return info.value, repr(backend)
     finally:
         await backend.aclose()
 
@@ -314,28 +324,13 @@ async def test_a_sentinel_refusing_the_acl_user_fails_closed_without_its_secrets
     a few socket timeouts, naming the Sentinel and the failed authentication, showing neither
     the user name nor any password, in the error, its repr, the backend's or the logs."""
     caplog.set_level(logging.DEBUG)
-    backend = RedisBackend(
-        "redis:///0",
-        mode="sentinel",
-        sentinels=acl_setup.sentinels,
-        sentinel_master=SentinelSetup.MASTER,
-        sentinel_password=password,
-        sentinel_username=user,
-        socket_timeout_s=TIMEOUT_S,
+    error, backend_repr = await _refused_login(
+        acl_setup, sentinel_password=password, sentinel_username=user
     )
-    try:
-        async with asyncio.timeout(5 * TIMEOUT_S):  # fails, never hangs
-            with pytest.raises(GovernanceBackendError) as info:
-                await backend.acquire(SCOPE, [SPEC], ttl_s=30)
-        message = str(info.value)
-        assert acl_setup.sentinel.address in message
-        assert "authentication failed with the Sentinel user and password" in message
-        for shown in (message, repr(info.value), repr(backend)):
-            for secret in (WRONG_USER, SENTINEL_USER, WRONG_PASSWORD, SENTINEL_PASSWORD):
-                assert secret not in shown
-        assert info.value.operation == "acquire"
-        await backend.aclose()  # the failover listener's attempts end, then the logs are read
+    message = str(error)
+    assert acl_setup.sentinel.address in message
+    assert "authentication failed with the Sentinel user and password" in message
+    for shown in (message, repr(error), backend_repr, caplog.text):
         for secret in (WRONG_USER, SENTINEL_USER, WRONG_PASSWORD, SENTINEL_PASSWORD):
-            assert secret not in caplog.text
-    finally:
-        await backend.aclose()
+            assert secret not in shown
+    assert error.operation == "acquire"
