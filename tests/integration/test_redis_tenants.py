@@ -320,6 +320,35 @@ async def test_a_process_of_no_tenant_takes_its_turns_as_the_tenant_with_no_name
     assert await admin.hget(key("flows_of"), proc_a) == "0:", "registered as the tenant '' now"
 
 
+async def test_the_tenant_with_no_name_joins_the_turn_behind_every_named_tenant(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """T1 and T2 in the turn, then A's calls naming none: "" goes after both (not level
+    with the last, where its empty name would sort it first)."""
+    holder, a, p, q = releasing(fleet()), fleet(), fleet(), fleet()
+    rooms = {"A": room_of(a, ""), "P": room_of(p, "T1"), "Q": room_of(q, "T2")}
+    backends = {"A": a, "P": p, "Q": q}
+    await listening(admin, 4)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    clock.advance(1.0)
+    await refused(q)
+    clock.advance(1.0)
+    await refused(a)
+    order: list[str] = []
+    for i, lease in enumerate(leases[:6]):
+        await holder.release(lease, SUCCESS)
+        async with asyncio.timeout(BOUND_S):
+            while sum(room.wakeups for room in rooms.values()) <= i:
+                await asyncio.sleep(0.005)
+        name = next(n for n, room in rooms.items() if room.wakeups > order.count(n))
+        order.append(name)
+        clock.advance(1.0)
+        assert (await backends[name].acquire(SCOPE, [SOURCE], ttl_s=60.0)).lease is not None
+        await refused(backends[name])
+    assert order == ["P", "Q", "A", "P", "Q", "A"]
+
+
 async def test_with_classes_each_class_has_its_own_turn_of_tenants(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
