@@ -124,19 +124,24 @@ def test_a_backend_built_in_code_refuses_a_sentinel_password_outside_sentinel_mo
     assert SENTINEL_PASSWORD not in str(info.value)
 
 
-def test_the_sentinel_password_comes_from_the_environment_and_is_never_shown(
+def test_the_sentinel_credentials_come_from_the_environment_and_are_never_shown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The POLYGATEWAY_REDIS_SENTINEL_PASSWORD variable is read; nothing shown contains it."""
+    """POLYGATEWAY_REDIS_SENTINEL_PASSWORD and _USERNAME are read; no repr, dump or report
+    row shows either."""
     monkeypatch.setenv("POLYGATEWAY_REDIS_MODE", "sentinel")
     monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINELS", '["127.0.0.1:26379"]')
     monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_MASTER", "mymaster")
     monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_USERNAME", SENTINEL_USERNAME)
     settings = GatewaySettings.load(env_file=None)
     assert settings.redis_sentinel_password.get_secret_value() == SENTINEL_PASSWORD
+    assert settings.redis_sentinel_username.get_secret_value() == SENTINEL_USERNAME
     rows = setting_rows(settings, {}, None, None)
-    row = next(r for r in rows["gateway"] if r.key == "redis_sentinel_password")
-    assert row.origin == "env POLYGATEWAY_REDIS_SENTINEL_PASSWORD"
+    for key in ("redis_sentinel_password", "redis_sentinel_username"):
+        row = next(r for r in rows["gateway"] if r.key == key)
+        assert row.origin == f"env POLYGATEWAY_{key.upper()}"
+        assert "**********" in row.value
     for shown in (
         str(settings),
         repr(settings),
@@ -145,7 +150,7 @@ def test_the_sentinel_password_comes_from_the_environment_and_is_never_shown(
         "\n".join(report_lines(rows)),
     ):
         assert SENTINEL_PASSWORD not in shown
-    assert "**********" in row.value
+        assert SENTINEL_USERNAME not in shown
 
 
 def test_a_sentinel_username_without_a_password_is_refused_without_echoing_it(
@@ -175,32 +180,6 @@ def test_a_backend_built_in_code_refuses_a_sentinel_username_as_the_settings_do(
         )
     assert info.value.field == "redis_sentinel_username"
     assert SENTINEL_USERNAME not in str(info.value)
-
-
-def test_the_sentinel_username_comes_from_the_environment_and_is_never_shown(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """POLYGATEWAY_REDIS_SENTINEL_USERNAME is read; no repr, dump or report row shows it."""
-    monkeypatch.setenv("POLYGATEWAY_REDIS_MODE", "sentinel")
-    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINELS", '["127.0.0.1:26379"]')
-    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_MASTER", "mymaster")
-    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)
-    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINEL_USERNAME", SENTINEL_USERNAME)
-    settings = GatewaySettings.load(env_file=None)
-    assert settings.redis_sentinel_username.get_secret_value() == SENTINEL_USERNAME
-    rows = setting_rows(settings, {}, None, None)
-    row = next(r for r in rows["gateway"] if r.key == "redis_sentinel_username")
-    assert row.origin == "env POLYGATEWAY_REDIS_SENTINEL_USERNAME"
-    for shown in (
-        str(settings),
-        repr(settings),
-        settings.model_dump_json(),
-        str(settings.model_dump()),
-        "\n".join(report_lines(rows)),
-    ):
-        assert SENTINEL_USERNAME not in shown
-        assert SENTINEL_PASSWORD not in shown
-    assert "**********" in row.value
 
 
 def test_cluster_shards_reply_is_read_as_the_online_primaries_ranges() -> None:
