@@ -76,7 +76,10 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     if request.param == "redis":
         url = request.getfixturevalue("redis_url")
         redis.Redis.from_url(url).flushdb()
-        made = RedisBackend(url)
+        # A thousand calls in one event loop on a loaded two-core machine can keep a reply
+        # unread past the default 1 s, and the call then fails closed: these tests are about
+        # order and shares, not the socket timeout, so it is longer here.
+        made = RedisBackend(url, socket_timeout_s=5.0)
     else:
         made = MemoryBackend()
     try:
