@@ -185,6 +185,10 @@ class ReleaseListener(Protocol):
         """The classes with calls of this process waiting or asking for a permit."""
         ...
 
+    named_tenants: bool
+    """Whether a call of the room (or a wake-up for it) ever named a tenant: from then on
+    the fleet takes turns of tenants for it (``waiting_tenants`` is not ``None``)."""
+
     def waiting_tenants(self) -> Mapping[str, Collection[str]] | None:
         """Per class, the tenants with calls of this process waiting (``""``: no tenant).
 

@@ -862,7 +862,7 @@ class RedisBackend:
                 *classes.registry,
                 classes.hash_key,
             )
-        if room is not None and room.waiting_tenants() is not None:
+        if room is not None and room.named_tenants:
             # A call here named a tenant: the wake-up takes the fleet's turn of tenants.
             keys += self._tenant_keys_of(scope, None if classes is None else classes.names)
         floors: tuple[Arg, ...] = ()
