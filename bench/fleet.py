@@ -224,6 +224,10 @@ async def _fleet(
         config = _config(sim, redis_url, sizes)
         workers = await _start(n, config, workdir, sizes.start_timeout_s)
         try:
+            # Each worker's first calls build its HTTP client and open its connections
+            # (tens of ms of CPU per process): paid before the window, so that N cold
+            # interpreters starting at once on a small machine are not read as waiting.
+            await asyncio.gather(*(w.records("calls", n=per, concurrency=per) for w in workers))
             start_at = time.monotonic() + 1.0
             answers = [
                 asyncio.ensure_future(
@@ -422,7 +426,8 @@ def render_section(results: Json) -> str:
 - **Load:** one scope, one source of `max_concurrency={sizes["permits"]}`, upstream latency
   {latency_ms:.0f} ± {latency_ms / 5:.0f} ms (the simulator, in the harness's process);
   {sizes["callers"]} callers in all, split evenly over the processes, each calling again as
-  soon as its call ends, for {sizes["seconds"]:g} s per fleet size;
+  soon as its call ends, for {sizes["seconds"]:g} s per fleet size, once every process
+  has made one call per caller (its HTTP client built, its connections open);
   `poll_interval_s = {sizes["poll_s"]:g}`, stall rule off (`stall_window_s = 3600`).
 
 Each fleet runs against one private redis-server (loopback, no persistence). Redis
