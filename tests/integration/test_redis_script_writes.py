@@ -79,3 +79,91 @@ async def test_a_refusal_stores_what_moved_and_nothing_else(
     assert [r.reason for r in refused.rejections] == ["rpm"]
     assert (_calls(client, "hset"), _calls(client, "zadd")) == (before[0] + 1, before[1])
     assert client.hget(STATE, "rpm_tokens") == "0"
+
+
+async def test_a_success_at_a_closed_source_at_its_limit_writes_no_state(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """AIMD's limit at its max, breaker closed, nothing paused: RELEASE has nothing to store."""
+    spec = SourceSpec("a", max_concurrency=1)
+    lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
+    assert lease is not None
+    before = _calls(client, "hset")
+    await backend.release(lease, AttemptOutcome("success"))
+    assert _calls(client, "hset") == before
+    assert client.hget(STATE, "limit") == "1"
+    assert (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease is not None, "freed"
+
+
+async def test_a_release_rewrites_no_field_that_holds_its_value_already(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """A transient failure moves the failure count alone. Fields stored as "0.0" hold the
+    value the release computes (0) in another spelling: rewritten, they would read "0"."""
+    lease = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+    assert lease is not None
+    unchanged = ("trips", "open_until", "probe_until", "not_before")
+    client.hset(STATE, mapping={field: "0.0" for field in unchanged})
+    client.hset(STATE, "limit", "4.0")
+    await backend.release(lease, AttemptOutcome("transient"))
+    assert client.hget(STATE, "failures") == "1"
+    assert client.hmget(STATE, [*unchanged, "limit"]) == ["0.0"] * 4 + ["4.0"]
+    assert client.hmget(STATE, ["breaker", "probe_id"]) == ["closed", ""]
+
+
+async def test_a_release_writes_each_field_that_moved(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """Enough failures trip the breaker: state, counts, the reopen time and the limit's
+    decrease are all stored (a field left out here would keep its old value)."""
+    spec = SourceSpec("a", max_concurrency=4, breaker_failures=1, cooldown_s=5.0)
+    lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
+    assert lease is not None
+    await backend.release(lease, AttemptOutcome("transient", aimd_decrease=True))
+    stored = client.hgetall(STATE)
+    assert (stored["breaker"], stored["failures"], stored["trips"]) == ("open", "0", "1")
+    assert float(stored["open_until"]) > 0.0
+    assert float(stored["limit"]) < 4.0
+    assert "last_decrease" in stored
+
+
+async def test_an_acquire_reads_the_probes_fields_only_when_a_probe_may_be_due(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """One HMGET while the breaker is closed and no pause waits for its probe; a second
+    read of the probes' fields once the breaker is open (the half-open probe decides)."""
+    spec = SourceSpec("a", max_concurrency=4, breaker_failures=1, cooldown_s=5.0)
+    lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
+    assert lease is not None
+    before = _calls(client, "hmget")
+    second = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
+    assert second is not None
+    assert _calls(client, "hmget") == before + 1
+    await backend.release(second, AttemptOutcome("transient"))  # trips the breaker
+    before = _calls(client, "hmget")
+    refused = await backend.acquire(SCOPE, [spec], ttl_s=30.0)
+    assert [r.reason for r in refused.rejections] == ["breaker_open"]
+    assert _calls(client, "hmget") == before + 2
+
+
+async def test_a_release_reads_the_failure_fields_only_for_a_failure_or_a_pause(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """A success reads the state once; a failure, or a success that brings a pause, reads
+    the breaker's and the pacer's fields too, and acts on them."""
+    spec = SourceSpec("a", max_concurrency=4, breaker_failures=2)
+    reads = []
+    for outcome in (
+        AttemptOutcome("success"),
+        AttemptOutcome("transient"),
+        AttemptOutcome("success", retry_after_s=5.0),
+    ):
+        lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
+        assert lease is not None
+        before = _calls(client, "hmget")
+        await backend.release(lease, outcome)
+        reads.append(_calls(client, "hmget") - before)
+    assert reads == [1, 2, 2]
+    assert client.hget(STATE, "failures") == "0", "the success after the failure reset it"
+    refused = await backend.acquire(SCOPE, [spec], ttl_s=30.0)
+    assert [r.reason for r in refused.rejections] == ["paced"]

@@ -215,9 +215,10 @@ local function examine(i, a)
   local cooldown_max = tonumber(ARGV[a + 9])
   local spec = ARGV[a + 10]
 
-  local h = redis.call('HMGET', sk, 'limit', 'breaker', 'open_until', 'probe_id',
-    'probe_until', 'not_before', 'rpm_tokens', 'rpm_at', 'tpm_tokens', 'tpm_at',
-    'reopen_probe', 'pprobe_id', 'pprobe_until', 'spec', 'expires_at')
+  -- What every call reads; the probes' fields only when a breaker is not closed or a
+  -- pause waits for its probe (one more read, in those states alone).
+  local h = redis.call('HMGET', sk, 'limit', 'breaker', 'not_before', 'rpm_tokens',
+    'rpm_at', 'tpm_tokens', 'tpm_at', 'reopen_probe', 'spec', 'expires_at')
   local writes = {}
   local function put(field, value)
     writes[#writes + 1] = field
@@ -225,11 +226,11 @@ local function examine(i, a)
   end
   local limit = tonumber(h[1])
   local breaker, open_until, probe_id, probe_until, not_before
-  local rpm_tokens, rpm_at = tonumber(h[7]), tonumber(h[8])
-  local tpm_tokens, tpm_at = tonumber(h[9]), tonumber(h[10])
+  local rpm_tokens, rpm_at = tonumber(h[4]), tonumber(h[5])
+  local tpm_tokens, tpm_at = tonumber(h[6]), tonumber(h[7])
   local rpm_moved, tpm_moved = false, false  -- a bucket's values below are to be stored
-  local reopen_probe = h[11] == '1'
-  local pprobe_id, pprobe_until = h[12] or '', tonumber(h[13]) or 0
+  local reopen_probe = h[8] == '1'
+  local pprobe_id, pprobe_until = '', 0
   if limit == nil then
     -- First sight (source_state.new_source_state): closed, limit at its max, buckets full.
     limit, breaker, open_until, probe_id, probe_until, not_before = maxc, 'closed', 0, '', 0, 0
@@ -245,14 +246,17 @@ local function examine(i, a)
     -- itself, whatever the time between.
     rpm_tokens, rpm_at, tpm_tokens, tpm_at = nil, nil, nil, nil
   else
-    breaker = h[2]
-    open_until = tonumber(h[3])
-    probe_id = h[4] or ''
-    probe_until = tonumber(h[5])
-    not_before = tonumber(h[6])
+    breaker, open_until, probe_id, probe_until = h[2], 0, '', 0
+    not_before = tonumber(h[3])
+    if breaker ~= 'closed' or reopen_probe then
+      local p = redis.call('HMGET', sk, 'open_until', 'probe_id', 'probe_until', 'pprobe_id',
+        'pprobe_until')
+      open_until, probe_id, probe_until = tonumber(p[1]), p[2] or '', tonumber(p[3])
+      pprobe_id, pprobe_until = p[4] or '', tonumber(p[5]) or 0
+    end
   end
   -- The last spec seen, which release and snapshot work from: written when it changed.
-  if h[14] ~= spec then
+  if h[9] ~= spec then
     put('max_concurrency', ARGV[a + 2])
     put('rpm', ARGV[a + 3])
     put('rpm_cap', ARGV[a + 4])
@@ -360,13 +364,14 @@ local function examine(i, a)
   end
 
   local reason, reopen, probe = admit()
+  -- A bucket that moved was refilled up to now: its time is now_s, formatted once.
   if rpm_moved then
     put('rpm_tokens', fmt(rpm_tokens))
-    put('rpm_at', fmt(rpm_at))
+    put('rpm_at', now_s)
   end
   if tpm_moved then
     put('tpm_tokens', fmt(tpm_tokens))
-    put('tpm_at', fmt(tpm_at))
+    put('tpm_at', now_s)
   end
 
   -- Lifetimes: the source's keys (and the scope's list of sources) outlive the last
@@ -375,7 +380,7 @@ local function examine(i, a)
   -- they are set again only once half of that is gone, not at every call.
   local need = math.max(math.ceil(ttl), math.ceil(cooldown_max)) + 1
   local life = math.max(state_ttl, 2 * need)
-  local expires_at = tonumber(h[15])
+  local expires_at = tonumber(h[10])
   local renewed = expires_at == nil or expires_at - now < life / 2
   if renewed then
     expires_at = now + life
@@ -848,23 +853,31 @@ local function wake(cap, expires_at)
   end
 end
 
-local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'breaker_failures',
-  'cooldown_s', 'cooldown_max_s', 'breaker', 'failures', 'trips', 'open_until', 'probe_id',
-  'probe_until', 'limit', 'last_decrease', 'not_before', 'tpm_tokens', 'reopen_probe',
-  'pprobe_id', 'expires_at')
+-- What every outcome reads; what only a failure or a pause uses (the breaker's threshold
+-- and cool-down, its reopen time, AIMD's last decrease, the pacer), read by a second HMGET
+-- for those alone: a success without a pause touches none of it.
+local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
+  'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
+  'reopen_probe', 'pprobe_id', 'expires_at')
 local maxc = tonumber(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
   return wake(nil, nil)
 end
-local tpm, tpm_cap = tonumber(h[2]), tonumber(h[3])
-local threshold, cooldown, cooldown_max = tonumber(h[4]), tonumber(h[5]), tonumber(h[6])
-local breaker, failures, trips = h[7], tonumber(h[8]), tonumber(h[9])
-local open_until, probe_id, probe_until = tonumber(h[10]), h[11] or '', tonumber(h[12])
-local limit, last_decrease, not_before = tonumber(h[13]), tonumber(h[14]), tonumber(h[15])
-local tpm_tokens = tonumber(h[16])
-local reopen_probe, pprobe_id = h[17] or '0', h[18] or ''
 local pause = tonumber(ARGV[5])
+local f = {}
+if kind ~= 'success' or pause ~= nil then
+  f = redis.call('HMGET', sk, 'breaker_failures', 'cooldown_s', 'open_until',
+    'last_decrease', 'not_before')
+end
+local tpm, tpm_cap, cooldown_max = tonumber(h[2]), tonumber(h[3]), tonumber(h[4])
+local breaker, failures, trips = h[5], tonumber(h[6]), tonumber(h[7])
+local probe_id, probe_until = h[8] or '', tonumber(h[9])
+local limit, tpm_tokens = tonumber(h[10]), tonumber(h[11])
+local reopen_probe, pprobe_id = h[12] or '0', h[13] or ''
+-- Unread (nil) on a success without a pause, which neither uses nor changes them.
+local threshold, cooldown, open_until = tonumber(f[1]), tonumber(f[2]), tonumber(f[3])
+local last_decrease, not_before = tonumber(f[4]), tonumber(f[5])
 local decreased = false
 
 local function free_probe(only)
@@ -933,9 +946,30 @@ if pause ~= nil then
   not_before = math.max(not_before, now + pause)
 end
 
-local writes = {'breaker', breaker, 'failures', fmt(failures), 'trips', fmt(trips),
-  'open_until', fmt(open_until), 'probe_id', probe_id, 'probe_until', fmt(probe_until),
-  'limit', fmt(limit), 'not_before', fmt(not_before), 'reopen_probe', reopen_probe}
+-- Only what moved is written: a field already holding its new value (as text, or as a
+-- number) is left as it is, so a success at a closed source at its limit writes nothing.
+local writes = {}
+local function put(field, value, stored)
+  if value ~= stored then
+    table.insert(writes, field)
+    table.insert(writes, value)
+  end
+end
+local function put_number(field, value, stored)
+  if value ~= tonumber(stored) then
+    table.insert(writes, field)
+    table.insert(writes, fmt(value))
+  end
+end
+put('breaker', breaker, h[5])
+put_number('failures', failures, h[6])
+put_number('trips', trips, h[7])
+put_number('open_until', open_until, f[3])
+put('probe_id', probe_id, h[8])
+put_number('probe_until', probe_until, h[9])
+put_number('limit', limit, h[10])
+put_number('not_before', not_before, f[5])
+put('reopen_probe', reopen_probe, h[12] or '0')  -- absent reads as "0" everywhere
 if pprobe_freed then
   table.insert(writes, 'pprobe_id')
   table.insert(writes, '')
@@ -954,12 +988,14 @@ if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
   table.insert(writes, 'tpm_tokens')
   table.insert(writes, fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
 end
-redis.call('HSET', sk, unpack(writes))
+if #writes > 0 then
+  redis.call('HSET', sk, unpack(writes))
+end
 
 -- Lifetimes (see ACQUIRE): a lease renewed past half the state's life still leaves a
 -- breaker's cool-down time to run out. ``expires_at`` is left to ACQUIRE, which also
 -- keeps the scope's list of sources.
-local expires_at = tonumber(h[19])
+local expires_at = tonumber(h[14])
 local need = math.ceil(cooldown_max) + 1
 if expires_at == nil or expires_at - now < need then
   local life = math.max(tonumber(ARGV[11]), 2 * need)
