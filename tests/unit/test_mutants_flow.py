@@ -423,3 +423,70 @@ async def test_a_call_asking_counts_in_its_classs_waiting_classes() -> None:
     await chat.complete(MESSAGES, priority_class="interactive")
     assert seen == [["interactive"]]
     assert room_for(chat.backend, "chat").waiting_classes() == []
+
+
+def _on(settings: GatewaySettings, clock: FakeClock, backend: MemoryBackend) -> ChatClient:
+    return closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=FakeTransport([], clock=clock, default=chat_completion()),
+            now=clock,
+            rng=random.Random(5),
+        )
+    )
+
+
+def _reserved() -> GatewaySettings:
+    """The classes of ``_classes`` with one permit reserved for interactive."""
+    settings = _classes("primary").model_dump()
+    settings["scopes"]["chat"]["priority_classes"]["interactive"]["reserved"] = 1
+    return GatewaySettings.model_validate(settings)
+
+
+async def test_a_call_of_a_class_with_reserved_permits_names_its_class_and_its_cost() -> None:
+    """Only such a call passes ``priority_class`` (a fleet's backend counts its permits);
+    it reserves its tokens as any call does."""
+    asked: list[dict[str, Any]] = []
+
+    class Recording(MemoryBackend):
+        async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+            asked.append(kwargs)
+            return await super().acquire(*args, **kwargs)
+
+    clock = FakeClock()
+    chat = _on(_reserved(), clock, Recording(now=clock))
+    await chat.complete(MESSAGES, priority_class="interactive")
+    await chat.complete(MESSAGES, priority_class="batch")
+    reserved, plain = asked
+    assert reserved["priority_class"] == "interactive"
+    assert "priority_class" not in plain
+    assert reserved["cost_tokens"] == plain["cost_tokens"] > 0
+
+
+async def test_two_calls_asking_at_once_count_twice_in_their_class() -> None:
+    """Each acquire in flight counts in its class until it returns: the class stays one the
+    process waits in while any of its calls still asks."""
+    gate = asyncio.Event()
+    counted: list[int] = []
+
+    class Gated(MemoryBackend):
+        async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+            counted.append(room_for(self, "chat").slot("interactive").asking)
+            await gate.wait()
+            return await super().acquire(*args, **kwargs)
+
+    clock = FakeClock()
+    chat = _on(_classes("primary"), clock, Gated(now=clock))
+    calls = [
+        asyncio.create_task(chat.complete(MESSAGES, priority_class="interactive"))
+        for _ in range(2)
+    ]
+    while len(counted) < 2:
+        await asyncio.sleep(0)
+    assert counted == [1, 2]
+    gate.set()
+    await asyncio.gather(*calls)
+    room = room_for(chat.backend, "chat")
+    assert room.slot("interactive").asking == 0
+    assert room.waiting_classes() == []

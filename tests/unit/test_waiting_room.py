@@ -440,3 +440,29 @@ class TestAFleetsTenantTurn:
         other.enter()
         other.notify("", "")  # the fleet takes turns of tenants: the tenant "" is one
         assert other.waiting_tenants() == {"": [""]}
+
+
+class TestReservedFloors:
+    """``declare`` names the classes with reserved permits; ``unhold`` may change the head."""
+
+    def test_floors_are_the_declared_classes_with_reserved_permits_only(self) -> None:
+        room = WaitingRoom({"interactive": 3.0, "batch": 1.0, "bulk": 1.0}, {"interactive": 2})
+        room.declare({"batch": 1.0}, {"batch": 1})
+        assert room.floors == {"interactive": 2, "batch": 1}
+        room.declare({"interactive": 3.0}, {})
+        assert room.floors == {"batch": 1}, "a class declared again without reserve leaves"
+
+    def test_a_release_that_takes_a_class_below_its_floor_makes_its_call_head(self) -> None:
+        """Class a (reserved 1) at its floor, b ahead by share; a's permit is released: a's
+        waiting call is head at once and woken (the release's own wake-up reads the head)."""
+        room = WaitingRoom({"a": 1.0, "b": 9.0}, {"a": 1})
+        a = room.slot("a")
+        room.hold(a)
+        wa = room.enter(priority_class="a")
+        wb = room.enter(priority_class="b")
+        assert room.head() is wb, "a at its floor: b goes first on its larger share"
+        room.unhold(a)
+        assert room.head() is wa
+        assert wa._pending, "woken: nobody else would tell it"
+        room.notify()
+        assert room.head() is wa
