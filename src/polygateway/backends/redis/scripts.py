@@ -230,7 +230,7 @@ local function examine(i, a)
   local tpm_tokens, tpm_at = tonumber(h[6]), tonumber(h[7])
   local rpm_moved, tpm_moved = false, false  -- a bucket's values below are to be stored
   local reopen_probe = h[8] == '1'
-  local pprobe_id, pprobe_until = '', 0
+  local pprobe_id, pprobe_until  -- read below only when a pause waits for its probe
   if limit == nil then
     -- First sight (source_state.new_source_state): closed, limit at its max, buckets full.
     limit, breaker, open_until, probe_id, probe_until, not_before = maxc, 'closed', 0, '', 0, 0
@@ -246,8 +246,10 @@ local function examine(i, a)
     -- itself, whatever the time between.
     rpm_tokens, rpm_at, tpm_tokens, tpm_at = nil, nil, nil, nil
   else
-    breaker, open_until, probe_id, probe_until = h[2], 0, '', 0
+    breaker = h[2]
     not_before = tonumber(h[3])
+    -- The probes' fields, read only where admit() reads them: an open or half-open
+    -- breaker, a pause waiting for its probe.
     if breaker ~= 'closed' or reopen_probe then
       local p = redis.call('HMGET', sk, 'open_until', 'probe_id', 'probe_until', 'pprobe_id',
         'pprobe_until')
