@@ -25,6 +25,13 @@ backend's server-clock tests, ``test_redis_key_expiry.py`` and
 (``TIME``, key TTLs, the commands a script ran), and ``test_redis_handoff.py``
 (RELEASE's hand-off of a permit to a woken process, ACQUIRE's claim of it).
 
+A mutant's id names its script, its line by the line's own text (a digest, and
+which of the lines with that text it is), the column in that line, the operator
+and the change: ``ACQUIRE:142124be.0:8:comparison:~=``. Edits elsewhere in a
+script leave it as it is, so the reasons reviewed in ``equivalent.toml`` stay
+attached to their mutants; an edit of the line itself makes new ids, to review
+anew.
+
 Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``.
 Run from the repository root: ``python tools/mutation/lua.py [--list] [ID ...]``.
 """
@@ -32,6 +39,7 @@ Run from the repository root: ``python tools/mutation/lua.py [--list] [ID ...]``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -133,14 +141,31 @@ def _line_of(text: str, offset: int) -> tuple[int, int, str]:
     return line, offset - start + 1, text[start : None if end < 0 else end].strip()
 
 
+def _place(text: str, offset: int) -> str:
+    """Where ``offset`` is, told by its line's own text rather than by its line number.
+
+    A digest of the stripped line, which of the script's lines with that very text it
+    is (0 for the first), and the column in the stripped line: a mutant keeps its id
+    (and so its reviewed reason in ``equivalent.toml``) when other lines of the script
+    move, and gets a new one when its own line changes, which asks for a new review.
+    """
+    line, col, source = _line_of(text, offset)
+    earlier = text.split("\n")[: line - 1]
+    occurrence = sum(1 for other in earlier if other.strip() == source)
+    raw = text.split("\n")[line - 1]
+    indent = len(raw) - len(raw.lstrip())
+    digest = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"{digest}.{occurrence}:{col - indent}"
+
+
 def _mutant(
     constant: str, text: str, start: int, end: int, new: str, operator: str, note: str = ""
 ) -> Mutant:
-    line, col, source = _line_of(text, start)
+    line, _, source = _line_of(text, start)
     old = text[start:end]
     shown = note or f"`{old.strip()}` -> `{new.strip()}`"
     return Mutant(
-        id=f"{constant}:{line}:{col}:{operator}:{new.strip()}",
+        id=f"{constant}:{_place(text, start)}:{operator}:{new.strip()}",
         constant=constant,
         operator=operator,
         line=line,

@@ -297,7 +297,8 @@ def main() -> int:
             or _later(later, r["id"])
             or f"**not explained** ({r['status']})"
         )
-        lines.append(f"| `{r['id']}` | {_cell(r['description'])} | {_cell(why)} |")
+        change = f"line {r['line']}: {r['description']}"
+        lines.append(f"| `{r['id']}` | {_cell(change)} | {_cell(why)} |")
     lines.append("")
     PAGE.write_text("\n".join(lines), encoding="utf-8")
 
