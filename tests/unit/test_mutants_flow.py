@@ -479,8 +479,7 @@ async def test_two_calls_asking_at_once_count_twice_in_their_class() -> None:
     clock = FakeClock()
     chat = _on(_classes("primary"), clock, Gated(now=clock))
     calls = [
-        asyncio.create_task(chat.complete(MESSAGES, priority_class="interactive"))
-        for _ in range(2)
+        asyncio.create_task(chat.complete(MESSAGES, priority_class="interactive")) for _ in range(2)
     ]
     while len(counted) < 2:
         await asyncio.sleep(0)
