@@ -351,3 +351,20 @@ async def test_a_rediss_subscription_that_fails_verification_fails_closed_withou
     assert await tls_admin.pubsub_channels("pgw:wake:*") == []
     assert await waiting_ids(tls_admin) == []
     assert tls_redis.password not in caplog.text
+
+
+async def test_closing_a_subscribed_backend_does_not_wait_for_the_listeners_tick(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listener reads with a timeout (its tick) to ping and to look at its flag; a
+    close while it reads cancels the read instead of waiting out the tick (here 30 s)."""
+    monkeypatch.setattr("polygateway.backends.redis.wakeups._TICK_S", 30.0)
+    backend = RedisBackend(redis_url, socket_timeout_s=1.0)
+    room_for(backend, SCOPE)  # a room subscribes the backend to its channel
+    wakeups = backend._wakeups
+    wakeups.start()
+    async with asyncio.timeout(BOUND_S):
+        await wakeups.subscribed.wait()
+    async with asyncio.timeout(5.0):
+        await backend.aclose()
+    assert not wakeups.subscribed.is_set(), "the subscription was closed"

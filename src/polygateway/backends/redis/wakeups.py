@@ -66,9 +66,10 @@ _RETRY_S: Final = 1.0
 _TICK_S: Final = 0.25
 """How often the listening loop looks up from its reads: to ping, and to stop when closed.
 
-It stops on a flag rather than by cancellation: redis-py can swallow a
-cancellation that lands while it connects and leave its task waiting for
-ever, so the task is only cancelled when it does not stop by itself.
+While it connects it stops on a flag rather than by cancellation: redis-py can
+swallow a cancellation that lands while it connects and leave its task waiting
+for ever. Once subscribed it only reads, and ``aclose`` cancels the read at
+once instead of waiting out the tick.
 """
 
 
@@ -176,7 +177,9 @@ class Wakeups:
         if listening is None or listening.done():
             return
         if listening.get_loop() is asyncio.get_running_loop():
-            # A connection under way is given its timeout, a read its tick (see _TICK_S).
+            if self.subscribed.is_set():
+                listening.cancel()  # reading a connection made: no reason to wait (_TICK_S)
+            # A connection under way is given its timeout to stop by itself (see _TICK_S).
             await asyncio.wait({listening}, timeout=self._timeout_s + _TICK_S)
         if not listening.done():
             listening.cancel()
