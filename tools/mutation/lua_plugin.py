@@ -1,7 +1,8 @@
-"""A pytest plugin for ``tools/mutation/lua.py``: runs the suite with one Lua script mutated.
+"""A pytest plugin for ``tools/mutation/lua.py``: the suite's settings under mutation.
 
-The mutant comes in a JSON file named by ``PGW_LUA_MUTANT`` (``{"constant":
-..., "text": ...}``) and replaces that constant of
+``lua_worker.py`` swaps the mutated script itself. Run by hand (``pytest -p
+lua_plugin``), a mutant can also come in a JSON file named by
+``PGW_LUA_MUTANT`` (``{"constant": ..., "text": ...}``), which replaces that constant of
 ``polygateway.backends.redis.scripts`` in memory before any backend is built
 (``RedisBackend`` reads the constants when it registers its scripts); the file
 on disk is never touched. Hypothesis runs without its example database, so a
