@@ -6,7 +6,9 @@ redis-server, all contending for one scope of one source with ``permits``
 permits whose upstream (the simulator, in this process, on 127.0.0.1)
 answers in ``latency`` seconds. The total number of callers is the same for
 every N (split evenly over the processes), so N = 1 is "the same load in one
-process" the fleet rows are compared with. Before the fleet rows, one process
+process" the fleet rows are compared with. Each process makes one call per
+caller before the measured window: its first calls build its HTTP client,
+which is start-up, not waiting. Before the fleet rows, one process
 makes calls that never wait (fewer callers than permits): what a call costs
 Redis when nothing contends, and its round trips, counted by the server.
 
