@@ -62,21 +62,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "mutants" / "lua-results.json"
-# The contract suite's Redis half and the differential test (both on the tests' fake clock),
-# then what only a real Redis shows: the server-clock path and the expiry of every key;
-# then the fleet wake-ups: whom a refusal registers, the hand-off of a released permit, and
-# whose turn a release is when the scope has priority classes or tenants.
+# The contract suite's Redis half first (it kills most mutants, in about a second); then,
+# in the order that kills the rest soonest (-x stops at the first failure): what a script
+# writes, the expiry of every key, the hand-off of a released permit, whose turn a release
+# is with priority classes, tenants and reserved floors, the wake-ups, the server-clock
+# path, and last the differential test (slow, and it kills few that the others miss).
+# Measured on a sample of 105 mutants: the same verdicts in 0.71 of the time of the order
+# by topic.
 TESTS = [
     "tests/integration/test_backend_contract.py",
-    "tests/integration/test_redis_differential.py",
-    "tests/integration/test_redis_key_expiry.py",
     "tests/integration/test_redis_script_writes.py",
-    "tests/integration/test_redis_backend.py",
+    "tests/integration/test_redis_key_expiry.py",
     "tests/integration/test_redis_handoff.py",
-    "tests/integration/test_redis_wakeups.py",
     "tests/integration/test_redis_classes.py",
     "tests/integration/test_redis_tenants.py",
     "tests/integration/test_redis_floors.py",
+    "tests/integration/test_redis_wakeups.py",
+    "tests/integration/test_redis_backend.py",
+    "tests/integration/test_redis_differential.py",
     "-k",
     "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
 ]
