@@ -29,6 +29,12 @@ The figures and the plan they feed: research-wiki/designs/script-cost.md.
 Besides the ``current`` scripts, ``empty`` is a script that does nothing but
 take the same KEYS and ARGV: the floor of EVALSHA itself, which no cut inside
 the scripts can go below.
+
+A last table (``LAYOUTS``) prices other ways ACQUIRE could take its
+candidates, each with the empty script at 2 and at N candidates (``INFO
+cpu`` per call, best round), and the Lua loop that walks a candidate order
+against a verdict string: what a many-source ACQUIRE pays before any work,
+against the current scripts' whole 2-source pair.
 """
 
 from __future__ import annotations
@@ -52,7 +58,17 @@ from polygateway.backends.redis import codec, scripts
 from polygateway.config import PROGRESS_TTL_S
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
 
-__all__ = ["CASES", "VARIANTS", "Variant", "expected_rows", "main", "measure"]
+__all__ = [
+    "CASES",
+    "LAYOUTS",
+    "VARIANTS",
+    "Layout",
+    "Variant",
+    "expected_rows",
+    "main",
+    "measure",
+    "measure_layouts",
+]
 
 STATE_TTL_S = 86400
 """``limiter._STATE_TTL_S``, as the backend sends it."""
@@ -444,6 +460,111 @@ def _commands(runs: list[_Run]) -> list[dict[str, Any]]:
     return out
 
 
+# -- what a call layout costs before any work: ACQUIRE's floor by how candidates travel --------
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A way ACQUIRE could take its n candidates, measured with a script that does nothing.
+
+    ``keys`` and ``args`` are per candidate; ``packed`` sends every candidate's spec
+    string in one argument, ``order`` only the candidates' indices, two bytes each (the
+    specs then live in Redis). The head (now, lease id, TTL, cost, state TTL) and
+    ``KEYS[1]`` are sent as today.
+    """
+
+    key: str
+    label: str
+    keys: int
+    args: int
+    packed: bool = False
+    order: bool = False
+
+
+LAYOUTS = (
+    Layout("today", "2 keys + 10 arguments per candidate (today)", 2, 10),
+    Layout("spec", "2 keys + 1 argument (the spec string) per candidate", 2, 1),
+    Layout("keys-packed", "2 keys per candidate, the specs packed in 1 argument", 2, 0, True),
+    Layout("derived", "no keys per candidate, 1 argument each (keys made in the script)", 0, 1),
+    Layout("derived-packed", "no keys per candidate, the specs packed in 1 argument", 0, 0, True),
+    Layout(
+        "order",
+        "no keys per candidate, their order in 1 argument (specs in Redis)",
+        0,
+        0,
+        False,
+        True,
+    ),
+)
+
+_WALK = """-- EXPERIMENT: walk the candidates' order (2 bytes each) against a verdict string
+-- (a byte per source: "1" full), the Lua loop a verdict-skipping ACQUIRE cannot avoid.
+local order, full = ARGV[1], ARGV[2]
+for j = 1, #order / 2 do
+  local hi, lo = string.byte(order, 2 * j - 1, 2 * j)
+  if string.byte(full, hi * 256 + lo + 1) ~= 49 then
+    return j
+  end
+end
+return 0
+"""
+WALK_LABEL = "the order walked against a verdict string (a script doing only that)"
+
+
+def _layout_args(layout: Layout, scope: _Scope, head: list[str]) -> list[Any]:
+    n = scope.sources
+    keys = [scope.acquire_keys[0]]
+    if layout.keys:
+        keys = scope.acquire_keys
+    specs = [
+        f"{spec[0]} {spec[-1]}"
+        for spec in (scope.acquire_specs[i : i + 10] for i in range(0, 10 * n, 10))
+    ]
+    if layout.order:
+        tail: list[Any] = [b"".join(i.to_bytes(2, "big") for i in range(n))]
+    elif layout.packed:
+        tail = ["\n".join(specs)]
+    elif layout.args == 10:
+        tail = scope.acquire_specs
+    else:
+        tail = specs
+    return [len(keys), *keys, *head, *tail]
+
+
+def _cpu_per_call(client: redis.Redis, sha: str, args: list[Any], calls: int) -> float:
+    """µs of Redis CPU per EVALSHA of ``args``, pipelined in batches."""
+    cpu = _cpu_s(client)
+    for start in range(0, calls, BATCH):
+        pipe = client.pipeline(transaction=False)
+        for _ in range(min(BATCH, calls - start)):
+            pipe.evalsha(sha, *args)
+        pipe.execute()
+    return (_cpu_s(client) - cpu) * 1e6 / calls
+
+
+def measure_layouts(url: str, *, calls: int, sources: int, rounds: int) -> list[dict[str, Any]]:
+    """ACQUIRE's floor per layout at 2 and at ``sources`` candidates: the best round."""
+    client = redis.Redis.from_url(url)
+    empty, walk = client.script_load(_EMPTY), client.script_load(_WALK)
+    head = ["", "0bench", repr(LEASE_TTL_S), str(COST_TOKENS), str(STATE_TTL_S)]
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(rounds):
+        for n in (2, sources):
+            scope = _Scope(f"layout-{n}", n)
+            for layout in LAYOUTS:
+                us = _cpu_per_call(client, empty, _layout_args(layout, scope, head), calls)
+                best[(layout.key, n)] = min(us, best.get((layout.key, n), us))
+            order = b"".join(i.to_bytes(2, "big") for i in range(n))
+            verdicts = b"1" * (n - 1) + b"0"
+            us = _cpu_per_call(client, walk, [0, order, verdicts], calls)
+            best[("walk", n)] = min(us, best.get(("walk", n), us))
+    rows = [(layout.key, layout.label) for layout in LAYOUTS] + [("walk", WALK_LABEL)]
+    return [
+        {"layout": label, "at_two": best[(key, 2)], "at_n": best[(key, sources)]}
+        for key, label in rows
+    ]
+
+
 # -- reporting ---------------------------------------------------------------------------------
 
 _BASELINE_PAIRS = 1000
@@ -502,6 +623,23 @@ def _targets(rows: Sequence[dict[str, Any]], sources: int) -> str:
     )
 
 
+def _layouts(layouts: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], n: int) -> str:
+    """ACQUIRE's floor per layout, against twice the current scripts' 2-source pair."""
+    by = {(r["case"], r["variant"]): r for r in rows}
+    two = by[(case_label(TWO, n), "current scripts")]["pair_cpu_us"]
+    lines = [
+        f"| call layout (empty script) | ACQUIRE floor µs, 2 candidates | ACQUIRE floor µs,"
+        f" {n} candidates | {n}-candidate floor / 2-source pair |",
+        "|---|---|---|---|",
+    ]
+    for row in layouts:
+        lines.append(
+            f"| {row['layout']} | {_cell(row['at_two'])} | {_cell(row['at_n'])}"
+            f" | {row['at_n'] / two:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def _revision() -> str:
     try:
         out = subprocess.run(
@@ -532,6 +670,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         _table(result["commands"], COMMAND_COLUMNS),
         "",
         _targets(result["rows"], args.sources),
+        "",
+        _layouts(result["layouts"], result["rows"], args.sources),
     ]
     return "\n".join(head)
 
@@ -558,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
             walk_pairs=args.walk_pairs,
             sources=args.sources,
             rounds=args.rounds,
+        )
+        result["layouts"] = measure_layouts(
+            url, calls=args.pairs, sources=args.sources, rounds=args.rounds
         )
     print(render(result, args))
     return 0

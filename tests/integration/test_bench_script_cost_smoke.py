@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not installed
-from bench.script_cost import ROW_COLUMNS, expected_rows
+from bench.script_cost import LAYOUTS, ROW_COLUMNS, WALK_LABEL, expected_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = 4
@@ -83,3 +83,19 @@ def test_the_breakdown_and_the_targets_are_printed(printed: str) -> None:
     assert "EVALSHA in all (script time)" in commands
     assert "| ACQUIRE + RELEASE ≤ 25 µs of Redis CPU, 1 source |" in printed
     assert f"| {SOURCES} sources ≤ 2x 2 sources |" in printed
+
+
+def test_every_call_layout_is_priced(printed: str) -> None:
+    """The layout table has each layout and the order walk, with a floor at both sizes."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| call layout"))
+    assert f"{SOURCES}-candidate floor / 2-source pair" in lines[start]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(_cells(line))
+    assert [r[0] for r in rows] == [layout.label for layout in LAYOUTS] + [WALK_LABEL]
+    for row in rows:
+        assert len(row) == 4, row
+        assert min(float(cell.replace(",", "")) for cell in row[1:]) > 0, row
