@@ -38,8 +38,14 @@ back and the mutant's swapped in: no interpreter start-up or test collection per
 mutant (a checked run of 92 mutants gave the same verdicts as one fresh process
 per mutant, in two thirds of the time).
 
-Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``.
-Run from the repository root: ``python tools/mutation/lua.py [--list] [ID ...]``.
+Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``,
+written again after each mutant, so a run stopped part-way loses nothing:
+``--resume`` runs only the mutants that file has no verdict for, provided the
+scripts and the tests are those it was made with (their ``fingerprint``), and
+the file says ``complete`` once every mutant has one. A full run takes longer
+than one sitting on two cores (research-wiki/MUTATION.md).
+Run from the repository root:
+``python tools/mutation/lua.py [--list] [--resume] [ID ...]``.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import re
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -252,6 +259,46 @@ class Result:
 WORKER = Path(__file__).with_name("lua_worker.py")
 
 
+def fingerprint() -> str:
+    """A digest of what decides the verdicts: the scripts' text, the tests and their files."""
+    digest = hashlib.sha1(usedforsecurity=False)
+    for name in scripts.__all__:
+        digest.update(getattr(scripts, name).encode())
+    digest.update("\0".join(TESTS).encode())
+    for test in TESTS:
+        path = ROOT / test
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _earlier(resume: bool, mark: str) -> tuple[list[Result], float]:
+    """The verdicts and seconds of the run to resume; none when starting afresh."""
+    if not resume or not RESULTS.exists():
+        return [], 0.0
+    data = json.loads(RESULTS.read_text(encoding="utf-8"))
+    if data.get("fingerprint") != mark:
+        raise SystemExit(
+            f"lua.py: {RESULTS.name} was made with other scripts or tests"
+            f" ({data.get('fingerprint')} here {mark}); run without --resume"
+        )
+    return [Result(**r) for r in data["results"]], float(data["seconds"])
+
+
+def _write(results: list[Result], seconds: float, mark: str, complete: bool) -> None:
+    """Every verdict so far, replacing the file at once (a reader never sees half of it)."""
+    RESULTS.parent.mkdir(exist_ok=True)
+    data = {
+        "fingerprint": mark,
+        "complete": complete,
+        "seconds": seconds,
+        "results": [asdict(r) for r in results],
+    }
+    partial = RESULTS.with_suffix(".json.part")
+    partial.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    partial.replace(RESULTS)
+
+
 class _Worker:
     """One long-lived ``lua_worker.py``: the suite run once per mutant, in one interpreter.
 
@@ -330,6 +377,9 @@ def main() -> int:
     """Generate the mutants, check the baseline passes, run them all, write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the verdicts of a stopped run, run the rest"
+    )
     parser.add_argument("ids", nargs="*", help="run only these mutant ids")
     args = parser.parse_args()
     mutants = all_mutants()
@@ -340,6 +390,14 @@ def main() -> int:
         return 0
     if args.ids:
         mutants = [m for m in mutants if m.id in set(args.ids)]
+    mark = fingerprint()
+    wanted = {m.id for m in mutants}
+    earlier, earlier_s = _earlier(args.resume, mark)
+    results = [r for r in earlier if r.id in wanted]
+    done = {r.id for r in results}
+    mutants = [m for m in mutants if m.id not in done]
+    if done:
+        print(f"resuming: {len(done)} verdicts kept, {len(mutants)} mutants to run")
 
     started = time.monotonic()
     workers = queue.SimpleQueue[_Worker]()
@@ -354,9 +412,9 @@ def main() -> int:
         return 1
     print(f"baseline passes in {seconds:.1f} s; {len(mutants)} Lua mutants on {WORKERS} workers")
 
-    results: list[Result] = []
+    lock = threading.Lock()
 
-    def one(m: Mutant) -> Result:
+    def one(m: Mutant) -> None:
         worker = workers.get()
         try:
             status, seconds, test, output = worker.run(m)
@@ -365,19 +423,19 @@ def main() -> int:
         if status == "error":
             print(output[-3000:])
         print(f"{status:8} {seconds:6.1f} s  {m.id}", flush=True)
-        return Result(m.id, m.constant, m.operator, m.line, m.description, status, seconds, test)
+        result = Result(m.id, m.constant, m.operator, m.line, m.description, status, seconds, test)
+        with lock:
+            results.append(result)
+            _write(results, earlier_s + time.monotonic() - started, mark, complete=False)
 
     try:
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-            results = list(pool.map(one, mutants))
+            list(pool.map(one, mutants))
     finally:
         while not workers.empty():
             workers.get().stop()
-    elapsed = time.monotonic() - started
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps({"seconds": elapsed, "results": [asdict(r) for r in results]}, indent=1)
-    )
+    elapsed = earlier_s + time.monotonic() - started
+    _write(results, elapsed, mark, complete=len(results) == len(wanted))
     counts = {s: sum(r.status == s for r in results) for s in ("killed", "survived", "timeout")}
     print(f"Lua: {len(results)} mutants, {counts} in {elapsed / 60:.1f} min -> {RESULTS}")
     return 0

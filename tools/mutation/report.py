@@ -135,6 +135,9 @@ def main() -> int:
         print("report.py: run `make mutation` first (mutants/ holds no complete run)")
         return 1
     lua = json.loads(lua_path.read_text(encoding="utf-8"))
+    if not lua.get("complete", True):
+        print("report.py: the Lua run stopped part-way; finish it with `lua.py --resume`")
+        return 1
     py_seconds = int((MUTANTS / "python-seconds.txt").read_text().strip())
     lua_seconds = int(lua["seconds"])
 

@@ -1,0 +1,75 @@
+"""The Lua mutation runner keeps each verdict as it comes, and resumes only the same run.
+
+A full Lua run takes longer than one sitting (research-wiki/MUTATION.md); a
+run stopped part-way must lose no verdict, and verdicts made with other
+scripts or tests must not be mixed into a resumed one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_TOOLS = Path(__file__).resolve().parents[2] / "tools" / "mutation"
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    module = _load("pgw_lua_mutation_runner", _TOOLS / "lua.py")
+    monkeypatch.setattr(module, "RESULTS", tmp_path / "lua-results.json")
+    return module
+
+
+def _result(runner: ModuleType, mutant_id: str, status: str = "killed") -> object:
+    return runner.Result(mutant_id, "ACQUIRE", "constant", 3, "`1` -> `2`", status, 1.5, "t")
+
+
+def test_verdicts_written_part_way_are_kept_by_a_resumed_run(runner: ModuleType) -> None:
+    mark = runner.fingerprint()
+    runner._write([_result(runner, "A"), _result(runner, "B", "survived")], 90.0, mark, False)
+    data = json.loads(runner.RESULTS.read_text(encoding="utf-8"))
+    assert (data["complete"], data["seconds"], data["fingerprint"]) == (False, 90.0, mark)
+    results, seconds = runner._earlier(True, mark)
+    assert [(r.id, r.status) for r in results] == [("A", "killed"), ("B", "survived")]
+    assert seconds == 90.0
+    assert not runner.RESULTS.with_suffix(".json.part").exists()
+
+
+def test_a_fresh_run_keeps_nothing(runner: ModuleType) -> None:
+    mark = runner.fingerprint()
+    runner._write([_result(runner, "A")], 90.0, mark, False)
+    assert runner._earlier(False, mark) == ([], 0.0)
+
+
+def test_verdicts_of_other_scripts_or_tests_are_not_resumed(runner: ModuleType) -> None:
+    runner._write([_result(runner, "A")], 90.0, "0123456789abcdef", False)
+    with pytest.raises(SystemExit, match="other scripts or tests"):
+        runner._earlier(True, runner.fingerprint())
+
+
+def test_the_fingerprint_follows_the_scripts_and_the_tests(
+    runner: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mark = runner.fingerprint()
+    assert mark == runner.fingerprint()
+    monkeypatch.setattr(runner.scripts, "RENEW", runner.scripts.RENEW + "\n-- changed\n")
+    changed_script = runner.fingerprint()
+    monkeypatch.undo()
+    monkeypatch.setattr(runner, "RESULTS", runner.RESULTS)
+    monkeypatch.setattr(runner, "TESTS", [*runner.TESTS[:-2], "-k", "redis"])
+    assert len({mark, changed_script, runner.fingerprint()}) == 3
