@@ -8,23 +8,7 @@ wrong change.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-_RUNNER = Path(__file__).resolve().parents[2] / "tools" / "mutation" / "lua.py"
-
-
-def _runner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pgw_lua_mutation_runner", _RUNNER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
+from _mutation_tools import lua_runner as _runner
 
 SCRIPT = """local now = tonumber(ARGV[1])
 if now == nil then

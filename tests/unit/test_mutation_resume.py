@@ -7,30 +7,17 @@ scripts or tests must not be mixed into a resumed one.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-_TOOLS = Path(__file__).resolve().parents[2] / "tools" / "mutation"
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+from _mutation_tools import lua_runner
 
 
 @pytest.fixture
 def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    module = _load("pgw_lua_mutation_runner", _TOOLS / "lua.py")
+    module = lua_runner()
     monkeypatch.setattr(module, "RESULTS", tmp_path / "lua-results.json")
     return module
 
