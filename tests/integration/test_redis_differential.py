@@ -1,8 +1,10 @@
 """Differential test: the Redis Lua scripts make exactly the decisions of the Python policies.
 
-The same random sequence of operations (acquires over random candidate lists,
-costs and TTLs; releases with random outcomes, Retry-After and token usage;
-renewals; clock steps) drives a ``MemoryBackend`` and a ``RedisBackend``, each
+The same random sequence of operations (acquires over random candidate lists
+of up to eight of six sources, costs and TTLs; releases with random outcomes,
+Retry-After and token usage; renewals; a source's limits changed between two
+acquires, as a fleet mid-deploy or a reloaded config sends them; clock steps)
+drives a ``MemoryBackend`` and a ``RedisBackend``, each
 on its own ``FakeClock``, advanced together. After every step both must agree
 on every decision (granted source, each rejection's source, reason and reopen
 time, renew results) and on every observable field (progress age and the
@@ -30,7 +32,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.backends.redis import RedisBackend
 from polygateway.testing import FakeClock
 
-NAMES = ("s1", "s2", "s3")
+NAMES = ("s1", "s2", "s3", "s4", "s5", "s6")
 KINDS: tuple[OutcomeKind, ...] = (
     "success",
     "success",
@@ -42,6 +44,7 @@ KINDS: tuple[OutcomeKind, ...] = (
     "cancelled",
 )
 TTLS = (0.5, 2.0, 7.0)
+OPS = ("acquire", "acquire", "acquire", "release", "release", "renew", "respec", "advance")
 STEPS = (0.0, 0.1, 0.5, 1.0, 2.0, 2.5, 7.0, 40.0, 400.0)
 
 
@@ -117,9 +120,9 @@ async def _drive(data: st.DataObject, url: str) -> None:
     leases: list[tuple[Lease, Lease]] = []
     try:
         for _ in range(data.draw(st.integers(5, 40), label="steps")):
-            op = data.draw(st.sampled_from(("acquire", "acquire", "release", "renew", "advance")))
+            op = data.draw(st.sampled_from(OPS))
             if op == "acquire":
-                names = data.draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4))
+                names = data.draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=8))
                 candidates = [specs[n] for n in names]
                 cost = data.draw(st.sampled_from((0, 1, 40, 120, 900)))
                 ttl = data.draw(st.sampled_from(TTLS))
@@ -139,6 +142,11 @@ async def _drive(data: st.DataObject, url: str) -> None:
             elif op == "renew" and leases:
                 mem_lease, red_lease = leases[data.draw(st.integers(0, len(leases) - 1))]
                 assert await memory.renew(mem_lease) == await redis.renew(red_lease)
+            elif op == "respec":
+                # The next acquires carry other limits for one source; its state stays.
+                name = data.draw(st.sampled_from(NAMES))
+                specs[name] = data.draw(_spec(name), label=f"new spec {name}")
+                event("limits changed")
             elif op == "advance":
                 step = data.draw(st.one_of(st.sampled_from(STEPS), st.floats(0.0, 3.0)))
                 mem_clock.advance(step)
