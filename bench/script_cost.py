@@ -28,7 +28,11 @@ The figures and the plan they feed: research-wiki/designs/script-cost.md.
 
 Besides the ``current`` scripts, ``empty`` is a script that does nothing but
 take the same KEYS and ARGV: the floor of EVALSHA itself, which no cut inside
-the scripts can go below.
+the scripts can go below. ``O(1) call prototype`` is an experiment, not the
+backend's contract: ACQUIRE rebuilt from the real script's text to take its
+candidates as an order of indices into a spec set stored in Redis, making
+their keys itself and skipping sources a verdict byte says are full
+(``_o1``), measured at every size so that its own 200-to-2 ratio is read.
 
 A last table (``LAYOUTS``) prices other ways ACQUIRE could take its
 candidates, each with the empty script at 2 and at N candidates (``INFO
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import statistics
 import subprocess
 import sys
@@ -80,6 +85,9 @@ TOKENS_USED = 80
 BATCH = 50
 """ACQUIREs per pipeline in the split measurement; the granting source's ``max_concurrency``
 (so its lease zset stays a listpack, as a real source's of a few dozen permits does)."""
+_O1_KEYS = ("full", "full_until", "specs")
+_O1_DIGEST = "0123456789abcdef"
+"""The O(1) prototype's scope keys after ``sources``, and its spec set's digest."""
 FULL_LEASE_TTL_S = 3600.0
 """The lease that keeps a walked-past source full for the whole run."""
 
@@ -94,6 +102,125 @@ def _empty(a: str, r: str) -> tuple[str, str]:
     return _EMPTY, _EMPTY
 
 
+# -- a prototype of an ACQUIRE that carries O(1) per call ---------------------------------------
+
+
+def _between(text: str, start: str, end: str, new: str, what: str) -> str:
+    """``text`` with the span from ``start`` to ``end`` (both included) replaced by ``new``."""
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise SystemExit(
+            f"bench.script_cost: experiment {what!r} expects one {start.strip()[:50]!r} before"
+            f" one {end.strip()[:50]!r}: scripts.py changed, update the experiment"
+        )
+    i, j = text.index(start), text.index(end) + len(end)
+    return text[:i] + new + text[j:]
+
+
+def _edit(text: str, old: str, new: str, what: str) -> str:
+    """``text`` with ``old``, which must occur exactly once, replaced by ``new``."""
+    return _between(text, old, old, new, what)
+
+
+_O1_HEAD = """-- EXPERIMENT (O(1) per call): KEYS[1] the scope's sources zset, KEYS[2] the verdict
+-- string (the spec set's digest, then a byte per source by its index in the spec set:
+-- "1" full), KEYS[3] the verdicts' lapses (zset: index -> earliest live lease expiry),
+-- KEYS[4] the stored spec sets (hash: "<digest>:<index>" -> "<name> <eight limits>").
+-- ARGV[6] the digest, ARGV[7] the candidates' order, two bytes an index.
+local digest, order = ARGV[6], ARGV[7]
+local proc, promised
+local classes = {}
+local hk = nil
+local prefix = string.sub(KEYS[1], 1, -8)
+"""
+
+_O1_LOOP = """local dl = #digest
+local full = redis.call('GET', KEYS[2]) or ''
+if string.sub(full, 1, dl) ~= digest then
+  full = ''
+end
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now_s)
+for _, idx in ipairs(lapsed) do
+  redis.call('SETRANGE', KEYS[2], dl + tonumber(idx), '0')
+end
+if #lapsed > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_s)
+  full = redis.call('GET', KEYS[2])
+end
+local codes, reopens, skipped = {}, {}, 0
+local byte = string.byte
+for j = 1, #order / 2 do
+  local hi, lo = byte(order, 2 * j - 1, 2 * j)
+  local idx = hi * 256 + lo
+  if byte(full, dl + idx + 1) == 49 then
+    skipped = skipped + 1
+  else
+    if skipped > 0 then
+      codes[#codes + 1] = string.rep('c', skipped)
+      skipped = 0
+    end
+    local stored = redis.call('HGET', KEYS[4], digest .. ':' .. idx)
+    local c = {}
+    for w in string.gmatch(stored .. ' ', '([^ ]*) ') do
+      c[#c + 1] = w
+    end
+    c[10] = string.sub(stored, #c[1] + 2)
+    c.sk, c.lk = prefix .. 'src:' .. c[1], prefix .. 'leases:' .. c[1]
+    local reason, reopen, probe = examine(c)
+    if reason == nil then
+      return {j, probe and 1 or 0, table.concat(codes), unpack(reopens)}
+    end
+    if reason == 'concurrency' then
+      if full == '' then
+        redis.call('SET', KEYS[2], digest)
+        full = digest
+      end
+      local first = redis.call('ZRANGEBYSCORE', c.lk, '(' .. now_s, '+inf', 'WITHSCORES',
+        'LIMIT', 0, 1)
+      redis.call('SETRANGE', KEYS[2], dl + idx, '1')
+      redis.call('ZADD', KEYS[3], first[2], idx)
+    end
+    codes[#codes + 1] = string.sub(reason, 1, 1)
+    if reopen ~= nil then
+      reopens[#reopens + 1] = fmt(reopen)
+    end
+  end
+end
+codes[#codes + 1] = string.rep('c', skipped)
+return {0, 0, table.concat(codes), unpack(reopens)}
+"""
+
+_O1_RELEASE = """local kind = ARGV[3]
+-- EXPERIMENT (O(1) per call): the released source's verdict byte cleared.
+redis.call('SETRANGE', string.gsub(KEYS[1], 'src:[^:]*$', 'full'), 40, '0')
+"""
+
+
+def _o1(a: str, r: str) -> tuple[str, str]:
+    """ACQUIRE taking its candidates as an order of indices into a spec set kept in Redis.
+
+    Keys are made in the script, full sources are skipped by their verdict byte,
+    and the reply is a string of reason codes: research-wiki/designs/script-cost.md,
+    "200 sources: the call layout, measured". The policies' checks are the real
+    script's ``examine``, reading a candidate's limits from a table instead of ARGV.
+    Right on the measured path only (no waiting tail, no placeholder, no reserved
+    floor); RELEASE is the real one plus the clearing of the released source's byte.
+    """
+    what = "O(1) prototype"
+    a = _between(a, "local count = math.floor", "local hk = KEYS[others + 1]\n", _O1_HEAD, what)
+    a = _edit(a, "local function examine(i, a)\n", "local function examine(c)\n", what)
+    a = _edit(
+        a,
+        "local sk, lk = KEYS[2 * i], KEYS[2 * i + 1]\n",
+        "local sk, lk = c.sk, c.lk\n",
+        what,
+    )
+    a = re.sub(r"ARGV\[a \+ (\d+)\]", r"c[\1]", a)
+    loop = "local result = {0, 0}"
+    a = _between(a, loop, a[a.find(loop) :], _O1_LOOP, what)
+    r = _edit(r, "local kind = ARGV[3]\n", _O1_RELEASE, what)
+    return a, r
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One pair of scripts to measure: ``current``, or the floor of EVALSHA."""
@@ -103,6 +230,7 @@ class Variant:
     make: Callable[[str, str], tuple[str, str]] | None
     cases: tuple[str, ...]
     checked: bool = True  # replies are the real contract's (grant, freed)
+    o1: bool = False  # ACQUIRE takes the O(1) prototype's KEYS and ARGV
 
 
 ONE, TWO, WALK = "one", "two", "walk"
@@ -110,6 +238,7 @@ CASES = ("baseline", ONE, TWO, WALK)
 VARIANTS = (
     Variant("current", "current scripts", None, (ONE, TWO, WALK)),
     Variant("empty", "empty script, same KEYS/ARGV", _empty, (ONE, TWO, WALK), checked=False),
+    Variant("o1", "O(1) call prototype", _o1, (ONE, TWO, WALK), o1=True),
 )
 
 
@@ -167,6 +296,21 @@ class _Scope:
         keys = self.acquire_keys
         head = ["", lease_id, repr(ttl_s), str(COST_TOKENS), str(STATE_TTL_S)]
         return [len(keys), *keys, *head, *self.acquire_specs]
+
+    def acquire_o1(self, lease_id: str, ttl_s: float = LEASE_TTL_S) -> list[Any]:
+        """The O(1) prototype's call: the scope's keys, the spec set's digest, the order."""
+        keys = [self.acquire_keys[0], *(codec.key(self.name, k) for k in _O1_KEYS)]
+        order = b"".join(i.to_bytes(2, "big") for i in range(self.sources))
+        head = ["", lease_id, repr(ttl_s), str(COST_TOKENS), str(STATE_TTL_S)]
+        return [len(keys), *keys, *head, _O1_DIGEST, order]
+
+    def register_o1(self, client: redis.Redis) -> None:
+        """The spec set the prototype reads, stored once as a process's first call would."""
+        specs = self.acquire_specs
+        mapping = {
+            f"{_O1_DIGEST}:{i}": f"{specs[10 * i]} {specs[10 * i + 9]}" for i in range(self.sources)
+        }
+        client.hset(codec.key(self.name, "specs"), mapping=mapping)
 
     def release(self, lease_id: str) -> list[Any]:
         keys = self.release_keys
@@ -298,6 +442,10 @@ def _scripts_run(
         serial += n
         return [f"{i:012x}bench" for i in range(serial - n, serial)]
 
+    acquire = scope.acquire_o1 if variant.o1 else scope.acquire
+    if variant.o1:
+        scope.register_o1(client)
+
     def call(sha: str, commands: list[list[Any]], expect: int | None, what: str) -> None:
         pipe = client.pipeline(transaction=False)
         for args in commands:
@@ -308,13 +456,13 @@ def _scripts_run(
 
     # Warm-up: first sight of every source, scripts compiled.
     for lease in ids(2):
-        call(acquire_sha, [scope.acquire(lease)], granted, f"{tag} acquire")
+        call(acquire_sha, [acquire(lease)], granted, f"{tag} acquire")
         call(release_sha, [scope.release(lease)], None, f"{tag} release")
     run = _Run()
     for start in range(0, pairs, BATCH):
         leases = ids(min(BATCH, pairs - start))
         before = _stats(client)
-        call(acquire_sha, [scope.acquire(x) for x in leases], granted, f"{tag} acquire")
+        call(acquire_sha, [acquire(x) for x in leases], granted, f"{tag} acquire")
         middle = _stats(client)
         call(release_sha, [scope.release(x) for x in leases], None, f"{tag} release")
         _add(run.acquire, _delta(middle, before))
@@ -324,7 +472,7 @@ def _scripts_run(
     for start in range(0, pairs, BATCH):
         pipe = client.pipeline(transaction=False)
         for lease in ids(min(BATCH, pairs - start)):
-            pipe.evalsha(acquire_sha, *scope.acquire(lease))
+            pipe.evalsha(acquire_sha, *acquire(lease))
             pipe.evalsha(release_sha, *scope.release(lease))
         replies = pipe.execute()
         if variant.checked:
@@ -611,6 +759,9 @@ def _targets(rows: Sequence[dict[str, Any]], sources: int) -> str:
     two = by[(case_label(TWO, sources), "current scripts")]["pair_cpu_us"]
     walk = by[(case_label(WALK, sources), "current scripts")]["pair_cpu_us"]
     ratio = walk / two
+    o1_two = by[(case_label(TWO, sources), "O(1) call prototype")]["pair_cpu_us"]
+    o1_walk = by[(case_label(WALK, sources), "O(1) call prototype")]["pair_cpu_us"]
+    o1_ratio = o1_walk / o1_two
     return "\n".join(
         [
             "| target (issue 18) | measured (current scripts) | verdict |",
@@ -619,6 +770,8 @@ def _targets(rows: Sequence[dict[str, Any]], sources: int) -> str:
             f" | {'met' if one <= 25 else '**missed**'} |",
             f"| {sources} sources ≤ 2x 2 sources | {ratio:,.1f}x ({walk:,.0f} / {two:,.1f} µs)"
             f" | {'met' if ratio <= 2 else '**missed**'} |",
+            f"| the same, O(1) call prototype (not shipped) | {o1_ratio:,.2f}x"
+            f" ({o1_walk:,.1f} / {o1_two:,.1f} µs) | {'within' if o1_ratio <= 2 else 'beyond'} |",
         ]
     )
 

@@ -22,8 +22,8 @@ from bench.script_cost import LAYOUTS, ROW_COLUMNS, WALK_LABEL, expected_rows
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = 4
 
-# The four cases and the floor, named here as well as in the tool, so that a row
-# dropped from the tool fails this test rather than vanishing with it.
+# The four cases, the floor and the O(1) prototype, named here as well as in the
+# tool, so that a row dropped from the tool fails this test rather than vanishing with it.
 REQUIRED = [
     ("INCR + DECR", "baseline"),
     ("1 source", "current scripts"),
@@ -31,6 +31,8 @@ REQUIRED = [
     ("2 sources, 1st full", "current scripts"),
     (f"{SOURCES} sources, {SOURCES - 1} full", "current scripts"),
     (f"{SOURCES} sources, {SOURCES - 1} full", "empty script, same KEYS/ARGV"),
+    ("2 sources, 1st full", "O(1) call prototype"),
+    (f"{SOURCES} sources, {SOURCES - 1} full", "O(1) call prototype"),
 ]
 
 
@@ -83,6 +85,7 @@ def test_the_breakdown_and_the_targets_are_printed(printed: str) -> None:
     assert "EVALSHA in all (script time)" in commands
     assert "| ACQUIRE + RELEASE ≤ 25 µs of Redis CPU, 1 source |" in printed
     assert f"| {SOURCES} sources ≤ 2x 2 sources |" in printed
+    assert "| the same, O(1) call prototype (not shipped) |" in printed
 
 
 def test_every_call_layout_is_priced(printed: str) -> None:
