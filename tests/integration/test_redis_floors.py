@@ -100,6 +100,22 @@ async def test_a_reserved_class_counts_its_leases_fleet_wide(
     assert not await admin.exists(held("a"))
 
 
+async def test_a_reserved_class_counts_its_leases_when_its_calls_name_tenants(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """With tenants, ACQUIRE carries three tenant keys per class before the held key, the
+    last: the grant still joins held:a, and b's lease joins no count."""
+    p = fleet()
+    room = room_of(p)
+    room.enter(priority_class="a", tenant="T1")
+    room.enter(priority_class="b", tenant="T2")
+    (lease,) = await hold(p, 1, "a")
+    (other,) = await hold(p, 1, "b")
+    assert await admin.zrange(held("a"), 0, -1) == [lease.lease_id]
+    assert not await admin.exists(held("b"))
+    assert other.lease_id not in await admin.zrange(held("a"), 0, -1)
+
+
 async def test_a_scope_without_reserved_classes_sends_todays_keys_and_arguments(
     fleet: Callable[[], RedisBackend],
     admin: aioredis.Redis,
