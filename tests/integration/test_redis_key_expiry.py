@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+from _behind import released
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -103,7 +104,7 @@ async def test_a_refused_acquire_sets_the_lifetimes_too(
 ) -> None:
     """A source refused (its one permit held) past half its keys' life sets them again."""
     spec = SourceSpec("a", max_concurrency=1)
-    await backend.release(await _lease(backend, spec), AttemptOutcome("success"))
+    await released(backend, await _lease(backend, spec), AttemptOutcome("success"))
     clock.advance(HALF_DAY_S - 200)
     await _lease(backend, spec, ttl_s=3600.0)
     _shorten(redis_url, *SOURCE_KEYS)
@@ -120,7 +121,7 @@ async def test_a_lease_key_made_anew_gets_what_the_state_has_left(
     """The source's last lease gone, its key is gone; the next lease makes it again, and it
     expires with the source's state (a day from the first acquire), not never."""
     lease = await _lease(backend)
-    await backend.release(lease, AttemptOutcome("success"))
+    await released(backend, lease, AttemptOutcome("success"))
     with redis.Redis.from_url(redis_url) as client:
         assert not client.exists(_key("leases:a"))
     clock.advance(1000.0)
@@ -160,12 +161,12 @@ async def test_a_release_late_in_the_states_life_keeps_a_cool_down_time_to_run(
     with redis.Redis.from_url(redis_url) as client:
         now = float(client.hget(_key("src:a"), "expires_at") or 0) - _STATE_TTL_S
         client.hset(_key("src:a"), "expires_at", repr(now + 301))
-    await backend.release(first, AttemptOutcome("success"))
+    await released(backend, first, AttemptOutcome("success"))
     for key in ("src:a", "leases:a"):
         assert _within_a_second_below(_pttl(redis_url, key), 60_000), key
     with redis.Redis.from_url(redis_url) as client:
         client.hset(_key("src:a"), "expires_at", repr(now + 300))
-    await backend.release(second, AttemptOutcome("transient"))
+    await released(backend, second, AttemptOutcome("transient"))
     for key in ("src:a", "leases:a"):
         assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
 
@@ -206,7 +207,7 @@ async def test_late_in_a_long_life_a_release_and_a_renewal_set_twice_their_need(
     for key in ("src:a", "leases:a"):
         assert _within_a_second_below(_pttl(redis_url, key), LONG_LIFE_MS), key
     _shorten(redis_url, "src:a", "leases:a")
-    await backend.release(lease, AttemptOutcome("transient"))
+    await released(backend, lease, AttemptOutcome("transient"))
     for key in ("src:a", "leases:a"):
         assert _within_a_second_below(_pttl(redis_url, key), LONG_LIFE_MS), key
 

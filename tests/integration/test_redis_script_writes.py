@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+from _behind import released
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -63,7 +64,7 @@ async def test_a_changed_spec_is_written_and_then_used_by_release_and_snapshot(
     assert [r.reason for r in refused.rejections] == ["concurrency"], "AIMD's limit is still 1"
     assert client.hget(STATE, "max_concurrency") == "3"
     assert client.hget(STATE, "spec") not in (None, old)
-    await backend.release(first, AttemptOutcome("success"))
+    await released(backend, first, AttemptOutcome("success"))
     [source] = (await backend.snapshot(SCOPE)).sources
     assert source.limit == 2.0, "1 + 1/1, capped at 3 (at the old 1 it would stay 1)"
 
@@ -89,7 +90,7 @@ async def test_a_success_at_a_closed_source_at_its_limit_writes_no_state(
     lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
     assert lease is not None
     before = _calls(client, "hset")
-    await backend.release(lease, AttemptOutcome("success"))
+    await released(backend, lease, AttemptOutcome("success"))
     assert _calls(client, "hset") == before
     assert client.hget(STATE, "limit") == "1"
     assert (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease is not None, "freed"
@@ -105,7 +106,7 @@ async def test_a_release_rewrites_no_field_that_holds_its_value_already(
     unchanged = ("trips", "open_until", "probe_until", "not_before")
     client.hset(STATE, mapping={field: "0.0" for field in unchanged})
     client.hset(STATE, "limit", "4.0")
-    await backend.release(lease, AttemptOutcome("transient"))
+    await released(backend, lease, AttemptOutcome("transient"))
     assert client.hget(STATE, "failures") == "1"
     assert client.hmget(STATE, [*unchanged, "limit"]) == ["0.0"] * 4 + ["4.0"]
     assert client.hmget(STATE, ["breaker", "probe_id"]) == ["closed", ""]
@@ -119,7 +120,7 @@ async def test_a_release_writes_each_field_that_moved(
     spec = SourceSpec("a", max_concurrency=4, breaker_failures=1, cooldown_s=5.0)
     lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
     assert lease is not None
-    await backend.release(lease, AttemptOutcome("transient", aimd_decrease=True))
+    await released(backend, lease, AttemptOutcome("transient", aimd_decrease=True))
     stored = client.hgetall(STATE)
     assert (stored["breaker"], stored["failures"], stored["trips"]) == ("open", "0", "1")
     assert float(stored["open_until"]) > 0.0
@@ -139,7 +140,7 @@ async def test_an_acquire_reads_the_probes_fields_only_when_a_probe_may_be_due(
     second = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
     assert second is not None
     assert _calls(client, "hmget") == before + 1
-    await backend.release(second, AttemptOutcome("transient"))  # trips the breaker
+    await released(backend, second, AttemptOutcome("transient"))  # trips the breaker
     before = _calls(client, "hmget")
     refused = await backend.acquire(SCOPE, [spec], ttl_s=30.0)
     assert [r.reason for r in refused.rejections] == ["breaker_open"]
@@ -161,7 +162,7 @@ async def test_a_release_reads_the_failure_fields_only_for_a_failure_or_a_pause(
         lease = (await backend.acquire(SCOPE, [spec], ttl_s=30.0)).lease
         assert lease is not None
         before = _calls(client, "hmget")
-        await backend.release(lease, outcome)
+        await released(backend, lease, outcome)
         reads.append(_calls(client, "hmget") - before)
     assert reads == [1, 2, 2]
     assert client.hget(STATE, "failures") == "0", "the success after the failure reset it"

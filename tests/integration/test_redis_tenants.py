@@ -21,6 +21,7 @@ from typing import Any
 import _wakeups as wakeups
 import pytest
 import redis.asyncio as aioredis
+from _behind import released
 from _wakeups import BOUND_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
@@ -485,7 +486,7 @@ async def test_the_tenant_keys_expire_like_the_registries(
     await refused(a)
     await refused(p)
     await admin.delete(key("tenants"))
-    await holder.release(leases[0], SUCCESS)
+    await released(holder, leases[0], SUCCESS)
     assert await admin.zrange(key("tenants"), 0, -1) == [""]
     for k in ("flows", "flows_of", "tenants"):
         assert 0 < await admin.ttl(key(k)) <= 61, k
