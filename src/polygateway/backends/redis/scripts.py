@@ -5,8 +5,9 @@ token-bucket functions it composes) step for step, in the same order and with
 the same float arithmetic, so that both backends make bit-identical
 decisions; research-wiki/designs/governance-policies.md is the specification
 and the differential test the guard. The scripts are constants: values only
-ever travel as KEYS / ARGV, never by building Lua text (the one text the
-scripts share, ``_TENANT_FUNCTIONS``, is spliced in once, at import).
+ever travel as KEYS / ARGV, never by building Lua text (the texts the
+scripts share, ``_CLOCK`` and ``_TENANT_FUNCTIONS``, are spliced in once, at
+import).
 
 Conventions shared by every script:
 
@@ -102,6 +103,20 @@ end
 """
 """Lua functions ACQUIRE and RELEASE both use, written once; spliced in at its marker line."""
 
+_CLOCK = """local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+"""The clock every script but PROGRESS starts with (``now`` from ``ARGV[1]`` or the server's
+``TIME``) and ``fmt``, which writes a float as its 17 significant digits; spliced in at
+its marker line."""
+
 ACQUIRE = """
 -- ACQUIRE: lease the first admissible candidate, in the given order.
 --
@@ -150,15 +165,7 @@ ACQUIRE = """
 -- at a candidate holding one, full or not, replaces it with the lease. Every other check
 -- applies as usual.
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
-local now = tonumber(ARGV[1])
-if now == nil then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+-- @clock
 local now_s = fmt(now)
 local lease_id = ARGV[2]
 local ttl = tonumber(ARGV[3])
@@ -490,6 +497,7 @@ return result
 """
 
 ACQUIRE = ACQUIRE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
+ACQUIRE = ACQUIRE.replace("-- @clock\n", _CLOCK, 1)
 
 RELEASE = """
 -- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome).
@@ -547,15 +555,7 @@ RELEASE = """
 -- is passed over; when every registered process is, the first is woken with nothing
 -- held.
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
-local now = tonumber(ARGV[1])
-if now == nil then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+-- @clock
 local now_s = fmt(now)
 local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
@@ -1012,6 +1012,7 @@ return wake(math.min(maxc, math.floor(limit)), expires_at)
 """
 
 RELEASE = RELEASE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
+RELEASE = RELEASE.replace("-- @clock\n", _CLOCK, 1)
 
 RENEW = """
 -- RENEW: extend a live lease by its own TTL from now (and the probe slot it may hold).
@@ -1023,15 +1024,7 @@ RENEW = """
 -- fleet-wide, reserved floors: see ACQUIRE), whose member is extended too.
 -- Returns 1 when the lease was live and is renewed, 0 when it was unknown or expired.
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
-local now = tonumber(ARGV[1])
-if now == nil then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+-- @clock
 local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
 local ttl = tonumber(ARGV[3])
@@ -1066,6 +1059,7 @@ if expires_at == nil or expires_at - now < need then
 end
 return 1
 """
+RENEW = RENEW.replace("-- @clock\n", _CLOCK, 1)
 
 PROGRESS = """
 -- PROGRESS: seconds since the scope last served anywhere in the fleet.
@@ -1097,15 +1091,7 @@ SNAPSHOT = """
 -- breaker, failures, trips, reopen_in_s, paced_for_s, rpm_tokens, tpm_tokens}
 -- with "" for every value that is none.
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
-local now = tonumber(ARGV[1])
-if now == nil then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+-- @clock
 local now_s = fmt(now)
 
 local result = {''}
@@ -1165,3 +1151,4 @@ for i = 1, (#KEYS - 1) / 2 do
 end
 return result
 """
+SNAPSHOT = SNAPSHOT.replace("-- @clock\n", _CLOCK, 1)
