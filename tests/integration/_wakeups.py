@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from polygateway.backends.base import Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings
 
 BOUND_S = 10.0
 """Bound on anything a test awaits, far below the poll intervals the tests set."""
@@ -42,3 +47,41 @@ async def refused(backend: RedisBackend, scope: str, source: SourceSpec, **acqui
     result = await backend.acquire(scope, [source], ttl_s=60.0, **acquire)
     assert result.lease is None
     assert [r.reason for r in result.rejections] == ["concurrency"]
+
+
+@contextlib.asynccontextmanager
+async def two_processes(
+    redis_url: str, settings: GatewaySettings, scope: str
+) -> AsyncIterator[tuple[tuple[RedisBackend, ChatClient], tuple[RedisBackend, ChatClient]]]:
+    """Two processes of a fleet over real sockets: each its own backend and chat client."""
+    first, second = RedisBackend(redis_url), RedisBackend(redis_url)
+    try:
+        async with (
+            ChatClient(settings, scope, backend=first) as chat_1,
+            ChatClient(settings, scope, backend=second) as chat_2,
+        ):
+            yield (first, chat_1), (second, chat_2)
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+async def ask_in_class(chat: ChatClient, priority_class: str) -> None:
+    """One chat call of ``priority_class``, its class's name as the message."""
+    await chat.complete(
+        [{"role": "user", "content": priority_class}], priority_class=priority_class
+    )
+
+
+async def served_window(
+    served: list[str], tasks: list[asyncio.Task[None]], start: int, stop: int
+) -> Counter[str]:
+    """Who was served from the ``start``-th call to the ``stop``-th (once queues filled);
+    then every task is cancelled and awaited."""
+    while len(served) < stop:
+        await asyncio.sleep(0.01)
+    window = Counter(served[start:stop])
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return window

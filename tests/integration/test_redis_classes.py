@@ -11,7 +11,6 @@ research-wiki/designs/priority-fairness.md ("On Redis") is the design.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable
 
 import _wakeups as wakeups
@@ -276,32 +275,17 @@ async def test_two_processes_one_class_each_are_served_in_proportion_to_the_shar
     """
     async with SimulatedUpstream({"a": FaultProfile(latency_s=0.04)}) as sim:
         settings = _settings(redis_url, sim.base_url("a"))
-        a, b = RedisBackend(redis_url), RedisBackend(redis_url)
         served: list[str] = []
-        try:
-            async with (
-                ChatClient(settings, SCOPE, backend=a) as chat_a,
-                ChatClient(settings, SCOPE, backend=b) as chat_b,
-            ):
+        async with wakeups.two_processes(redis_url, settings, SCOPE) as ((_, chat_a), (_, chat_b)):
 
-                async def one(chat: ChatClient, priority_class: str) -> None:
-                    await chat.complete(
-                        [{"role": "user", "content": priority_class}], priority_class=priority_class
-                    )
-                    served.append(priority_class)
+            async def one(chat: ChatClient, priority_class: str) -> None:
+                await wakeups.ask_in_class(chat, priority_class)
+                served.append(priority_class)
 
-                async with asyncio.timeout(45):
-                    tasks = [asyncio.create_task(one(chat_a, "batch")) for _ in range(70)]
-                    tasks += [asyncio.create_task(one(chat_b, "interactive")) for _ in range(70)]
-                    while len(served) < 90:
-                        await asyncio.sleep(0.01)
-                    window = Counter(served[10:90])
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            await a.aclose()
-            await b.aclose()
+            async with asyncio.timeout(45):
+                tasks = [asyncio.create_task(one(chat_a, "batch")) for _ in range(70)]
+                tasks += [asyncio.create_task(one(chat_b, "interactive")) for _ in range(70)]
+                window = await wakeups.served_window(served, tasks, 10, 90)
         assert sim.stats("a").max_concurrent <= 2
     # 3:1 is 60:20; turns per process would give 40:40 (and do: see the design page). A
     # few turns go to batch when two interactive turns come before B's claim of the

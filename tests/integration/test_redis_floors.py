@@ -280,38 +280,27 @@ async def test_over_real_sockets_a_holds_its_floor_fleet_wide(redis_url: str) ->
     """
     async with SimulatedUpstream({"s": FaultProfile(latency_s=0.03)}) as sim:
         settings = _settings(redis_url, sim.base_url("s"))
-        p1, p2 = RedisBackend(redis_url), RedisBackend(redis_url)
         samples: list[int] = []
-        try:
-            async with (
-                ChatClient(settings, SCOPE, backend=p1) as chat_1,
-                ChatClient(settings, SCOPE, backend=p2) as chat_2,
-            ):
+        async with wakeups.two_processes(redis_url, settings, SCOPE) as ((p1, chat_1), (_, chat_2)):
 
-                async def one(chat: ChatClient, priority_class: str) -> None:
-                    await chat.complete(
-                        [{"role": "user", "content": priority_class}], priority_class=priority_class
-                    )
+            async def flood(chat: ChatClient, priority_class: str, n: int) -> None:
+                await asyncio.gather(
+                    *(wakeups.ask_in_class(chat, priority_class) for _ in range(n))
+                )
 
-                async def flood(chat: ChatClient, priority_class: str, n: int) -> None:
-                    await asyncio.gather(*(one(chat, priority_class) for _ in range(n)))
-
-                room = room_for(p1, SCOPE)
-                async with asyncio.timeout(45):
-                    bs = asyncio.create_task(flood(chat_2, "b", 400))
-                    while sim.stats("s").max_concurrent < 4:
-                        await asyncio.sleep(0.005)
-                    a_calls = asyncio.create_task(flood(chat_1, "a", 40))
-                    await asyncio.sleep(0.2)  # a's calls queue; the floor takes hold
-                    for _ in range(100):
-                        samples.append(room.by_class()["a"][1])
-                        await asyncio.sleep(0.005)
-                    a_calls.cancel()
-                    bs.cancel()
-                    await asyncio.gather(a_calls, bs, return_exceptions=True)
-        finally:
-            await p1.aclose()
-            await p2.aclose()
+            room = room_for(p1, SCOPE)
+            async with asyncio.timeout(45):
+                bs = asyncio.create_task(flood(chat_2, "b", 400))
+                while sim.stats("s").max_concurrent < 4:
+                    await asyncio.sleep(0.005)
+                a_calls = asyncio.create_task(flood(chat_1, "a", 40))
+                await asyncio.sleep(0.2)  # a's calls queue; the floor takes hold
+                for _ in range(100):
+                    samples.append(room.by_class()["a"][1])
+                    await asyncio.sleep(0.005)
+                a_calls.cancel()
+                bs.cancel()
+                await asyncio.gather(a_calls, bs, return_exceptions=True)
         assert sim.stats("s").max_concurrent <= 4
     at_floor = sum(1 for n in samples if n >= 2)
     assert at_floor >= 50, samples

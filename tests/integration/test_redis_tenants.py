@@ -14,7 +14,6 @@ research-wiki/designs/priority-fairness.md ("On Redis") is the design.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -457,12 +456,7 @@ async def test_a_tenant_in_three_processes_and_one_in_one_are_served_alternately
                         for _ in range(40)
                     ]
                     tasks += [asyncio.create_task(one(b, "T2")) for _ in range(80)]
-                    while len(served) < 90:
-                        await asyncio.sleep(0.01)
-                    window = Counter(served[10:90])
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    window = await wakeups.served_window(served, tasks, 10, 90)
         finally:
             for backend in backends:
                 await backend.aclose()
