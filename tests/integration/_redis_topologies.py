@@ -20,14 +20,18 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import pytest
 import redis
 from redis.crc import key_slot
 
 from _ports import free_port
+from polygateway.backends.base import Lease, SourceSpec
+from polygateway.backends.redis import RedisBackend
+from polygateway.errors import GovernanceBackendError
 
 TLSFiles = tuple[Path, Path, Path]
 """A CA, and a certificate for 127.0.0.1 it signed with its key (``_redis_tls.tls_files``)."""
@@ -564,3 +568,46 @@ class LaggingReplica:
             self.line.stop()
         for process in (self.replica, self.primary):
             process.stop()
+
+
+class _Topology(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+_T = TypeVar("_T", bound=_Topology)
+
+
+def running(topology: _T) -> Iterator[_T]:
+    """A fixture's body (``yield from``): start ``topology``, and stop it however the test
+    ended."""
+    try:
+        topology.start()
+        yield topology
+    finally:
+        topology.stop()
+
+
+def sentinel_subscribers(setup: SentinelSetup) -> int:
+    """How many clients of the Sentinel are subscribed to a channel (it has no PUBSUB)."""
+    with setup.sentinel.client() as client:
+        return sum(1 for entry in client.client_list() if int(entry.get("sub", 0)) > 0)
+
+
+async def acquire_until_served(
+    backend: RedisBackend, scope: str, spec: SourceSpec, ttl_s: float, bound_s: float
+) -> Lease:
+    """Acquire, retrying while the backend fails closed (a failover under way), within
+    ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            got = await backend.acquire(scope, [spec], ttl_s=ttl_s)
+        except GovernanceBackendError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        assert got.lease is not None, got.rejections
+        return got.lease

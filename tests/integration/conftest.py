@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from _redis_tls import TLSRedis, start_tls_redis
-from _redis_topologies import SentinelSetup
+from _redis_topologies import SentinelSetup, running
 from _wakeups import FLEET_SOCKET_TIMEOUT_S
 
 from polygateway.backends.base import Backend
@@ -80,12 +80,7 @@ async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 @pytest.fixture
 def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
     """A primary, a replica and a Sentinel, stopped (thawed first) after the test."""
-    setup = SentinelSetup(tmp_path)
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
+    yield from running(SentinelSetup(tmp_path))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from _redis_topologies import Cluster, slot_of
+from _redis_topologies import Cluster, running, slot_of
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -31,12 +31,7 @@ SPEC = SourceSpec(name="a", max_concurrency=4)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A 3-master cluster for the module, stopped at its end."""
-    started = Cluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        started.start()
-        yield started
-    finally:
-        started.stop()
+    yield from running(Cluster(tmp_path_factory.mktemp("cluster")))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from _redis_topologies import LaggingReplica, Process, SentinelSetup
+from _redis_topologies import LaggingReplica, Process, SentinelSetup, running
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, codec
@@ -40,12 +40,7 @@ TTL_S = 600.0
 @pytest.fixture
 def lagging(tmp_path: Path) -> Iterator[LaggingReplica]:
     """A primary and a replica behind a delay line, stopped after the test."""
-    setup = LaggingReplica(tmp_path)
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
+    yield from running(LaggingReplica(tmp_path))
 
 
 def url(process: Process) -> str:

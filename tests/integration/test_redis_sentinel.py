@@ -19,8 +19,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import _redis_topologies as topologies
 import pytest
-from _redis_topologies import SentinelSetup
+from _redis_topologies import SentinelSetup, running
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -57,18 +58,7 @@ async def backend(sentinel_setup: SentinelSetup) -> AsyncIterator[RedisBackend]:
 
 
 async def acquire_until_served(backend: RedisBackend, ttl_s: float = 30.0) -> Lease:
-    """Acquire, retrying while the backend fails closed (a failover under way), within a bound."""
-    deadline = time.monotonic() + FAILOVER_BOUND_S
-    while True:
-        try:
-            got = await backend.acquire(SCOPE, [SPEC], ttl_s=ttl_s)
-        except GovernanceBackendError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-            continue
-        assert got.lease is not None, got.rejections
-        return got.lease
+    return await topologies.acquire_until_served(backend, SCOPE, SPEC, ttl_s, FAILOVER_BOUND_S)
 
 
 def replicated(setup: SentinelSetup) -> None:
@@ -186,18 +176,7 @@ async def test_no_sentinel_answering_fails_closed(tmp_path: Path) -> None:
 @pytest.fixture
 def guarded_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
     """A primary, a replica and a Sentinel that requires SENTINEL_PASSWORD."""
-    setup = SentinelSetup(tmp_path, sentinel_password=SENTINEL_PASSWORD)
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
-
-
-def sentinel_subscribers(setup: SentinelSetup) -> int:
-    """How many clients of the Sentinel are subscribed to a channel (it has no PUBSUB)."""
-    with setup.sentinel.client() as client:
-        return sum(1 for entry in client.client_list() if int(entry.get("sub", 0)) > 0)
+    yield from running(SentinelSetup(tmp_path, sentinel_password=SENTINEL_PASSWORD))
 
 
 async def test_the_backend_finds_the_primary_through_a_password_protected_sentinel(
@@ -221,7 +200,7 @@ async def test_the_backend_finds_the_primary_through_a_password_protected_sentin
         assert backend._wire.route(SCOPE).endpoint.port == guarded_setup.primary.port
         async with asyncio.timeout(FAILOVER_BOUND_S):
             await backend._wakeups.subscribed.wait()
-            while await asyncio.to_thread(sentinel_subscribers, guarded_setup) < 1:
+            while await asyncio.to_thread(topologies.sentinel_subscribers, guarded_setup) < 1:
                 await asyncio.sleep(0.05)
     finally:
         await backend.aclose()
@@ -269,14 +248,11 @@ async def _refused_login(
 @pytest.fixture
 def acl_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
     """A Sentinel whose only user is SENTINEL_USER (ACL, ``default`` off), with its primary."""
-    setup = SentinelSetup(
-        tmp_path, sentinel_password=SENTINEL_PASSWORD, sentinel_username=SENTINEL_USER
+    yield from running(
+        SentinelSetup(
+            tmp_path, sentinel_password=SENTINEL_PASSWORD, sentinel_username=SENTINEL_USER
+        )
     )
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
 
 
 async def test_the_backend_finds_the_primary_and_hears_failovers_as_a_sentinel_acl_user(
@@ -299,7 +275,7 @@ async def test_the_backend_finds_the_primary_and_hears_failovers_as_a_sentinel_a
         await backend.release(got.lease, SUCCESS)
         assert backend._wire.route(SCOPE).endpoint.port == acl_setup.primary.port
         async with asyncio.timeout(FAILOVER_BOUND_S):  # the failover listener logged in
-            while await asyncio.to_thread(sentinel_subscribers, acl_setup) < 1:
+            while await asyncio.to_thread(topologies.sentinel_subscribers, acl_setup) < 1:
                 await asyncio.sleep(0.05)
         replicated(acl_setup)
         old_port = acl_setup.primary.port

@@ -17,17 +17,16 @@ listener: that the backend is served at all shows it spoke TLS everywhere.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import _redis_topologies as topologies
 import pytest
 from _redis_tls import tls_files
-from _redis_topologies import Cluster, SentinelSetup, TLSFiles
+from _redis_topologies import Cluster, SentinelSetup, TLSFiles, running
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
-from polygateway.errors import GovernanceBackendError
 
 SCOPE = "chat"
 SPEC = SourceSpec(name="a", max_concurrency=4)
@@ -46,12 +45,7 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
 @pytest.fixture
 def tls_sentinel(tmp_path: Path, certificates: TLSFiles) -> Iterator[SentinelSetup]:
     """A TLS-only primary, replica and Sentinel, stopped after the test."""
-    setup = SentinelSetup(tmp_path, tls=certificates)
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
+    yield from running(SentinelSetup(tmp_path, tls=certificates))
 
 
 @pytest.fixture
@@ -72,24 +66,7 @@ async def sentinel_backend(
 
 
 async def acquire_until_served(backend: RedisBackend, scope: str = SCOPE) -> Lease:
-    """Acquire, retrying while the backend fails closed (a failover under way), within a bound."""
-    deadline = time.monotonic() + FAILOVER_BOUND_S
-    while True:
-        try:
-            got = await backend.acquire(scope, [SPEC], ttl_s=30.0)
-        except GovernanceBackendError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-            continue
-        assert got.lease is not None, got.rejections
-        return got.lease
-
-
-def sentinel_subscribers(setup: SentinelSetup) -> int:
-    """How many clients of the Sentinel are subscribed to a channel (it has no PUBSUB)."""
-    with setup.sentinel.client() as client:
-        return sum(1 for entry in client.client_list() if int(entry.get("sub", 0)) > 0)
+    return await topologies.acquire_until_served(backend, scope, SPEC, 30.0, FAILOVER_BOUND_S)
 
 
 async def test_a_tls_sentinel_setup_serves_and_follows_a_killed_primary(
@@ -105,7 +82,7 @@ async def test_a_tls_sentinel_setup_serves_and_follows_a_killed_primary(
     assert wire.endpoint.port == tls_sentinel.primary.port
     assert wire.endpoint.tls is not None
     async with asyncio.timeout(FAILOVER_BOUND_S):  # the +switch-master listener, over TLS
-        while await asyncio.to_thread(sentinel_subscribers, tls_sentinel) < 1:
+        while await asyncio.to_thread(topologies.sentinel_subscribers, tls_sentinel) < 1:
             await asyncio.sleep(0.05)
     with tls_sentinel.primary.client() as client:
         assert client.execute_command("WAIT", 1, 5000) == 1
@@ -124,12 +101,7 @@ def tls_cluster(
     tmp_path_factory: pytest.TempPathFactory, certificates: TLSFiles
 ) -> Iterator[Cluster]:
     """A TLS-only 3-master cluster for the module (``tls-cluster yes``), stopped at its end."""
-    started = Cluster(tmp_path_factory.mktemp("tls-cluster"), tls=certificates)
-    try:
-        started.start()
-        yield started
-    finally:
-        started.stop()
+    yield from running(Cluster(tmp_path_factory.mktemp("tls-cluster"), tls=certificates))
 
 
 async def test_a_tls_cluster_serves_a_scope_on_each_master(tls_cluster: Cluster) -> None:
