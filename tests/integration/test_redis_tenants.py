@@ -21,7 +21,7 @@ import _wakeups as wakeups
 import pytest
 import redis.asyncio as aioredis
 from _behind import released
-from _wakeups import BOUND_S, listening
+from _wakeups import BOUND_S, FLEET_SOCKET_TIMEOUT_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -35,6 +35,8 @@ SCOPE = "tenants"
 SUCCESS = AttemptOutcome("success")
 SOURCE = SourceSpec(name="a", max_concurrency=16)
 WAITING = f"pgw:{{{SCOPE}}}:waiting"
+FLEET_USER = "pgw-fleet"
+FLEET_PASSWORD = "fleet-pw-SECRET-31ad"
 
 
 def key(part: str, priority_class: str | None = None) -> str:
@@ -465,6 +467,43 @@ async def test_a_tenant_in_three_processes_and_one_in_one_are_served_alternately
     # did, before the fleet took turns of tenants). The bound leaves room for a turn lost
     # now and then to a process's second turn before it claimed its first.
     assert window["T2"] >= 34, window
+
+
+async def test_a_fleet_user_allowed_only_the_gateways_keys_serves_tenants_in_turn(
+    redis_url: str, admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """The tenant paths touch pgw:{scope} keys only: a Redis user allowed no other key
+    (``~pgw:*``) and no other channel (``&pgw:*``) registers a tenant, is woken and served.
+
+    A deployment may lock its gateway user down so; a script touching any other key
+    would fail every such call with NOPERM.
+    """
+    await admin.acl_setuser(
+        FLEET_USER,
+        enabled=True,
+        passwords=[f"+{FLEET_PASSWORD}"],
+        categories=["+@all"],
+        keys=["pgw:*"],
+        channels=["pgw:*"],
+    )
+    url = redis_url.replace("redis://", f"redis://{FLEET_USER}:{FLEET_PASSWORD}@", 1)
+    holder, p = (
+        RedisBackend(url, now=clock, socket_timeout_s=FLEET_SOCKET_TIMEOUT_S) for _ in "ab"
+    )
+    try:
+        room = room_of(p, "T1")
+        releasing(holder)
+        await listening(admin, 2)
+        leases = await hold(holder, SOURCE.max_concurrency)
+        await refused(p)
+        assert await admin.zrange(key("tenants"), 0, -1) == ["T1"]
+        await holder.release(leases[0], SUCCESS)
+        await woken(room, 1)
+        assert (await p.acquire(SCOPE, [SOURCE], ttl_s=60.0)).lease is not None
+    finally:
+        await holder.aclose()
+        await p.aclose()
+        await admin.acl_deluser(FLEET_USER)
 
 
 async def test_the_tenant_keys_expire_like_the_registries(
