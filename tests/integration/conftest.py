@@ -77,6 +77,28 @@ async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+LOCKED_USER = "pgw-locked"
+LOCKED_PASSWORD = "locked-pw-SECRET-31ad"
+
+
+@pytest.fixture
+async def locked_url(redis_url: str, admin: aioredis.Redis) -> AsyncIterator[str]:
+    """The suite's Redis as a user allowed only the gateway's keys and channels (``~pgw:*``,
+    ``&pgw:*``), as a deployment may lock its gateway user down; removed after the test."""
+    await admin.acl_setuser(
+        LOCKED_USER,
+        enabled=True,
+        passwords=[f"+{LOCKED_PASSWORD}"],
+        categories=["+@all"],
+        keys=["pgw:*"],
+        channels=["pgw:*"],
+    )
+    try:
+        yield redis_url.replace("redis://", f"redis://{LOCKED_USER}:{LOCKED_PASSWORD}@", 1)
+    finally:
+        await admin.acl_deluser(LOCKED_USER)
+
+
 @pytest.fixture
 def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
     """A primary, a replica and a Sentinel, stopped (thawed first) after the test."""
