@@ -60,3 +60,39 @@ def test_the_fingerprint_follows_the_scripts_and_the_tests(
     monkeypatch.setattr(runner, "RESULTS", runner.RESULTS)
     monkeypatch.setattr(runner, "TESTS", [*runner.TESTS[:-2], "-k", "redis"])
     assert len({mark, changed_script, runner.fingerprint()}) == 3
+
+
+def _mutant(runner: ModuleType, line: int, mutant_id: str = "M") -> object:
+    return runner.Mutant(mutant_id, "ACQUIRE", "constant", line, "`1` -> `2`", "text")
+
+
+def _killed(runner: ModuleType, line: int, test: str, constant: str = "ACQUIRE") -> object:
+    return runner.Result("K", constant, "constant", line, "", "killed", 1.0, test)
+
+
+def test_a_mutant_first_runs_the_killers_of_its_line_then_of_the_nearest_lines(
+    runner: ModuleType,
+) -> None:
+    killers = runner.Killers(
+        [
+            _killed(runner, 10, "t::same_line"),
+            _killed(runner, 10, "t::same_line"),
+            _killed(runner, 14, "t::four_below"),
+            _killed(runner, 8, "t::two_above"),
+            _killed(runner, 30, "t::far"),
+            _killed(runner, 10, "t::other_script", constant="RELEASE"),
+            runner.Result("S", "ACQUIRE", "constant", 10, "", "survived", 9.0, ""),
+        ]
+    )
+    assert killers.hints(_mutant(runner, 10)) == ["t::same_line", "t::two_above", "t::four_below"]
+    killers.note(_killed(runner, 11, "t::next_line"))
+    assert killers.hints(_mutant(runner, 11)) == ["t::next_line", "t::same_line", "t::two_above"]
+    assert killers.hints(runner.Mutant("M", "RENEW", "constant", 3, "", "")) == []
+
+
+def test_mutants_reviewed_as_equivalent_are_recorded_without_running(runner: ModuleType) -> None:
+    mutants = [_mutant(runner, 1, "A"), _mutant(runner, 2, "B"), _mutant(runner, 3, "C")]
+    run, skipped = runner.plan(mutants, {"B", "Z"})
+    assert [m.id for m in run] == ["A", "C"]
+    assert [(r.id, r.status, r.seconds) for r in skipped] == [("B", "equivalent", 0.0)]
+    assert "ACQUIRE:fecb025f.0:41:constant:0" in runner.reviewed_equivalent()

@@ -38,6 +38,14 @@ back and the mutant's swapped in: no interpreter start-up or test collection per
 mutant (a checked run of 92 mutants gave the same verdicts as one fresh process
 per mutant, in two thirds of the time).
 
+Two things keep a run short without changing a verdict. Each mutant first runs
+the tests that killed mutants of its line (or, none yet, of the nearest lines)
+earlier in the run or in the results file it replaces: a failure there kills
+it; otherwise the whole list runs, so "survived" still means every test
+passed. And a mutant already reviewed as equivalent (``equivalent.toml``,
+``[lua]``) is recorded as ``equivalent`` without running (``--all`` runs it
+too, to see whether a test written since kills it).
+
 Results go to ``mutants/lua-results.json`` for ``tools/mutation/report.py``,
 written again after each mutant, so a run stopped part-way loses nothing:
 ``--resume`` runs only the mutants that file has no verdict for, provided the
@@ -45,7 +53,7 @@ scripts and the tests are those it was made with (their ``fingerprint``), and
 the file says ``complete`` once every mutant has one. A full run takes longer
 than one sitting on two cores (research-wiki/MUTATION.md).
 Run from the repository root:
-``python tools/mutation/lua.py [--list] [--resume] [ID ...]``.
+``python tools/mutation/lua.py [--list] [--resume] [--all] [ID ...]``.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import tomllib
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -90,8 +99,22 @@ TESTS = [
     "-k",
     "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
 ]
+OPTIONS = [
+    "-x",
+    "-q",
+    "--no-header",
+    "-p",
+    "lua_plugin",
+    "-p",
+    "no:cacheprovider",
+    "--hypothesis-seed=0",
+]
+"""pytest's options for every run: stop at the first failure, the mutation plugin."""
+HINTS = 3
+"""Tests run first for a mutant: the killers of its line, or of the nearest lines."""
 WORKERS = 2
 MUTANT_TIMEOUT_S = 600.0
+EQUIVALENT = ROOT / "tools" / "mutation" / "equivalent.toml"
 
 sys.path.insert(0, str(ROOT / "src"))
 from polygateway.backends.redis import scripts  # noqa: E402
@@ -299,6 +322,67 @@ def _write(results: list[Result], seconds: float, mark: str, complete: bool) -> 
     partial.replace(RESULTS)
 
 
+class Killers:
+    """Which tests killed mutants of which line: the tests a mutant of that line runs first."""
+
+    def __init__(self, earlier: list[Result]) -> None:
+        self._by_line: dict[tuple[str, int], list[str]] = {}
+        self._lock = threading.Lock()
+        for r in earlier:
+            self.note(r)
+
+    def note(self, result: Result) -> None:
+        """Remember ``result``'s killer, if it was killed by a test."""
+        if result.status != "killed" or not result.killed_by:
+            return
+        with self._lock:
+            tests = self._by_line.setdefault((result.constant, result.line), [])
+            if result.killed_by not in tests:
+                tests.append(result.killed_by)
+
+    def hints(self, mutant: Mutant) -> list[str]:
+        """Up to ``HINTS`` tests: the killers of the mutant's line, then of the lines nearest."""
+        with self._lock:
+            lines = sorted(
+                (abs(line - mutant.line), line)
+                for constant, line in self._by_line
+                if constant == mutant.constant
+            )
+            out: list[str] = []
+            for _, line in lines:
+                for test in self._by_line[(mutant.constant, line)]:
+                    if test not in out:
+                        out.append(test)
+                if len(out) >= HINTS:
+                    break
+            return out[:HINTS]
+
+
+def reviewed_equivalent() -> set[str]:
+    """The mutant ids ``equivalent.toml`` gives a reason for (``[lua]``)."""
+    return set(tomllib.loads(EQUIVALENT.read_text(encoding="utf-8")).get("lua", {}))
+
+
+def plan(mutants: list[Mutant], equivalent: set[str]) -> tuple[list[Mutant], list[Result]]:
+    """The mutants to run, and a result for each reviewed equivalent one, which is not run."""
+    run = [m for m in mutants if m.id not in equivalent]
+    skipped = [
+        Result(m.id, m.constant, m.operator, m.line, m.description, "equivalent", 0.0, "")
+        for m in mutants
+        if m.id in equivalent
+    ]
+    return run, skipped
+
+
+def _previous_results() -> list[Result]:
+    """The results file's verdicts, whatever run made them: hints only, never verdicts."""
+    try:
+        data = json.loads(RESULTS.read_text(encoding="utf-8"))
+        return [Result(**r) for r in data["results"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 class _Worker:
     """One long-lived ``lua_worker.py``: the suite run once per mutant, in one interpreter.
 
@@ -316,17 +400,7 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools" / "mutation"), str(ROOT / "src")])
         env.pop("PGW_LUA_MUTANT", None)
-        args = [
-            "-x",
-            "-q",
-            "--no-header",
-            "-p",
-            "lua_plugin",
-            "-p",
-            "no:cacheprovider",
-            "--hypothesis-seed=0",
-            *TESTS,
-        ]
+        args = OPTIONS
         read, write = os.pipe()
         self._process = subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
             [sys.executable, str(WORKER), json.dumps(args), str(write)],
@@ -349,13 +423,17 @@ class _Worker:
             self._answers.close()
             self._process = None
 
-    def run(self, mutant: Mutant | None) -> tuple[str, float, str, str]:
-        """The suite with ``mutant`` applied (none: the baseline); status, time, test, output."""
+    def run(self, mutant: Mutant | None, first: Sequence[str] = ()) -> tuple[str, float, str, str]:
+        """The suite with ``mutant`` applied (none: the baseline), the tests ``first`` before it;
+        status, time, test, output."""
         if self._process is None or self._process.poll() is not None:
             self._start()
         assert self._process is not None
         assert self._process.stdin is not None
-        job = {} if mutant is None else {"constant": mutant.constant, "text": mutant.text}
+        runs = [list(first), TESTS] if first else [TESTS]
+        job: dict[str, Any] = {"runs": runs}
+        if mutant is not None:
+            job |= {"constant": mutant.constant, "text": mutant.text}
         started = time.monotonic()
         self._process.stdin.write(json.dumps(job) + "\n")
         self._process.stdin.flush()
@@ -380,6 +458,9 @@ def main() -> int:
     parser.add_argument(
         "--resume", action="store_true", help="keep the verdicts of a stopped run, run the rest"
     )
+    parser.add_argument(
+        "--all", action="store_true", help="run the mutants reviewed as equivalent too"
+    )
     parser.add_argument("ids", nargs="*", help="run only these mutant ids")
     args = parser.parse_args()
     mutants = all_mutants()
@@ -392,12 +473,17 @@ def main() -> int:
         mutants = [m for m in mutants if m.id in set(args.ids)]
     mark = fingerprint()
     wanted = {m.id for m in mutants}
+    killers = Killers(_previous_results())
     earlier, earlier_s = _earlier(args.resume, mark)
     results = [r for r in earlier if r.id in wanted]
     done = {r.id for r in results}
     mutants = [m for m in mutants if m.id not in done]
     if done:
         print(f"resuming: {len(done)} verdicts kept, {len(mutants)} mutants to run")
+    if not args.all:
+        mutants, skipped = plan(mutants, reviewed_equivalent())
+        results += skipped
+        print(f"{len(skipped)} mutants reviewed as equivalent, not run (--all runs them)")
 
     started = time.monotonic()
     workers = queue.SimpleQueue[_Worker]()
@@ -417,13 +503,14 @@ def main() -> int:
     def one(m: Mutant) -> None:
         worker = workers.get()
         try:
-            status, seconds, test, output = worker.run(m)
+            status, seconds, test, output = worker.run(m, killers.hints(m))
         finally:
             workers.put(worker)
         if status == "error":
             print(output[-3000:])
         print(f"{status:8} {seconds:6.1f} s  {m.id}", flush=True)
         result = Result(m.id, m.constant, m.operator, m.line, m.description, status, seconds, test)
+        killers.note(result)
         with lock:
             results.append(result)
             _write(results, earlier_s + time.monotonic() - started, mark, complete=False)
@@ -436,7 +523,8 @@ def main() -> int:
             workers.get().stop()
     elapsed = earlier_s + time.monotonic() - started
     _write(results, elapsed, mark, complete=len(results) == len(wanted))
-    counts = {s: sum(r.status == s for r in results) for s in ("killed", "survived", "timeout")}
+    statuses = ("killed", "survived", "timeout", "equivalent")
+    counts = {s: sum(r.status == s for r in results) for s in statuses}
     print(f"Lua: {len(results)} mutants, {counts} in {elapsed / 60:.1f} min -> {RESULTS}")
     return 0
 

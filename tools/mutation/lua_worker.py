@@ -3,15 +3,18 @@
 Starting an interpreter and collecting the tests cost about two seconds, as
 much as running the tests that kill most mutants; a worker pays them once.
 It reads one JSON object per line on standard input (``{"constant": ...,
-"text": ...}``, or ``{}`` for the unmutated scripts), puts every script
-constant of ``polygateway.backends.redis.scripts`` back to its own text and
-then swaps in the mutant's (``RedisBackend`` reads the constants when it is
-built, so each test's backends run the mutant), runs pytest in this process
-with the arguments it was started with, and answers one JSON line on the file
-descriptor named by its second argument: pytest's exit code, the first failed
-test and the seconds it took. pytest's own output goes to a buffer, returned
-only when the run ended in neither a pass nor a failure. The parent kills a
-worker that does not answer in time.
+"text": ..., "runs": [[test, ...], ...]}``, no constant for the unmutated
+scripts), puts every script constant of ``polygateway.backends.redis.scripts``
+back to its own text and then swaps in the mutant's (``RedisBackend`` reads
+the constants when it is built, so each test's backends run the mutant), runs
+pytest in this process once per selection of tests in ``runs``, with the
+options it was started with, until one fails (the last is the whole list; the
+ones before it are the tests likeliest to kill the mutant, and a selection
+that does not fail, or names a test gone, only passes to the next), and
+answers one JSON line on the file descriptor named by its second argument:
+pytest's exit code, the first failed test and the seconds it took. pytest's
+own output goes to a buffer, returned only when the run ended in neither a
+pass nor a failure. The parent kills a worker that does not answer in time.
 """
 
 from __future__ import annotations
@@ -54,8 +57,12 @@ def main() -> None:
         first = _FirstFailure()
         output = io.StringIO()
         started = time.monotonic()
+        runs: list[list[str]] = job["runs"]
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            code = int(pytest.main(args, plugins=[first]))
+            for tests in runs:
+                code = int(pytest.main([*args, *tests], plugins=[first]))
+                if code == 1:
+                    break
         answer = {"code": code, "failed": first.nodeid, "seconds": time.monotonic() - started}
         if code not in (0, 1):
             answer["output"] = output.getvalue()[-6000:]

@@ -164,7 +164,7 @@ def main() -> int:
         if r["status"] in KILLED:
             counts[r["status"]] += 1
             continue
-        if r["status"] == "survived" and r["id"] in lua_reasons:
+        if r["status"] in ("survived", "equivalent") and r["id"] in lua_reasons:
             counts["equivalent"] += 1
         else:
             counts["not killed"] += 1
