@@ -6,7 +6,9 @@ lua_plugin``), a mutant can also come in a JSON file named by
 ``polygateway.backends.redis.scripts`` in memory before any backend is built
 (``RedisBackend`` reads the constants when it registers its scripts); the file
 on disk is never touched. Hypothesis runs without its example database, so a
-failure found under one mutant is not replayed under the next.
+failure found under one mutant is not replayed under the next, and stops at
+the first failing example: a mutant is killed by the failure, and shrinking
+it (a minute or two for the differential test) would tell nobody anything.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from polygateway.backends.redis import scripts
 
@@ -26,7 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     del config
     # tests/conftest.py has registered the suite's profile by now (initial conftests load first).
     settings.register_profile(
-        "lua-mutation", parent=settings.get_profile("polygateway"), database=None
+        "lua-mutation",
+        parent=settings.get_profile("polygateway"),
+        database=None,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),
     )
     settings.load_profile("lua-mutation")
     path = os.environ.get("PGW_LUA_MUTANT")
