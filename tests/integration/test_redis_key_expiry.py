@@ -99,6 +99,18 @@ async def test_acquires_set_the_lifetimes_again_only_once_half_of_it_is_gone(
         assert _within_a_second_below(_pttl(redis_url, key), DAY_MS), key
 
 
+async def test_setting_the_lifetimes_again_keeps_the_order_of_first_sight(
+    backend: RedisBackend, clock: FakeClock
+) -> None:
+    """a first, then b; past half their life a is acquired again, which sets its keys and
+    the scope's list to expire again: the snapshot still lists a before b."""
+    await _lease(backend, SourceSpec("a", max_concurrency=4))
+    await _lease(backend, SourceSpec("b", max_concurrency=4))
+    clock.advance(HALF_DAY_S + 1.0)
+    await _lease(backend, SourceSpec("a", max_concurrency=4))
+    assert [s.name for s in (await backend.snapshot(SCOPE)).sources] == ["a", "b"]
+
+
 async def test_a_refused_acquire_sets_the_lifetimes_too(
     backend: RedisBackend, redis_url: str, clock: FakeClock
 ) -> None:
