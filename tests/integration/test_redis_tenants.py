@@ -268,6 +268,37 @@ async def test_a_tenant_whose_processes_all_hold_a_promise_keeps_its_place(
     assert {f"handoff:{ids['Q']}", f"handoff:{ids['P']}"} <= set(promised), "both held"
 
 
+async def test_when_every_tenant_holds_a_promise_the_tenant_whose_turn_it_is_is_woken(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """P (T1) and Q (T2) each hold a permit promised here, unclaimed; T2's turn is next.
+    The release wakes Q, holding nothing more, and T2 goes to the back, though P is the
+    less recently woken process."""
+    holder, p, q = releasing(fleet()), fleet(), fleet()
+    rooms = {"P": room_of(p, "T1"), "Q": room_of(q, "T2")}
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    ids = {}
+    for name, backend in (("P", p), ("Q", q)):
+        clock.advance(1.0)
+        ids[name] = await register(admin, backend)
+    await holder.release(leases[0], SUCCESS)  # T1's turn: P is promised a permit
+    await woken(rooms["P"], 1)
+    clock.advance(0.1)  # within the promises' life (the fleet's hand-off TTL, 0.5 s)
+    await holder.release(leases[1], SUCCESS)  # T2's turn: Q is promised one
+    await woken(rooms["Q"], 1)
+    await admin.zadd(key("tenants"), {"T2": 0})  # T2 first again, its promise unclaimed
+    clock.advance(0.1)
+    await holder.release(leases[2], SUCCESS)
+    await woken(rooms["Q"], 2)
+    print("WAKEUPS", rooms["P"].wakeups, rooms["Q"].wakeups, await admin.zrange(key("tenants"), 0, -1, withscores=True), await admin.zrange(f"pgw:{{{SCOPE}}}:waiting", 0, -1, withscores=True), ids); assert rooms["P"].wakeups == 1
+    assert (await admin.zrange(key("tenants"), 0, 0)) == ["T1"], "T2 went to the back"
+    promised = await admin.zrange(f"pgw:{{{SCOPE}}}:leases:a", 0, -1)
+    assert sorted(m for m in promised if m.startswith("handoff:")) == sorted(
+        f"handoff:{ids[name]}" for name in ("P", "Q")
+    ), "nothing more held"
+
+
 async def test_a_lapsed_registration_leaves_the_turn_with_its_tenants(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
