@@ -17,6 +17,7 @@ from typing import Any
 import _wakeups as wakeups
 import pytest
 import redis.asyncio as aioredis
+from _behind import released
 from _wakeups import BOUND_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
@@ -136,7 +137,8 @@ async def test_a_fleet_user_allowed_only_the_gateways_keys_holds_floors_and_clas
         (got,) = await hold(p1, 1, "a", ttl_s=30.0)
         assert await admin.zrange(held("a"), 0, -1) == [got.lease_id]
         assert await p1.renew(got)
-        await p1.release(got, SUCCESS)
+        await released(p1, got, SUCCESS)
+        assert await admin.zrange(held("a"), 0, -1) == [], "the release ran: a's count is 0"
     finally:
         await p1.aclose()
         await p2.aclose()

@@ -228,17 +228,26 @@ async def test_a_lone_waiting_process_already_promised_is_woken_with_nothing_mor
     assert (await other.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease is not None
 
 
+async def _published(admin: aioredis.Redis) -> int:
+    """PUBLISH commands the server has run so far."""
+    stats = await admin.info("commandstats")
+    return int(stats.get("cmdstat_publish", {}).get("calls", 0))
+
+
 async def test_the_releasing_process_holds_a_permit_for_itself_when_the_turn_is_its_own(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
-    """Self-handoff: P's own release, P first in line, is held for P's head against the rest."""
+    """Self-handoff: P's own release, P first in line, is held for P's head against the rest;
+    P hears of it in the release's reply, with no wake-up published."""
     p, other = fleet(), fleet()
     room = waiting_in(p)
     await listening(admin, 1)
     (lease,) = await hold(p, 1, spec(1))
     proc = await register(admin, p, spec(1))
+    published = await _published(admin)
     await p.release(lease, SUCCESS)
     await woken(room)
+    assert await _published(admin) == published, "its own turn: nothing published"
     assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{proc}"]
     await refused(other, spec(1), "concurrency")
     assert (await p.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
