@@ -188,6 +188,40 @@ async def test_a_class_back_from_idle_gets_no_credit_for_its_idle_time(
     assert order == ["interactive", "batch", "interactive", "interactive"]
 
 
+@pytest.mark.parametrize(
+    ("passes", "first"),
+    [
+        ({"interactive": 4, "batch": 2}, "interactive"),  # both level at 10: the larger share
+        ({"interactive": 12, "batch": 2}, "batch"),  # interactive ahead at 12, batch at 10
+    ],
+)
+async def test_classes_back_together_from_idle_start_where_the_last_turn_left_off(
+    fleet: Callable[[], RedisBackend],
+    admin: aioredis.Redis,
+    passes: dict[str, int],
+    first: str,
+) -> None:
+    """Nobody waited at the last wake-up, which left off at 10 (``vtime``): both classes
+    come back with their pass raised to 10, not with the credit of their idle time."""
+    holder, p, q = fleet(), fleet(), fleet()
+    room_for(holder, SCOPE).declare(SHARES, {})
+    rooms = {"interactive": room_of(p, "interactive"), "batch": room_of(q, "batch")}
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    state = {"vtime": "10", "on:interactive": "0", "on:batch": "0"}
+    state |= {f"pass:{name}": str(value) for name, value in passes.items()}
+    await admin.hset(f"pgw:{{{SCOPE}}}:classes", mapping=state)
+    await refused(p)
+    await refused(q)
+    await holder.release(leases[0], SUCCESS)
+    async with asyncio.timeout(BOUND_S):
+        while sum(room.wakeups for room in rooms.values()) < 1:
+            await asyncio.sleep(0.005)
+    assert {name: room.wakeups for name, room in rooms.items()} == {
+        name: int(name == first) for name in rooms
+    }
+
+
 async def test_a_class_whose_registrations_lapsed_takes_no_turn(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:

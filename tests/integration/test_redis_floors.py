@@ -144,6 +144,22 @@ async def test_a_fleet_user_allowed_only_the_gateways_keys_holds_floors_and_clas
         await p2.aclose()
 
 
+async def test_a_class_reserving_one_permit_and_holding_none_is_below_its_floor(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """a reserves 1 and holds 0 fleet-wide: the release goes to a, though b's share is 9."""
+    p1, p2 = fleet(), fleet()
+    one = {"a": 1}
+    rooms = [room_of(p1, "a", reserved=one), room_of(p2, "b", reserved=one)]
+    await listening(admin, 2)
+    leases = await hold(p2, SOURCE.max_concurrency, "b")
+    await refused(p1, "a")
+    await refused(p2, "b")
+    await p2.release(leases[0], SUCCESS)
+    await woken(rooms, 1)
+    assert [room.wakeups for room in rooms] == [1, 0]
+
+
 async def test_a_scope_without_reserved_classes_sends_todays_keys_and_arguments(
     fleet: Callable[[], RedisBackend],
     admin: aioredis.Redis,
