@@ -351,6 +351,26 @@ async def test_a_process_of_no_tenant_takes_its_turns_as_the_tenant_with_no_name
     assert await admin.hget(key("flows_of"), proc_a) == "0:", "registered as the tenant '' now"
 
 
+async def test_the_tenant_with_no_name_reaches_its_most_recently_registered_process(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """The turn is the tenant with no name's, and its one process A registered last of all:
+    A is woken, not T1's P."""
+    holder, a, p = releasing(fleet()), fleet(), fleet()
+    anonymous, named = room_of(a, ""), room_of(p, "T1")
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    clock.advance(1.0)
+    await register(admin, a)
+    await admin.zadd(key("tenants"), {"": 0})  # ahead of T1
+    await holder.release(leases[0], SUCCESS)
+    async with asyncio.timeout(BOUND_S):
+        while anonymous.wakeups + named.wakeups < 1:
+            await asyncio.sleep(0.005)
+    assert (anonymous.wakeups, named.wakeups) == (1, 0)
+
+
 async def test_the_tenant_with_no_name_joins_the_turn_behind_every_named_tenant(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
