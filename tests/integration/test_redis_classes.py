@@ -222,6 +222,25 @@ async def test_classes_back_together_from_idle_start_where_the_last_turn_left_of
     }
 
 
+async def test_with_three_classes_a_release_keeps_the_passes_in_the_classes_hash(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Three classes (six registry keys before the passes' hash): the release wakes the one
+    waiting class and moves its pass in ``pgw:{scope}:classes``."""
+    three = {**SHARES, "bulk": 1.0}
+    holder, p = fleet(), fleet()
+    room_of(holder, shares=three)
+    bulk = room_of(p, "bulk", shares=three)
+    await listening(admin, 2)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    await holder.release(leases[0], SUCCESS)
+    await woken(bulk, 1)
+    passes = await admin.hgetall(f"pgw:{{{SCOPE}}}:classes")
+    assert float(passes["pass:bulk"]) == 1.0, passes
+    assert passes["on:bulk"] == "1"
+
+
 async def test_a_class_whose_registrations_lapsed_takes_no_turn(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
 ) -> None:
