@@ -110,7 +110,7 @@ bench-classes: redis-server $(BENCH_STAMP)
 bench-smoke: install redis-server
 	$(PY) -m pytest -q tests/integration/test_bench_smoke.py tests/integration/test_bench_fleet_smoke.py
 
-# Mutation testing of the governance core, never part of `make test` (about 40 minutes on two
+# Mutation testing of the governance core, never part of `make test` (about an hour on two
 # cores): mutmut on the Python policy code against the fast tests ([tool.mutmut] in
 # pyproject.toml), then our own runner on the Lua twin against the Redis contract and
 # differential tests; the page goes to research-wiki/MUTATION.md. Its own venv, like bench.
