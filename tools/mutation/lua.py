@@ -400,10 +400,9 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools" / "mutation"), str(ROOT / "src")])
         env.pop("PGW_LUA_MUTANT", None)
-        args = OPTIONS
         read, write = os.pipe()
         self._process = subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
-            [sys.executable, str(WORKER), json.dumps(args), str(write)],
+            [sys.executable, str(WORKER), json.dumps(OPTIONS), str(write)],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
