@@ -17,15 +17,17 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from _redis_topologies import Cluster, running, slot_of
+from _redis_topologies import Cluster, Process, running, slot_of
 
-from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.base import AcquireResult, AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.config import GatewaySettings
 from polygateway.errors import ConfigError, GovernanceBackendError
 
 SUCCESS = AttemptOutcome("success")
 SPEC = SourceSpec(name="a", max_concurrency=4)
+SIX = [SourceSpec(name=f"s{i}", max_concurrency=1) for i in range(6)]
+"""A scope of six sources of one permit each, offered in this order."""
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,67 @@ def evalsha_calls(cluster: Cluster) -> list[int]:
             stats = client.info("commandstats").get("cmdstat_evalsha", {"calls": 0})
             counts.append(int(stats["calls"]))
     return counts
+
+
+def evalsha_refusals(node: Process) -> tuple[int, int]:
+    """EVALSHA commands ``node`` redirected (``ASK``, ``TRYAGAIN``, ...) without running
+    them, and those whose script stopped with an error, so far (``INFO commandstats``)."""
+    with node.client() as client:
+        stats = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("rejected_calls", 0)), int(stats.get("failed_calls", 0))
+
+
+def evalsha_bounces(node: Process) -> int:
+    """EVALSHA commands ``node`` sent back so far, redirected or stopped by an error."""
+    return sum(evalsha_refusals(node))
+
+
+def keys_in_slot(node: Process, slot: int) -> set[str]:
+    """The keys ``node`` stores in ``slot`` (``CLUSTER GETKEYSINSLOT``)."""
+    with node.client() as client:
+        keys = client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    return {key.decode() for key in keys}
+
+
+async def bounced_while_pending(
+    acquiring: asyncio.Future[AcquireResult], node: Process, times: int
+) -> None:
+    """Wait (3 s at most) until ``node`` has bounced ``times`` more EVALSHAs, or the call ended."""
+    start = await asyncio.to_thread(evalsha_bounces, node)
+    deadline = asyncio.get_running_loop().time() + 3.0
+    while not acquiring.done():
+        if await asyncio.to_thread(evalsha_bounces, node) >= start + times:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "the call was never bounced"
+        await asyncio.sleep(0.01)
+
+
+async def hold_the_first_two(backend: RedisBackend, scope: str) -> list[Lease]:
+    """s0 and s1 of ``SIX`` held: s0 is marked full in the scope's verdicts, s1 is not (its
+    refusal is for the next call to find), s2 to s5 were never seen."""
+    leases = []
+    for expected in ("s0", "s1"):
+        got = await backend.acquire(scope, SIX, ttl_s=30)
+        assert got.lease is not None
+        assert got.lease.source == expected
+        leases.append(got.lease)
+    return leases
+
+
+async def end_and_give_back(
+    cluster: Cluster,
+    slot: int,
+    source: Process,
+    target: Process,
+    pending: asyncio.Future[AcquireResult] | None = None,
+) -> None:
+    """A test's end, however it went: its keys dropped (a half-migrated key cannot block the
+    cleanup), the migration ended at ``target`` and the slot moved back to ``source``."""
+    if pending is not None and not pending.done():
+        pending.cancel()
+    await asyncio.to_thread(cluster.flush)
+    await asyncio.to_thread(cluster.end_migration, slot, target)
+    await asyncio.to_thread(cluster.migrate, slot, source)
 
 
 async def test_each_scope_lives_on_the_node_owning_its_slot(
@@ -205,6 +268,92 @@ async def test_resharding_while_calls_run_loses_no_permit_and_admits_no_excess(
     snap = await backend.snapshot(scope)
     assert snap.sources[0].in_flight == 0
     assert cluster.owner(slot) is cluster.nodes[0]
+
+
+async def granted_past_the_held(
+    backend: RedisBackend, scope: str, acquiring: asyncio.Future[AcquireResult], held: list[Lease]
+) -> None:
+    """The call completes with the true state: s2 granted past full s0 and s1, no source
+    above its one permit; every permit given back."""
+    got = await acquiring
+    assert got.lease is not None
+    assert got.lease.source == "s2"
+    assert [(r.source, r.reason) for r in got.rejections] == [
+        ("s0", "concurrency"),
+        ("s1", "concurrency"),
+    ]
+    snap = await backend.snapshot(scope)
+    assert {s.name: s.in_flight for s in snap.sources} == {"s0": 1, "s1": 1, "s2": 1}
+    for lease in [*held, got.lease]:
+        await backend.release(lease, SUCCESS)
+    assert all(s.in_flight == 0 for s in (await backend.snapshot(scope)).sources)
+
+
+async def test_an_acquire_that_makes_keys_does_not_follow_ask_into_a_half_moved_scope(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """ACQUIRE's declared keys moved, a later candidate's still on the migrating node: the call
+    waits for the migration's end instead of running on the importing node, where that
+    candidate's keys would read as absent (a full source granted anew, and its real keys then
+    refused by MIGRATE with BUSYKEY); once the slot moved it decides on the true state.
+
+    ACQUIRE names only the first candidate's keys in KEYS and makes the others' itself
+    (research-wiki/designs/script-cost.md), so Redis's checks before ``ASK`` cannot see them.
+    """
+    (scope,) = cluster.scopes_per_node()[0]
+    held = await hold_the_first_two(backend, scope)
+    slot, source_node, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
+    stays = {f"pgw:{{{scope}}}:src:s1", f"pgw:{{{scope}}}:leases:s1"}
+    declared = await asyncio.to_thread(keys_in_slot, source_node, slot) - stays
+    assert {f"pgw:{{{scope}}}:{name}" for name in ("sources", "src:s0", "leases:s0")} < declared
+    assert f"pgw:{{{scope}}}:verdicts" in declared
+    assert any(key.startswith(f"pgw:{{{scope}}}:specs:") for key in declared)
+    acquiring: asyncio.Future[AcquireResult] | None = None
+    await asyncio.to_thread(cluster.begin_migration, slot, source_node, target)
+    try:
+        moved = sorted(declared)
+        assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, moved) == 5
+        ran_on_target = (await asyncio.to_thread(evalsha_calls, cluster))[2]
+        acquiring = asyncio.ensure_future(backend.acquire(scope, SIX, ttl_s=30))
+        await bounced_while_pending(acquiring, source_node, 3)
+        assert not acquiring.done(), acquiring.result()  # not granted on the importing node
+        assert (await asyncio.to_thread(evalsha_calls, cluster))[2] == ran_on_target
+        assert await asyncio.to_thread(keys_in_slot, target, slot) == declared  # nothing made
+        rest = sorted(stays)
+        assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, rest) == 2
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        await granted_past_the_held(backend, scope, acquiring, held)
+    finally:
+        await end_and_give_back(cluster, slot, source_node, target, acquiring)
+
+
+async def test_an_acquire_stopped_on_the_migrating_node_runs_again_after_the_migration(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """A later candidate's keys moved first: on the migrating node the script stops at them
+    (``Script attempted to access a non local key``); the call is sent again, as after
+    ``TRYAGAIN``, and completes on the new owner once the slot moved, with the true state,
+    instead of failing closed for a migration that lasts milliseconds."""
+    (scope,) = cluster.scopes_per_node()[0]
+    held = await hold_the_first_two(backend, scope)
+    slot, source_node, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
+    acquiring: asyncio.Future[AcquireResult] | None = None
+    await asyncio.to_thread(cluster.begin_migration, slot, source_node, target)
+    try:
+        later = [f"pgw:{{{scope}}}:src:s1", f"pgw:{{{scope}}}:leases:s1"]
+        assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, later) == 2
+        _, stopped = await asyncio.to_thread(evalsha_refusals, source_node)
+        acquiring = asyncio.ensure_future(backend.acquire(scope, SIX, ttl_s=30))
+        await bounced_while_pending(acquiring, source_node, 3)
+        assert not acquiring.done(), acquiring.result()
+        # Run there and stopped by the script's error each time, not refused before running.
+        assert (await asyncio.to_thread(evalsha_refusals, source_node))[1] >= stopped + 3
+        while await asyncio.to_thread(cluster.move_keys, slot, source_node, target):
+            pass
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        await granted_past_the_held(backend, scope, acquiring, held)
+    finally:
+        await end_and_give_back(cluster, slot, source_node, target, acquiring)
 
 
 def test_status_shows_every_scope_wherever_it_lives(cluster: Cluster, tmp_path: Path) -> None:

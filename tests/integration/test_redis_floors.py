@@ -187,8 +187,9 @@ async def test_a_scope_without_reserved_classes_sends_todays_keys_and_arguments(
     await woken([room_for(p, SCOPE)], 1)
     assert not any(b":held:" in key for keys, _ in sent for key in keys)
     assert not await admin.keys("*held*")
-    # RELEASE with two classes: the 15 arguments and a name and a share per class, no more.
-    assert (len(sent[-1][0]), sent[-1][1]) == (2 + 1 + 4 + 1, 15 + 4)
+    # RELEASE with two classes: the source's 2 keys, progress and verdicts, two registry keys
+    # per class and the classes' hash; the 15 arguments and a name and a share per class.
+    assert (len(sent[-1][0]), sent[-1][1]) == (2 + 2 + 4 + 1, 15 + 4)
 
 
 async def wake_classes(

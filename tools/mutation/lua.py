@@ -88,6 +88,7 @@ RESULTS = ROOT / "mutants" / "lua-results.json"
 TESTS = [
     "tests/integration/test_backend_contract.py",
     "tests/integration/test_redis_script_writes.py",
+    "tests/integration/test_redis_verdicts.py",
     "tests/integration/test_redis_key_expiry.py",
     "tests/integration/test_redis_handoff.py",
     "tests/integration/test_redis_classes.py",

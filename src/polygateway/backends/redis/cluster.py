@@ -23,6 +23,15 @@ command's callback):
   slot a scope mostly sees this). The command is sent again to the slot's
   owner after a short pause that doubles each time: the scope waits until
   the migration of its keys ends (milliseconds for a scope's few keys).
+- A script that makes keys itself (ACQUIRE: a scope's candidates after the
+  first, ``scripts.py``) is never sent on after ``ASK``: on the importing
+  node a key not migrated yet reads as absent, without an error, and the
+  script would start that source anew there. Nor can it finish on the
+  migrating node once it touches a key not stored there: Redis stops it with
+  ``Script attempted to access a non local key`` (what it wrote before, the
+  refusals of earlier candidates, stays: each candidate's reads come before
+  its writes). Both are taken as ``TRYAGAIN``: the call waits until its
+  slot's migration ends and ``MOVED`` names the new owner.
 
 Each command follows at most ``_MAX_REDIRECTS`` redirections; then its last
 reply is its answer (the backend fails closed with it). A redirected command
@@ -49,7 +58,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from polygateway.backends.redis import codec
 from polygateway.backends.redis.endpoint import Endpoint
-from polygateway.backends.redis.wire import OnReply, Script, Wire, command
+from polygateway.backends.redis.wire import NON_LOCAL_KEY, OnReply, Script, Wire, command
 
 __all__ = ["SLOTS", "Cluster", "read_shards", "read_slots"]
 
@@ -61,6 +70,7 @@ _MAX_REDIRECTS: Final = 32
 _TRYAGAIN_FIRST_S: Final = 0.01
 _TRYAGAIN_MAX_S: Final = 0.2
 _ASKING: Final = command("ASKING")
+_NOT_HERE: Final = (NON_LOCAL_KEY, "ERR " + NON_LOCAL_KEY)
 _SHARDS: Final = command("CLUSTER", "SHARDS")
 _SLOTS: Final = command("CLUSTER", "SLOTS")
 _MAX_SCOPES: Final = 4096
@@ -231,7 +241,11 @@ class Cluster:
         if kind == "READONLY" or hops > _MAX_REDIRECTS:
             original(reply)  # a replica in a cluster is never a redirection of ours
             return
-        if kind == "TRYAGAIN":
+        if (
+            kind == "TRYAGAIN"
+            or str(reply).startswith(_NOT_HERE)
+            or (kind == "ASK" and script is not None and script.makes_keys)
+        ):
             # From the migrating node (it has some of the keys) or, after ASK, the importing
             # one: either way the slot's owner is asked again, which the map (or, before any
             # redirection, the node that answered) says.

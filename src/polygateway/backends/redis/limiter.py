@@ -109,6 +109,7 @@ from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Failed, Lat
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
 from polygateway.backends.redis.sentinel import SentinelPrimary
+from polygateway.backends.redis.specset import SpecSet, limits_of
 from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups
 from polygateway.backends.redis.wire import (
     Arg,
@@ -192,6 +193,9 @@ _RELEASE_RETRY_FIRST_S = 0.05
 _IN_TRANSITION = ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
 """Error replies of a server that may serve the same command shortly (a release is retried)."""
 
+_SET_ARG = 17
+"""ACQUIRE's argument that carries the spec set itself (0-based in the call's argv)."""
+
 _MAX_SPEC_CACHE = 1024
 """Specs (and sources' keys) kept packed; configs hold a few dozen, so this only bounds misuse."""
 
@@ -213,9 +217,10 @@ _BREAKER_STATES = ("closed", "open", "half_open")
 _CANCELLED = AttemptOutcome("cancelled")
 
 
-def _script(text: str) -> Script:
+def _script(text: str, *, makes_keys: bool = False) -> Script:
     """A script as the wire sends it, its SHA1 computed here once."""
-    return Script(text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest())
+    sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+    return Script(text, sha, makes_keys=makes_keys)
 
 
 class RedisBackend:
@@ -276,6 +281,7 @@ class RedisBackend:
         "_serial",
         "_spec_args",
         "_spec_keys",
+        "_spec_sets",
         "_tenant_keys",
         "_timeout_s",
         "_url",
@@ -346,7 +352,7 @@ class RedisBackend:
         self._deadlines = Deadlines(socket_timeout_s)
         self._now = now
         self._scripts = {
-            "acquire": _script(scripts.ACQUIRE),
+            "acquire": _script(scripts.ACQUIRE, makes_keys=True),
             "release": _script(scripts.RELEASE),
             "renew": _script(scripts.RENEW),
             "progress_age_s": _script(scripts.PROGRESS),
@@ -389,6 +395,7 @@ class RedisBackend:
         )
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
+        self._spec_sets: dict[str, SpecSet] = {}  # per scope, the set ACQUIRE reads (specset.py)
         self._scope_keys: dict[str, tuple[Arg, ...]] = {}
         self._class_args: dict[
             tuple[str, tuple[tuple[str, float], ...], tuple[int, ...]], _Classes
@@ -524,18 +531,7 @@ class RedisBackend:
         """A candidate's ARGV slice (ACQUIRE's contract), packed once per spec."""
         cached = self._spec_args.get(spec)
         if cached is None:
-            rpm = spec.rpm is not None
-            tpm = spec.tpm is not None
-            limits = (
-                str(int(spec.max_concurrency)),
-                codec.num(spec.rpm),
-                codec.num(spec.rpm_capacity) if rpm else "",
-                codec.num(spec.tpm),
-                codec.num(spec.tpm_capacity) if tpm else "",
-                str(int(spec.breaker_failures)),
-                codec.num(spec.cooldown_s),
-                codec.num(spec.cooldown_max_s),
-            )
+            limits = limits_of(spec)
             # The limits, then the same as one string: the script writes them when it changed.
             cached = bulks((spec.name, *limits, " ".join(limits)))
             if len(self._spec_args) >= _MAX_SPEC_CACHE:
@@ -559,21 +555,36 @@ class RedisBackend:
         return cached
 
     def _keys_of_scope(self, scope: str) -> tuple[Arg, ...]:
-        """A scope's own keys (sources, progress mark, waiting registry), packed once per scope."""
+        """A scope's own keys (sources, progress mark, verdicts, waiting registry), packed once."""
         cached = self._scope_keys.get(scope)
         if cached is None:
             cached = bulks(
                 (
                     codec.key(scope, "sources"),
                     codec.key(scope, "progress"),
+                    codec.key(scope, "verdicts"),
                     codec.key(scope, "waiting"),
                     codec.key(scope, "waiting_until"),
+                    codec.key(scope, "specs", ""),  # a single candidate's: no set, never read
                 )
             )
             if len(self._scope_keys) >= _MAX_SPEC_CACHE:
                 self._scope_keys.clear()
             self._scope_keys[scope] = cached
         return cached
+
+    def _spec_set_of(self, scope: str, candidates: Sequence[SourceSpec]) -> SpecSet:
+        """The scope's spec set holding every candidate's spec: the last one, or its next."""
+        found = self._spec_sets.get(scope)
+        if found is None or not found.covers(candidates):
+            if found is None:
+                found = SpecSet(scope, {spec.name: spec for spec in candidates})
+            else:
+                found = found.with_specs(scope, candidates)
+            if len(self._spec_sets) >= _MAX_SPEC_CACHE:
+                self._spec_sets.clear()
+            self._spec_sets[scope] = found
+        return found
 
     def _classes_of(self, scope: str, room: ReleaseListener) -> _Classes | None:
         """The scope's priority classes packed for the scripts; ``None`` without classes."""
@@ -670,17 +681,37 @@ class RedisBackend:
         # memory backend's ids do: ordering leases by id is then stable from run to run, and
         # a lease zset reads chronologically.
         lease_id = f"{next(self._serial):012x}{os.urandom(16).hex()}"
-        keys = [self._keys_of_scope(scope)[0]]
+        scope_keys = self._keys_of_scope(scope)
+        spec_set: SpecSet | None = None
+        if len(specs) > 1:
+            # The others by index into the scope's spec set, sent whole while not stored.
+            spec_set = self._spec_set_of(scope, specs)
+            keys = [scope_keys[0], *self._keys_of(scope, specs[0].name), scope_keys[2]]
+            keys.append(spec_set.key)
+        else:
+            keys = [
+                scope_keys[0],
+                *self._keys_of(scope, specs[0].name),
+                scope_keys[2],
+                scope_keys[5],
+            ]
         argv = [
             self._now_arg(),
             bulk(lease_id),
             bulk(codec.num(ttl_s)),
             bulk(str(int(cost_tokens))),
             _STATE_TTL_ARG,
+            *self._args_of(specs[0]),
         ]
-        for spec in specs:
-            keys += self._keys_of(scope, spec.name)
-            argv += self._args_of(spec)
+        if spec_set is None:
+            argv += (_EMPTY, _EMPTY, _EMPTY)
+        else:
+            argv += (
+                spec_set.digest,
+                spec_set.order(specs),
+                _EMPTY if spec_set.stored else spec_set.packed,
+            )
+            spec_set.stored = True
         wakeups = self._wakeups
         room = self._listening.get(scope)
         counted: str | None = None  # the class whose held permits the lease joins
@@ -692,7 +723,7 @@ class RedisBackend:
             classes = self._classes_of(scope, room)
             flows = room.waiting_tenants()
             if classes is None:
-                keys += self._keys_of_scope(scope)[2:]
+                keys += scope_keys[3:5]
                 argv += (self._proc_arg, _WAITING_TTL_ARG)
                 if flows is not None:
                     # Its tenants too (a call here named one): registered per tenant.
@@ -712,14 +743,11 @@ class RedisBackend:
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
-            rejections = tuple(
-                Rejection(
-                    specs[i].name,
-                    cast(RejectReason, codec.text(reply[2 + 2 * i])),
-                    codec.opt_float(reply[3 + 2 * i]),
-                )
-                for i in range((len(reply) - 2) // 2)
-            )
+            if granted < 0:
+                if argv[_SET_ARG] is not _EMPTY:
+                    raise ValueError("ACQUIRE found no spec set where it was just sent")
+                return _SET_UNKNOWN
+            rejections = _rejections(specs, codec.text(reply[2]), reply[3:])
             if granted == 0:
                 return AcquireResult(None, rejections)
             lease = Lease(
@@ -760,9 +788,20 @@ class RedisBackend:
             self._late_failure(operation, scope, exc)
 
         try:
-            if self._acks:
-                return await self._acquire_acknowledged(scope, keys, argv, parse, give_back, failed)
-            return await self._eval("acquire", scope, keys, argv, parse, give_back, failed)
+            while True:
+                if self._acks:
+                    result = await self._acquire_acknowledged(
+                        scope, keys, argv, parse, give_back, failed
+                    )
+                else:
+                    result = await self._eval(
+                        "acquire", scope, keys, argv, parse, give_back, failed
+                    )
+                if result is not _SET_UNKNOWN or spec_set is None:
+                    return result
+                # Redis holds no set under its digest (it expired, or a new primary never
+                # had it): sent whole, in a call of its own (specset.py).
+                argv[_SET_ARG] = spec_set.packed
         except GovernanceBackendError as exc:
             unanswered(exc.__cause__)
             raise
@@ -854,11 +893,11 @@ class RedisBackend:
         room = self._listening.get(scope)
         classes = None if room is None else self._classes_of(scope, room)
         if classes is None:
-            keys = (*self._keys_of(scope, lease.source), *self._keys_of_scope(scope)[1:])
+            keys = (*self._keys_of(scope, lease.source), *self._keys_of_scope(scope)[1:5])
         else:
             keys = (
                 *self._keys_of(scope, lease.source),
-                self._keys_of_scope(scope)[1],
+                *self._keys_of_scope(scope)[1:3],
                 *classes.registry,
                 classes.hash_key,
             )
@@ -1064,6 +1103,35 @@ def _tenant_lists(names: Sequence[str], flows: Mapping[str, Collection[str]]) ->
         inner = "".join(f"{len(t.encode())}:{t}" for t in flows.get(name, ()))
         lists.append(f"{len(inner.encode())}:{inner}")
     return bulk("".join(lists))
+
+
+_SET_UNKNOWN = AcquireResult(None)
+"""ACQUIRE's ``{-1}``: no spec set under the digest sent; the call is sent again with it."""
+
+_REASONS: dict[str, RejectReason] = {
+    "c": "concurrency",
+    "b": "breaker_open",
+    "i": "probe_in_flight",
+    "p": "paced",
+    "r": "rpm",
+    "t": "tpm",
+}
+"""ACQUIRE's reason codes; ``c`` and ``i`` carry no reopen time, the others one each."""
+
+
+def _rejections(
+    specs: Sequence[SourceSpec], codes: str, reopens: Sequence[Any]
+) -> tuple[Rejection, ...]:
+    """ACQUIRE's codes and reopen times as the candidates' rejections, in order."""
+    found = []
+    at = 0
+    for spec, code in zip(specs, codes, strict=False):
+        reopen = None
+        if code not in "ci":
+            reopen = float(codec.text(reopens[at]))
+            at += 1
+        found.append(Rejection(spec.name, _REASONS[code], reopen))
+    return tuple(found)
 
 
 _NOT_YET: Any = object()

@@ -28,8 +28,17 @@ Conventions shared by every script:
   no bucket yet), the last spec seen (``max_concurrency``, ``rpm``,
   ``rpm_cap``, ``tpm``, ``tpm_cap``, ``breaker_failures``, ``cooldown_s``,
   ``cooldown_max_s``), which release and snapshot need, with ``spec``, the
-  same eight values as one string (written only when it changes), and
-  ``expires_at``, when the source's keys were last set to expire.
+  same eight values as one string (written only when it changes),
+  ``expires_at``, when the source's keys were last set to expire, ``verdict``
+  (the offset of the source's mark in ``pgw:{scope}:verdicts``, "" once
+  cleared) and ``handoff_until`` (until when a permit released here may be
+  held for a waiting process: no mark before then).
+- Spec sets and verdicts (ACQUIRE's header; research-wiki/designs/
+  script-cost.md, "The O(1) contract"): hash ``pgw:{scope}:specs:<digest>``
+  (``n<i>`` / ``s<i>``: the name and spec of index ``i``) and string
+  ``pgw:{scope}:verdicts`` (a digest, then 13 bytes per index: until when, in
+  ms, that source is full). ACQUIRE makes the keys of its candidates after the
+  first from the stored names: the same hash tag, so the same slot.
 - Leases: zset ``pgw:{scope}:leases:<source>`` (lease id -> expiry). A lease
   with ``expiry <= now`` is dead: never counted, and dropped by RELEASE and
   RENEW. What a release or a renewal needs of a lease (its tpm reservation,
@@ -120,27 +129,40 @@ its marker line."""
 ACQUIRE = """
 -- ACQUIRE: lease the first admissible candidate, in the given order.
 --
--- KEYS[1]          pgw:{scope}:sources          zset: source name -> order of first sight
--- KEYS[2i]         pgw:{scope}:src:<name_i>     hash: the source's state and last spec
--- KEYS[2i+1]       pgw:{scope}:leases:<name_i>  zset: lease id -> expiry
+-- What a call carries does not grow with its candidates (research-wiki/designs/
+-- script-cost.md, "The O(1) contract"): the first candidate travels whole, the others
+-- as two bytes each, their index in the scope's spec set, a list of (name, spec) that
+-- the client stores once under its digest and the script reads when it reaches them.
+-- KEYS[1]  pgw:{scope}:sources          zset: source name -> order of first sight
+-- KEYS[2]  pgw:{scope}:src:<first>      hash: the first candidate's state and last spec
+-- KEYS[3]  pgw:{scope}:leases:<first>   zset: lease id -> expiry
+-- KEYS[4]  pgw:{scope}:verdicts         string: a spec set's digest, then per index in
+--          that set 13 bytes: the time (ms, zero-padded) until which the source is full
+-- KEYS[5]  pgw:{scope}:specs:<digest>   hash: "n<index>" -> name, "s<index>" -> spec
+-- The other candidates' keys, pgw:{scope}:src:<name> and pgw:{scope}:leases:<name>, are
+-- made here from KEYS[1]'s prefix and the stored name: same hash tag, same slot.
 -- ARGV[1]  now ("" = server TIME)       ARGV[2] lease id       ARGV[3] ttl_s
 -- ARGV[4]  cost_tokens                  ARGV[5] state key TTL in seconds
--- ARGV[6 + 10(i-1) ..] candidate i: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
+-- ARGV[6 .. 15] the first candidate: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
 --          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit),
---          then the eight limits joined by spaces (the spec as one string, compared
---          with the one stored to write the limits only when they changed)
--- Optional, last (n candidates; the two arguments, or the three, or none):
--- KEYS[2n+2]       pgw:{scope}:waiting          zset: process id -> registered / last woken
--- KEYS[2n+3]       pgw:{scope}:waiting_until    zset: process id -> registration expiry
--- ARGV[6+10n]      the caller's process id      ARGV[7+10n] registration TTL in seconds
+--          then the eight limits joined by spaces (its spec: compared with the one
+--          stored to write the limits only when they changed)
+-- ARGV[16] the spec set's digest ("" for a single candidate: no set, no verdicts)
+-- ARGV[17] the candidates' order, two bytes (big-endian) each: their indices in the set
+-- ARGV[18] "" or the set itself, stored under the digest first: "<len>:<name><len>:
+--          <spec>" per index from 0, one after another (lengths in bytes)
+-- Optional, last (the two arguments, or the three, or the four, or none):
+-- KEYS[6]  pgw:{scope}:waiting          zset: process id -> registered / last woken
+-- KEYS[7]  pgw:{scope}:waiting_until    zset: process id -> registration expiry
+-- ARGV[19] the caller's process id      ARGV[20] registration TTL in seconds
 -- With priority classes (m of them), the registry is one such pair per class
--- (KEYS[2n+2j], KEYS[2n+2j+1]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
--- and ARGV[8+10n] is m characters, the j-th "1" when the caller's process has calls
+-- (KEYS[4+2j], KEYS[5+2j]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
+-- and ARGV[21] is m characters, the j-th "1" when the caller's process has calls
 -- waiting (or asking) in class j, else "0".
 -- With tenants (the caller's room named one; m = 1 and flags "1" without classes):
--- ARGV[9+10n] lists per class j, in order, the tenants the process waits with there, as
+-- ARGV[22] lists per class j, in order, the tenants the process waits with there, as
 -- "<len>:<list>" with list "<len>:<tenant>" after one another (lengths in bytes), and
--- after the registries come per class three keys, KEYS[2n+2m+3j-1 .. 2n+2m+3j+1]:
+-- after the registries come per class three keys, KEYS[2m+3j+3 .. 2m+3j+5]:
 -- pgw:{scope}:flows[:<class>] (zset, all scores 0: "<len>:<tenant><process id>", the
 -- tenants' index), pgw:{scope}:flows_of[:<class>] (hash: process id -> its tenant list)
 -- and pgw:{scope}:tenants[:<class>] (zset: tenant -> place in the fleet's turn, lowest
@@ -151,10 +173,20 @@ ACQUIRE = """
 -- priority-fairness.md, "On Redis"): one key more, the very last, KEYS[#KEYS]
 -- pgw:{scope}:held:<class> (zset: lease id -> expiry, the class's permits held
 -- fleet-wide); a grant adds the lease to it with the lease's expiry.
--- Returns {granted, probe, reason_1, reopen_1, reason_2, reopen_2, ...}: granted is the
--- 1-based index of the leased candidate (0 = none), probe 1 when the lease is the
--- half-open probe, then one (reason, reopen_in_s or "") pair per rejected candidate,
--- in order. Candidates after the granted one are not examined (nor registered).
+-- Returns {granted, probe, codes, reopen_1, reopen_2, ...}: granted is the 1-based
+-- position of the leased candidate (0 = none), probe 1 when the lease is the half-open
+-- probe, codes one letter per rejected candidate in order (c concurrency, b
+-- breaker_open, i probe_in_flight, p paced, r rpm, t tpm) and then the reopen time of
+-- each rejection that has one (b, p, r, t), in order. Candidates after the granted one
+-- are not examined (nor registered). {-1} when a candidate after the first needs the
+-- spec set and none is stored under the digest: the client sends it and calls again.
+-- Verdicts (calls of two candidates or more): a candidate refused for concurrency is
+-- marked full until its earliest live lease expires (not while a hand-off placeholder
+-- may be live there: ``handoff_until``), and later calls refuse it for concurrency
+-- without examining it while the mark stands. A concurrency refusal means the breaker
+-- and the pacer passed, which only a RELEASE at the source can change, as it alone
+-- moves the AIMD limit and frees a lease before its expiry; RELEASE clears the mark
+-- (its offset is the source state's ``verdict``), a different spec set reads none.
 -- With a process id: a grant unregisters the process (from every class); a
 -- refusal in which some candidate waits for a release (concurrency, probe_in_flight)
 -- registers it in each class it waits in (a new member's score is now, an existing one
@@ -171,25 +203,25 @@ local lease_id = ARGV[2]
 local ttl = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
 local state_ttl = tonumber(ARGV[5])
-local count = math.floor((#ARGV - 5) / 10)
-local tail = #ARGV - 5 - 10 * count
+local digest, order = ARGV[16], ARGV[17]
+local count = math.max(1, #order / 2)
+local tail = #ARGV - 18
 local proc, promised
 -- Per class: its two registry keys, whether proc waits in it, and with tenants its three
 -- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there.
 local classes = {}
 if tail >= 2 then
-  proc = ARGV[6 + 10 * count]
+  proc = ARGV[19]
   promised = 'handoff:' .. proc
   if tail >= 3 then
-    local flags = ARGV[8 + 10 * count]
+    local flags = ARGV[21]
     for j = 1, #flags do
-      classes[j] = {KEYS[2 * count + 2 * j], KEYS[2 * count + 2 * j + 1],
-        string.sub(flags, j, j) == '1'}
+      classes[j] = {KEYS[4 + 2 * j], KEYS[5 + 2 * j], string.sub(flags, j, j) == '1'}
     end
     if tail == 4 then
-      local lists, at = ARGV[9 + 10 * count], 1
+      local lists, at = ARGV[22], 1
       for j, c in ipairs(classes) do
-        local base = 2 * count + 2 * #flags + 3 * j - 1
+        local base = 3 + 2 * #flags + 3 * j
         local colon = string.find(lists, ':', at, true)
         local len = tonumber(string.sub(lists, at, colon - 1))
         c[4], c[5], c[6] = KEYS[base], KEYS[base + 1], KEYS[base + 2]
@@ -198,29 +230,31 @@ if tail >= 2 then
       end
     end
   else
-    classes[1] = {KEYS[2 * count + 2], KEYS[2 * count + 3], true}
+    classes[1] = {KEYS[6], KEYS[7], true}
   end
 end
 -- The call's class's held-permits zset (reserved floors), after every other key.
-local others = 1 + 2 * count + 2 * #classes
+local others = 5 + 2 * #classes
 if tail == 4 then
   others = others + 3 * #classes
 end
 local hk = KEYS[others + 1]
+local vk, setk = KEYS[4], KEYS[5]
+local verdicts = ''  -- this call's view of the marks: the digest, then 13 bytes an index
 
 -- The checks of source_state.admit, in order; returns reason, reopen_in_s, probe.
 -- Stored whatever the verdict, in one HSET: first sight, a changed spec, open ->
 -- half_open, refills, the commit. Dead leases are not counted (and left to RELEASE's
 -- sweep).
-local function examine(i, a)
-  local sk, lk = KEYS[2 * i], KEYS[2 * i + 1]
-  local maxc = tonumber(ARGV[a + 2])
-  local rpm = tonumber(ARGV[a + 3])
-  local rpm_cap = tonumber(ARGV[a + 4])
-  local tpm = tonumber(ARGV[a + 5])
-  local tpm_cap = tonumber(ARGV[a + 6])
-  local cooldown_max = tonumber(ARGV[a + 9])
-  local spec = ARGV[a + 10]
+local function examine(c)
+  local sk, lk = c.sk, c.lk
+  local maxc = tonumber(c[2])
+  local rpm = tonumber(c[3])
+  local rpm_cap = tonumber(c[4])
+  local tpm = tonumber(c[5])
+  local tpm_cap = tonumber(c[6])
+  local cooldown_max = tonumber(c[9])
+  local spec = c[10]
 
   -- What every call reads; the probes' fields only when a breaker is not closed or a
   -- pause waits for its probe (one more read, in those states alone).
@@ -266,18 +300,35 @@ local function examine(i, a)
   end
   -- The last spec seen, which release and snapshot work from: written when it changed.
   if h[9] ~= spec then
-    put('max_concurrency', ARGV[a + 2])
-    put('rpm', ARGV[a + 3])
-    put('rpm_cap', ARGV[a + 4])
-    put('tpm', ARGV[a + 5])
-    put('tpm_cap', ARGV[a + 6])
-    put('breaker_failures', ARGV[a + 7])
-    put('cooldown_s', ARGV[a + 8])
-    put('cooldown_max_s', ARGV[a + 9])
+    put('max_concurrency', c[2])
+    put('rpm', c[3])
+    put('rpm_cap', c[4])
+    put('tpm', c[5])
+    put('tpm_cap', c[6])
+    put('breaker_failures', c[7])
+    put('cooldown_s', c[8])
+    put('cooldown_max_s', c[9])
     put('spec', spec)
   end
 
   local live = nil  -- live leases, once counted
+  -- The verdict (see the header): full until the earliest live lease lapses, in ms rounded
+  -- down, so that it never outlasts the lease. Not while a hand-off placeholder may be
+  -- live here: the process it waits for would skip the source it may claim.
+  local function mark()
+    if (tonumber(redis.call('HGET', sk, 'handoff_until')) or 0) > now then
+      return
+    end
+    local first = redis.call('ZRANGEBYSCORE', lk, '(' .. now_s, '+inf', 'WITHSCORES',
+      'LIMIT', 0, 1)
+    if verdicts == '' then
+      redis.call('SET', vk, digest, 'EX', state_ttl)
+      verdicts = digest
+    end
+    redis.call('SETRANGE', vk, c.off,
+      string.format('%013d', math.floor(tonumber(first[2]) * 1000)))
+    put('verdict', c.off)
+  end
   local function admit()
     -- 1. Breaker (breaker.admit).
     if breaker == 'open' then
@@ -315,6 +366,9 @@ local function examine(i, a)
     if live >= math.max(1, math.min(maxc, math.floor(limit))) then
       local held = promised and tonumber(redis.call('ZSCORE', lk, promised))
       if not (held and held > now) then
+        if c.off then
+          mark()
+        end
         return 'concurrency', nil, false
       end
     end
@@ -401,9 +455,8 @@ local function examine(i, a)
   if renewed then
     redis.call('EXPIRE', sk, life)
     redis.call('EXPIRE', lk, life)
-    local name = ARGV[a + 1]
-    if not redis.call('ZSCORE', KEYS[1], name) then
-      redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), name)
+    if not redis.call('ZSCORE', KEYS[1], c[1]) then
+      redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), c[1])
     end
     redis.call('EXPIRE', KEYS[1], life)
   elseif reason == nil and live == 0 then
@@ -416,48 +469,102 @@ end
 
 -- @tenant-functions
 
-local result = {0, 0}
-local for_release = false
-for i = 1, count do
-  local reason, reopen, probe = examine(i, 5 + 10 * (i - 1))
-  if reason == nil then
-    result[1] = i
-    if probe then
-      result[2] = 1
-    end
-    if hk then
-      -- The lease counts toward its class's permits held fleet-wide until it ends or
-      -- lapses; the key outlives every live member.
-      redis.call('ZADD', hk, fmt(now + ttl), lease_id)
-      local need = math.ceil(ttl) + 1
-      if redis.call('TTL', hk) < need then
-        redis.call('EXPIRE', hk, 2 * need)
-      end
-    end
-    if proc then
-      for _, c in ipairs(classes) do
-        redis.call('ZREM', c[1], proc)
-        redis.call('ZREM', c[2], proc)
-        if c[4] then
-          drop_flows(c[4], c[5], proc)
-        end
-      end
-    end
-    return result
+-- The first candidate from ARGV; the others from the spec set, read when reached (the
+-- set, when the call carries it, stored first).
+local first = {ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13],
+  ARGV[14], ARGV[15], sk = KEYS[2], lk = KEYS[3]}
+local prefix = string.sub(KEYS[1], 1, -8)  -- "pgw:{scope}:" of "pgw:{scope}:sources"
+local dl = #digest
+if ARGV[18] ~= '' then
+  local items, fields = tenants_of(ARGV[18]), {}
+  for k = 1, #items / 2 do
+    fields[4 * k - 3] = 'n' .. (k - 1)
+    fields[4 * k - 2] = items[2 * k - 1]
+    fields[4 * k - 1] = 's' .. (k - 1)
+    fields[4 * k] = items[2 * k]
   end
-  if reason == 'concurrency' or reason == 'probe_in_flight' then
-    for_release = true
-  end
-  table.insert(result, reason)
-  if reopen == nil then
-    table.insert(result, '')
-  else
-    table.insert(result, fmt(reopen))
+  redis.call('HSET', setk, unpack(fields))
+  redis.call('EXPIRE', setk, state_ttl)
+end
+if dl > 0 then
+  verdicts = redis.call('GET', vk) or ''
+  if string.sub(verdicts, 1, dl) ~= digest then
+    verdicts = ''
   end
 end
+
+local CODES = {concurrency = 'c', breaker_open = 'b', probe_in_flight = 'i', paced = 'p',
+  rpm = 'r', tpm = 't'}
+local now_ms = string.format('%013d', math.floor(now * 1000))
+local codes, reopens, skipped = {}, {}, 0
+local for_release = false
+for j = 1, count do
+  local c, off = nil, nil
+  if dl > 0 then
+    local hi, lo = string.byte(order, 2 * j - 1, 2 * j)
+    off = dl + 13 * (hi * 256 + lo)
+  end
+  if off and string.sub(verdicts, off + 1, off + 13) > now_ms then
+    -- Marked full, and it stands: refused for concurrency unexamined (runs as one string).
+    skipped = skipped + 1
+    for_release = true
+  else
+    if skipped > 0 then
+      codes[#codes + 1] = string.rep('c', skipped)
+      skipped = 0
+    end
+    if j == 1 then
+      c = first
+    else
+      local idx = (off - dl) / 13
+      local s = redis.call('HMGET', setk, 'n' .. idx, 's' .. idx)
+      if not s[1] then
+        return {-1}
+      end
+      c = {s[1]}
+      for w in string.gmatch(s[2] .. ' ', '([^ ]*) ') do
+        c[#c + 1] = w
+      end
+      c[10] = s[2]
+      c.sk, c.lk = prefix .. 'src:' .. s[1], prefix .. 'leases:' .. s[1]
+    end
+    c.off = off
+    local reason, reopen, probe = examine(c)
+    if reason == nil then
+      if hk then
+        -- The lease counts toward its class's permits held fleet-wide until it ends or
+        -- lapses; the key outlives every live member.
+        redis.call('ZADD', hk, fmt(now + ttl), lease_id)
+        local need = math.ceil(ttl) + 1
+        if redis.call('TTL', hk) < need then
+          redis.call('EXPIRE', hk, 2 * need)
+        end
+      end
+      if proc then
+        for _, k in ipairs(classes) do
+          redis.call('ZREM', k[1], proc)
+          redis.call('ZREM', k[2], proc)
+          if k[4] then
+            drop_flows(k[4], k[5], proc)
+          end
+        end
+      end
+      return {j, probe and 1 or 0, table.concat(codes), unpack(reopens)}
+    end
+    if reason == 'concurrency' or reason == 'probe_in_flight' then
+      for_release = true
+    end
+    codes[#codes + 1] = CODES[reason]
+    if reopen ~= nil then
+      reopens[#reopens + 1] = fmt(reopen)
+    end
+  end
+end
+codes[#codes + 1] = string.rep('c', skipped)
+local result = {0, 0, table.concat(codes), unpack(reopens)}
 -- Refused: a process waiting for a release is registered to be woken by one.
 if proc and for_release then
-  local wttl = tonumber(ARGV[7 + 10 * count])
+  local wttl = tonumber(ARGV[20])
   local keep = math.ceil(wttl) + 1
   for _, c in ipairs(classes) do
     if c[3] then
@@ -503,7 +610,7 @@ RELEASE = """
 -- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome).
 --
 -- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
--- KEYS[3] pgw:{scope}:progress
+-- KEYS[3] pgw:{scope}:progress     KEYS[4] pgw:{scope}:verdicts (see ACQUIRE)
 -- ARGV[1] now ("" = server TIME)   ARGV[2] lease id
 -- ARGV[3] outcome kind: success | transient | rate_limited | source_misconfigured |
 --         request_rejected | cancelled
@@ -514,13 +621,13 @@ RELEASE = """
 -- ARGV[8] AIMD cool-off s   ARGV[9] AIMD factor   ARGV[10] progress key TTL s
 -- ARGV[11] state key TTL s
 -- Optional, last (all or none):
--- KEYS[4] pgw:{scope}:waiting   KEYS[5] pgw:{scope}:waiting_until   (see ACQUIRE)
+-- KEYS[5] pgw:{scope}:waiting   KEYS[6] pgw:{scope}:waiting_until   (see ACQUIRE)
 -- ARGV[12] the releasing process's id   ARGV[13] the scope (the wake-up's message)
 -- ARGV[14] "1" when a PUBLISH that reaches no subscriber means the process is gone
 --          (one server); "0" when receivers are not counted here (a cluster's bus)
 -- ARGV[15] hand-off TTL in seconds (optional: absent, no hand-off)
--- With priority classes (m of them, after ARGV[15]): KEYS[2+2j], KEYS[3+2j] class j's
--- registry (see ACQUIRE) in place of KEYS[4], KEYS[5]; KEYS[4+2m] pgw:{scope}:classes
+-- With priority classes (m of them, after ARGV[15]): KEYS[3+2j], KEYS[4+2j] class j's
+-- registry (see ACQUIRE) in place of KEYS[5], KEYS[6]; KEYS[5+2m] pgw:{scope}:classes
 -- (hash: vtime, pass:<class>, on:<class>); ARGV[14+2j] class j's name, ARGV[15+2j] its
 -- share. The class whose turn it is is chosen first (stride scheduling, below), then
 -- the process; the wake-up's message is the scope, a newline and the class, and the
@@ -603,16 +710,16 @@ local function wake(cap, expires_at)
   local m = math.floor((#ARGV - 15) / 2)
   local regs, live = {}, {}
   if m < 1 then
-    regs[1] = {KEYS[4], KEYS[5], nil, 1}
-    if #KEYS >= 8 then
-      regs[1][5], regs[1][6], regs[1][7] = KEYS[6], KEYS[7], KEYS[8]
+    regs[1] = {KEYS[5], KEYS[6], nil, 1}
+    if #KEYS >= 9 then
+      regs[1][5], regs[1][6], regs[1][7] = KEYS[7], KEYS[8], KEYS[9]
     end
   else
-    local tenants = #KEYS - (floors and m or 0) >= 4 + 5 * m
+    local tenants = #KEYS - (floors and m or 0) >= 5 + 5 * m
     for j = 1, m do
-      regs[j] = {KEYS[2 + 2 * j], KEYS[3 + 2 * j], ARGV[14 + 2 * j], tonumber(ARGV[15 + 2 * j])}
+      regs[j] = {KEYS[3 + 2 * j], KEYS[4 + 2 * j], ARGV[14 + 2 * j], tonumber(ARGV[15 + 2 * j])}
       if tenants then
-        local base = 4 + 2 * m + 3 * j
+        local base = 5 + 2 * m + 3 * j
         regs[j][5], regs[j][6], regs[j][7] = KEYS[base - 2], KEYS[base - 1], KEYS[base]
       end
     end
@@ -652,7 +759,7 @@ local function wake(cap, expires_at)
     -- larger share on a tie, then the class listed first) and moves on by 1 / share; a
     -- class back from idle (no registration at the last wake-up) starts level with the
     -- classes that were waiting, or where the last one served left off (vtime).
-    local ck = KEYS[4 + 2 * m]
+    local ck = KEYS[5 + 2 * m]
     local fields = {'vtime'}
     for _, r in ipairs(regs) do
       table.insert(fields, 'pass:' .. r[3])
@@ -806,6 +913,8 @@ local function wake(cap, expires_at)
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
         redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head)
+        -- No verdict while a placeholder may be live (ACQUIRE's mark).
+        redis.call('HSET', sk, 'handoff_until', fmt(now + handoff))
         if left == 0 then
           -- The placeholder made the key anew: it gets the lifetime the source's state
           -- has left (ACQUIRE's leases may join it), at least the placeholder's own.
@@ -860,7 +969,7 @@ end
 -- for those alone: a success without a pause touches none of it.
 local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
   'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
-  'reopen_probe', 'pprobe_id', 'expires_at')
+  'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
 local maxc = tonumber(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
@@ -989,6 +1098,15 @@ if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
   local reserved = tonumber(ARGV[7]) or 0
   table.insert(writes, 'tpm_tokens')
   table.insert(writes, fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
+end
+-- A verdict on the source (ACQUIRE's mark) no longer holds: a lease is freed, and the
+-- outcome may have moved the limit, the breaker or the pacer.
+if h[15] and h[15] ~= '' then
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    redis.call('SETRANGE', KEYS[4], h[15], '0000000000000')
+  end
+  table.insert(writes, 'verdict')
+  table.insert(writes, '')
 end
 if #writes > 0 then
   redis.call('HSET', sk, unpack(writes))

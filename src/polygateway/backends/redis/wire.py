@@ -105,6 +105,7 @@ __all__ = [
     "Unanswered",
     "Wire",
     "bulk",
+    "bulk_bytes",
     "bulks",
     "command",
     "handshake",
@@ -125,7 +126,11 @@ OnReply = Callable[[Any], None]
 Redirect = Callable[[ResponseError, bytes, "OnReply", "Script | None"], None]
 """Takes an error reply that says the command belongs elsewhere, with the command, to send it on."""
 
-REDIRECTS: Final = ("MOVED ", "ASK ", "TRYAGAIN", "READONLY")
+NON_LOCAL_KEY: Final = "Script attempted to access a non local key"
+"""A script's error on a Cluster node whose slot migrates: it touched a key it did not name
+in KEYS that is not stored there (moved, or not made yet); what it wrote before stays."""
+
+REDIRECTS: Final = ("MOVED ", "ASK ", "TRYAGAIN", "READONLY", NON_LOCAL_KEY, "ERR " + NON_LOCAL_KEY)
 """The error replies a ``Redirect`` is given (Cluster redirections, a demoted primary)."""
 
 Locate = Callable[[], Awaitable[Endpoint]]
@@ -146,6 +151,11 @@ class Unanswered(RedisConnectionError):
 def bulk(value: str) -> Arg:
     """One argument, packed."""
     data = value.encode()
+    return Arg(b"$%d\r\n%b\r\n" % (len(data), data))
+
+
+def bulk_bytes(data: bytes) -> Arg:
+    """One binary argument, packed."""
     return Arg(b"$%d\r\n%b\r\n" % (len(data), data))
 
 
@@ -187,11 +197,16 @@ def handshake(
 
 
 class Script:
-    """A Lua script: its ``SCRIPT LOAD`` command and its SHA1, as EVALSHA sends it."""
+    """A Lua script: its ``SCRIPT LOAD`` command and its SHA1, as EVALSHA sends it.
 
-    __slots__ = ("_head", "load")
+    ``makes_keys``: the script also touches keys it makes itself (same hash tag,
+    not in KEYS); in a Cluster it must not follow ``ASK`` (``cluster.py``).
+    """
 
-    def __init__(self, text: str, sha: str) -> None:
+    __slots__ = ("_head", "load", "makes_keys")
+
+    def __init__(self, text: str, sha: str, *, makes_keys: bool = False) -> None:
+        self.makes_keys = makes_keys
         self.load = command("SCRIPT", "LOAD", text)
         self._head = _EVALSHA + sha.encode() + b"\r\n"
 

@@ -1,0 +1,190 @@
+"""Verdicts on a real Redis: a full source is refused unexamined, and never wrongly.
+
+ACQUIRE marks a candidate it refused for concurrency as full until its
+earliest live lease lapses, and later calls of two candidates or more refuse
+it without reading its state (research-wiki/designs/script-cost.md, "The O(1)
+contract"). A mark must never outlive what made it true: each test below
+breaks one way it could (the lapse's exact instant, a release, a changed spec,
+a hand-off placeholder, a lost spec set or verdict key) and checks that the
+decision is the one an examination gives. The scripts run on the tests'
+``FakeClock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from _behind import released
+from _wakeups import listening
+
+from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
+from polygateway.backends.redis import RedisBackend
+from polygateway.middleware.waiting import room_for
+from polygateway.testing import FakeClock
+
+SCOPE = "verdicts"
+VERDICTS = f"pgw:{{{SCOPE}}}:verdicts"
+SUCCESS = AttemptOutcome("success")
+
+
+def one(name: str, **limits: float) -> SourceSpec:
+    return SourceSpec(name=name, max_concurrency=int(limits.pop("max_concurrency", 1)), **limits)
+
+
+A, B = one("a"), one("b")
+
+
+async def hold(backend: RedisBackend, source: SourceSpec, ttl_s: float = 1000.0) -> Lease:
+    """A lease at ``source`` taken alone (a single candidate reads and writes no verdict)."""
+    lease = (await backend.acquire(SCOPE, [source], ttl_s=ttl_s)).lease
+    assert lease is not None
+    return lease
+
+
+async def reasons(backend: RedisBackend, candidates: list[SourceSpec]) -> list[str]:
+    result = await backend.acquire(SCOPE, candidates, ttl_s=60.0)
+    assert result.lease is None, f"granted at {result.lease.source}" if result.lease else ""
+    return [r.reason for r in result.rejections]
+
+
+async def granted_at(backend: RedisBackend, candidates: list[SourceSpec]) -> str:
+    result = await backend.acquire(SCOPE, candidates, ttl_s=60.0)
+    assert result.lease is not None, [r.reason for r in result.rejections]
+    return result.lease.source
+
+
+async def calls(admin: aioredis.Redis, command: str) -> int:
+    stats = (await admin.info("commandstats")).get(f"cmdstat_{command}")
+    return int(stats["calls"]) if stats else 0
+
+
+async def test_full_sources_are_refused_unexamined_once_marked(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Ten full sources before a free one: the first call reads all eleven states, the next
+    only the free one's (its state and its spec), with the same ten refusals."""
+    holder, p = fleet(), fleet()
+    full = [one(f"s{i}") for i in range(10)]
+    for source in full:
+        await hold(holder, source)
+    free = one("z", max_concurrency=2)
+    before = await calls(admin, "hmget")
+    assert await granted_at(p, [*full, free]) == "z"
+    first = await calls(admin, "hmget") - before
+    assert first >= 11
+    before = await calls(admin, "hmget")
+    result = await p.acquire(SCOPE, [*full, free], ttl_s=60.0)
+    assert result.lease is not None
+    assert result.lease.source == "z"
+    assert [(r.source, r.reason) for r in result.rejections] == [
+        (s.name, "concurrency") for s in full
+    ]
+    assert await calls(admin, "hmget") - before == 2
+
+
+async def test_a_mark_lapses_at_the_exact_expiry_of_the_earliest_lease(
+    fleet: Callable[[], RedisBackend], clock: FakeClock
+) -> None:
+    """A lease dead at 1030.0 (expiry <= now): its source is refused up to a millisecond
+    before and granted at that instant, as an examination would."""
+    holder, p = fleet(), fleet()
+    await hold(holder, A, ttl_s=30.0)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    clock.advance(29.999)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    clock.advance(0.001)
+    assert await granted_at(p, [A, B]) == "a"
+
+
+async def test_a_release_at_a_marked_source_clears_its_mark(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A lease freed long before it lapses: the next call is granted there."""
+    holder, p = fleet(), fleet()
+    lease = await hold(holder, A)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")
+    await released(holder, lease, SUCCESS)
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict") == ""
+    assert await granted_at(p, [A, B]) == "a"
+
+
+async def test_a_changed_spec_reads_no_mark_made_under_the_old_one(
+    fleet: Callable[[], RedisBackend],
+) -> None:
+    """a, first seen at max_concurrency 4 (AIMD's limit 4), is asked for at 1 with one lease
+    live: refused and marked. Asked for at 4 again, it is examined, and granted."""
+    holder, p = fleet(), fleet()
+    await hold(holder, one("a", max_concurrency=4))
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert await granted_at(p, [one("a", max_concurrency=4), B]) == "a"
+
+
+async def test_no_mark_stands_where_a_permit_is_held_for_a_waiting_process(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A release hands a's permit to waiting P; another process, refused there meanwhile,
+    must not mark a full: P, calling next with both candidates, claims its permit."""
+    holder, p, other = fleet(), fleet(), fleet()
+    room = room_for(p, SCOPE)
+    room.enter()
+    room_for(other, SCOPE)  # asks at once, with its process id
+    await listening(admin, 2)
+    lease = await hold(holder, A)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]  # registers P
+    await released(holder, lease, SUCCESS)
+    assert await reasons(other, [A, B]) == ["concurrency", "concurrency"]
+    assert await granted_at(p, [A, B]) == "a"
+
+
+async def test_a_spec_set_redis_lost_is_sent_again(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The set stored under its digest is gone (expired, a new primary): the call that needs
+    it is answered all the same, and the set is stored again."""
+    holder, p = fleet(), fleet()
+    await hold(holder, A)
+    assert await granted_at(p, [A, B]) == "b"
+    (key,) = await admin.keys(f"pgw:{{{SCOPE}}}:specs:*")
+    assert await admin.hgetall(key) == {
+        "n0": "a",
+        "s0": "1     5 30.0 300.0",
+        "n1": "b",
+        "s1": "1     5 30.0 300.0",
+    }
+    assert 0 < await admin.ttl(key) <= 86_400
+    await admin.delete(key, VERDICTS)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert await admin.exists(key)
+
+
+async def test_a_release_does_not_make_a_verdict_key_anew(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The verdict key is gone (expired) when a marked source's lease is released: nothing
+    is written to it (a key made by SETRANGE would never expire), the state's mark goes."""
+    holder, p = fleet(), fleet()
+    lease = await hold(holder, A)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert 0 < await admin.ttl(VERDICTS) <= 86_400
+    await admin.delete(VERDICTS)
+    await released(holder, lease, SUCCESS)
+    assert not await admin.exists(VERDICTS)
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict") == ""
+
+
+async def test_a_single_candidate_reads_and_writes_no_verdict(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Nothing to skip to: a call of one candidate examines it, and marks nothing."""
+    holder, p = fleet(), fleet()
+    await hold(holder, A)
+    assert await reasons(p, [A]) == ["concurrency"]
+    assert not await admin.exists(VERDICTS)
+    assert not await admin.keys(f"pgw:{{{SCOPE}}}:specs:*")
