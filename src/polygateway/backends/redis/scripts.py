@@ -829,8 +829,9 @@ local function wake(cap, expires_at)
     if redis.call('ZCARD', wk) > redis.call('HLEN', fok) then
       local last = redis.call('ZRANGE', tk, -1, -1, 'WITHSCORES')
       redis.call('ZADD', tk, 'NX', (tonumber(last[2]) or 0) + 1, '')
-      if redis.call('TTL', tk) < 0 then
-        redis.call('EXPIRE', tk, math.max(redis.call('TTL', wk), 1))  -- made here: as wk
+      -- Made here (no expiry yet): it lives as long as wk, to the millisecond.
+      if redis.call('PTTL', tk) < 0 then
+        redis.call('PEXPIRE', tk, math.max(redis.call('PTTL', wk), 1))
       end
     end
     local fallback, fallback_t
