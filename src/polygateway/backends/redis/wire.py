@@ -3,7 +3,7 @@
 Why not ``redis.asyncio.Redis.evalsha``: profiled on the governance loop
 alone, redis-py 8 spent most of a round trip's client CPU around the round
 trip rather than in it: ``pack_command`` encoding every argument anew (an
-ACQUIRE carries about 25, nine per candidate, the same on every call), the
+ACQUIRE carries about 25, nearly all the same on every call), the
 client's observability hooks and retry wrapper, ``BlockingConnectionPool``'s
 condition, timeout and health probe per borrowed connection, an
 ``asyncio.wait_for`` (a Task in Python 3.11) around every socket write, and
