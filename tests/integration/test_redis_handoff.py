@@ -19,6 +19,7 @@ from _wakeups import BOUND_S, FLEET_SOCKET_TIMEOUT_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
+from polygateway.backends.redis.wire import bulk
 from polygateway.middleware.waiting import WaitingRoom, room_for
 from polygateway.testing import FakeClock
 
@@ -371,3 +372,16 @@ async def test_a_release_whose_only_registrant_is_gone_wakes_the_releasing_proce
     await woken(room)
     assert await admin.zrange(LEASES, 0, -1) == []
     assert await admin.zcard(WAITING) == 0
+
+
+async def test_a_permit_is_held_a_second_at_most_whatever_the_release_asks(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """A release asking to hold the permit 5 s holds it 1 s: ACQUIRE marks no source full
+    whose earliest live member lapses within a second, so a placeholder must lapse by
+    then (research-wiki/designs/script-cost.md, "The O(1) contract")."""
+    w = await p_waiting(fleet, admin, spec(1))
+    w.holder._handoff_arg = bulk(repr(5.0))  # what the client never sends: more than 1 s
+    await w.holder.release(w.leases[0], SUCCESS)
+    await woken(w.room)
+    assert await admin.zscore(LEASES, f"handoff:{w.proc}") == clock() + 1.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import redis.asyncio as aioredis
 from _behind import released
 from _wakeups import listening
@@ -140,6 +141,21 @@ async def test_no_mark_stands_where_a_permit_is_held_for_a_waiting_process(
     await released(holder, lease, SUCCESS)
     assert await reasons(other, [A, B]) == ["concurrency", "concurrency"]
     assert await granted_at(p, [A, B]) == "a"
+
+
+@pytest.mark.parametrize(("ttl_s", "marked"), [(1.0, False), (1.001, True)])
+async def test_no_mark_is_made_a_second_or_less_before_it_would_lapse(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, ttl_s: float, marked: bool
+) -> None:
+    """A hand-off placeholder lives 1 s at most, so a source whose earliest live member
+    lapses within a second is not marked (it may be a placeholder a waiting process is
+    about to claim); a millisecond later than that, it is."""
+    holder, p = fleet(), fleet()
+    await hold(holder, A, ttl_s=ttl_s)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert bool(await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")) is marked
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:b", "verdict")
 
 
 async def test_a_spec_set_redis_lost_is_sent_again(

@@ -184,7 +184,9 @@ once cannot take it before the woken head's acquire arrives. A live process
 claims it within a pub/sub hop and one acquire, milliseconds; the hold is
 only what a dead or stalled process may cost (one permit, this long). It is
 capped by the socket timeout as well: a head whose acquire takes longer has
-failed closed anyway, so holding the permit longer serves nobody.
+failed closed anyway, so holding the permit longer serves nobody. RELEASE
+holds a permit 1 s at most whatever it is sent: ACQUIRE marks no source full
+whose earliest live lease or placeholder lapses within a second.
 """
 
 _RELEASE_RETRY_FIRST_S = 0.05

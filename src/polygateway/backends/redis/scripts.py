@@ -29,10 +29,9 @@ Conventions shared by every script:
   ``rpm_cap``, ``tpm``, ``tpm_cap``, ``breaker_failures``, ``cooldown_s``,
   ``cooldown_max_s``), which release and snapshot need, with ``spec``, the
   same eight values as one string (written only when it changes),
-  ``expires_at``, when the source's keys were last set to expire, ``verdict``
-  (the offset of the source's mark in ``pgw:{scope}:verdicts``, "" once
-  cleared) and ``handoff_until`` (until when a permit released here may be
-  held for a waiting process: no mark before then).
+  ``expires_at``, when the source's keys were last set to expire, and
+  ``verdict`` (the offset of the source's mark in ``pgw:{scope}:verdicts``,
+  "" once cleared).
 - Spec sets and verdicts (ACQUIRE's header; research-wiki/designs/
   script-cost.md, "The O(1) contract"): hash ``pgw:{scope}:specs:<digest>``
   (``n<i>`` / ``s<i>``: the name and spec of index ``i``) and string
@@ -181,8 +180,8 @@ ACQUIRE = """
 -- are not examined (nor registered). {-1} when a candidate after the first needs the
 -- spec set and none is stored under the digest: the client sends it and calls again.
 -- Verdicts (calls of two candidates or more): a candidate refused for concurrency is
--- marked full until its earliest live lease expires (not while a hand-off placeholder
--- may be live there: ``handoff_until``), and later calls refuse it for concurrency
+-- marked full until its earliest live lease expires (not when that is at most 1 s away,
+-- as a hand-off placeholder may be), and later calls refuse it for concurrency
 -- without examining it while the mark stands. A concurrency refusal means the breaker
 -- and the pacer passed, which only a RELEASE at the source can change, as it alone
 -- moves the AIMD limit and frees a lease before its expiry; RELEASE clears the mark
@@ -313,20 +312,23 @@ local function examine(c)
 
   local live = nil  -- live leases, once counted
   -- The verdict (see the header): full until the earliest live lease lapses, in ms rounded
-  -- down, so that it never outlasts the lease. Not while a hand-off placeholder may be
-  -- live here: the process it waits for would skip the source it may claim.
+  -- down, so that it never outlasts the lease. None when that is at most a second away:
+  -- a hand-off placeholder (at most 1 s, RELEASE) may be live here, and the process it
+  -- waits for would skip the source it may claim; a lease that close to its end would
+  -- lapse the mark at once anyway.
   local function mark()
-    if (tonumber(redis.call('HGET', sk, 'handoff_until')) or 0) > now then
-      return
-    end
     local first = redis.call('ZRANGEBYSCORE', lk, '(' .. now_s, '+inf', 'WITHSCORES',
       'LIMIT', 0, 1)
+    local lapse = tonumber(first[2])
+    if lapse <= now + 1 then
+      return
+    end
     if verdicts == '' then
       redis.call('SET', vk, digest, 'EX', state_ttl)
       verdicts = digest
     end
     redis.call('SETRANGE', vk, c.off,
-      string.format('%013d', math.floor(tonumber(first[2]) * 1000)))
+      string.format('%013d', math.floor(lapse * 1000)))
     put('verdict', c.off)
   end
   local function admit()
@@ -625,7 +627,8 @@ RELEASE = """
 -- ARGV[12] the releasing process's id   ARGV[13] the scope (the wake-up's message)
 -- ARGV[14] "1" when a PUBLISH that reaches no subscriber means the process is gone
 --          (one server); "0" when receivers are not counted here (a cluster's bus)
--- ARGV[15] hand-off TTL in seconds (optional: absent, no hand-off)
+-- ARGV[15] hand-off TTL in seconds, at most 1 (optional: absent, no hand-off; more is
+--          taken as 1: ACQUIRE's marks rely on a placeholder living at most 1 s)
 -- With priority classes (m of them, after ARGV[15]): KEYS[3+2j], KEYS[4+2j] class j's
 -- registry (see ACQUIRE) in place of KEYS[5], KEYS[6]; KEYS[5+2m] pgw:{scope}:classes
 -- (hash: vtime, pass:<class>, on:<class>); ARGV[14+2j] class j's name, ARGV[15+2j] its
@@ -817,6 +820,9 @@ local function wake(cap, expires_at)
   local reg = regs[j]
   local wk, wuk, class = reg[1], reg[2], reg[3]
   local handoff = tonumber(ARGV[15])
+  if handoff then
+    handoff = math.min(handoff, 1)
+  end
   local left = cap and handoff and redis.call('ZCARD', lk)  -- live leases: swept above
   local held = left and left < cap
 
@@ -914,8 +920,6 @@ local function wake(cap, expires_at)
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
         redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head)
-        -- No verdict while a placeholder may be live (ACQUIRE's mark).
-        redis.call('HSET', sk, 'handoff_until', fmt(now + handoff))
         if left == 0 then
           -- The placeholder made the key anew: it gets the lifetime the source's state
           -- has left (ACQUIRE's leases may join it), at least the placeholder's own.
