@@ -198,12 +198,21 @@ async def test_a_release_does_not_make_a_verdict_key_anew(
 async def test_a_single_candidate_reads_and_writes_no_verdict(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
-    """Nothing to skip to: a call of one candidate examines it, and marks nothing."""
+    """Nothing to skip to: a call of one candidate examines it, reads no verdict (not even
+    where marks exist) and makes none."""
     holder, p = fleet(), fleet()
     await hold(holder, A)
+    await hold(holder, B)
+    assert await reasons(p, [B, A]) == ["concurrency", "concurrency"]  # a and b marked
+    await admin.delete(f"pgw:{{{SCOPE}}}:src:a", f"pgw:{{{SCOPE}}}:leases:a")  # marked, free
+    sets = await admin.keys(f"pgw:{{{SCOPE}}}:specs:*")
+    before = await calls(admin, "get")
+    assert await granted_at(p, [A]) == "a"
+    assert await calls(admin, "get") == before
+    await admin.delete(VERDICTS)
     assert await reasons(p, [A]) == ["concurrency"]
     assert not await admin.exists(VERDICTS)
-    assert not await admin.keys(f"pgw:{{{SCOPE}}}:specs:*")
+    assert await admin.keys(f"pgw:{{{SCOPE}}}:specs:*") == sets
 
 
 async def test_a_fleet_user_allowed_only_the_gateways_keys_walks_and_marks(

@@ -511,10 +511,8 @@ for j = 1, count do
     skipped = skipped + 1
     for_release = true
   else
-    if skipped > 0 then
-      codes[#codes + 1] = string.rep('c', skipped)
-      skipped = 0
-    end
+    codes[#codes + 1] = string.rep('c', skipped)  -- the run before it ('' when none)
+    skipped = 0
     if j == 1 then
       c = first
     else
