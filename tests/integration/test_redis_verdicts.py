@@ -85,16 +85,18 @@ async def test_full_sources_are_refused_unexamined_once_marked(
 
 
 async def test_a_mark_lapses_at_the_exact_expiry_of_the_earliest_lease(
-    fleet: Callable[[], RedisBackend], clock: FakeClock
+    fleet: Callable[[], RedisBackend], clock: FakeClock, admin: aioredis.Redis
 ) -> None:
-    """A lease dead at 1030.0 (expiry <= now): its source is refused up to a millisecond
-    before and granted at that instant, as an examination would."""
+    """A lease dead at 1030.0 (expiry <= now): its source is refused unexamined up to a
+    millisecond before and granted at that instant, as an examination would."""
     holder, p = fleet(), fleet()
     await hold(holder, A, ttl_s=30.0)
     await hold(holder, B)
     assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
     clock.advance(29.999)
+    before = await calls(admin, "hmget")
     assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert await calls(admin, "hmget") == before, "both marks stand: nothing examined"
     clock.advance(0.001)
     assert await granted_at(p, [A, B]) == "a"
 
