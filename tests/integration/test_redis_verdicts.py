@@ -233,3 +233,37 @@ async def test_a_fleet_user_allowed_only_the_gateways_keys_walks_and_marks(
     finally:
         await holder.aclose()
         await p.aclose()
+
+
+async def test_indices_beyond_one_byte_name_their_own_source_and_mark(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """A scope of 300 sources: an index travels as two bytes, so s280 (index 280) is marked
+    at its own offset and s281 is read, and leased, as itself."""
+    holder, p = fleet(), fleet()
+    every = [one(f"s{i:03d}") for i in range(300)]
+    assert await granted_at(p, every) == "s000"  # stores the set of all 300
+    await hold(holder, every[280])
+    result = await p.acquire(SCOPE, [every[280], every[281]], ttl_s=60.0)
+    assert result.lease is not None
+    assert result.lease.source == "s281"
+    assert [(r.source, r.reason) for r in result.rejections] == [("s280", "concurrency")]
+    assert result.lease.lease_id in await admin.zrange(f"pgw:{{{SCOPE}}}:leases:s281", 0, -1)
+    offset = 32 + 13 * 280  # after the digest
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:s280", "verdict") == str(offset)
+    assert await admin.getrange(VERDICTS, offset, offset + 12) == "0000002000000"  # 1000 + 1000
+
+
+async def test_a_mark_stands_to_the_millisecond(
+    fleet: Callable[[], RedisBackend], clock: FakeClock, admin: aioredis.Redis
+) -> None:
+    """A lease dead at 1030.009: 8 ms before, its source's mark still stands (the call reads
+    no state), though the two times differ only in their last digit."""
+    holder, p = fleet(), fleet()
+    await hold(holder, A, ttl_s=30.009)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    clock.advance(30.001)
+    before = await calls(admin, "hmget")
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert await calls(admin, "hmget") == before
