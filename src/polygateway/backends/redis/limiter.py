@@ -745,7 +745,7 @@ class RedisBackend:
 
         def parse(reply: Any) -> AcquireResult:
             granted = int(reply[0])
-            if granted < 0:
+            if granted == -1:
                 if argv[_SET_ARG] is not _EMPTY:
                     raise ValueError("ACQUIRE found no spec set where it was just sent")
                 return _SET_UNKNOWN
