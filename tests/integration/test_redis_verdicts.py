@@ -29,8 +29,8 @@ VERDICTS = f"pgw:{{{SCOPE}}}:verdicts"
 SUCCESS = AttemptOutcome("success")
 
 
-def one(name: str, **limits: float) -> SourceSpec:
-    return SourceSpec(name=name, max_concurrency=int(limits.pop("max_concurrency", 1)), **limits)
+def one(name: str, max_concurrency: int = 1) -> SourceSpec:
+    return SourceSpec(name=name, max_concurrency=max_concurrency)
 
 
 A, B = one("a"), one("b")
@@ -58,6 +58,26 @@ async def granted_at(backend: RedisBackend, candidates: list[SourceSpec]) -> str
 async def calls(admin: aioredis.Redis, command: str) -> int:
     stats = (await admin.info("commandstats")).get(f"cmdstat_{command}")
     return int(stats["calls"]) if stats else 0
+
+
+async def marked(
+    fleet: Callable[[], RedisBackend], a: SourceSpec = A, ttl_s: float = 1000.0
+) -> tuple[RedisBackend, RedisBackend, Lease]:
+    """A holder holds the only permits of ``a`` (its lease lasting ``ttl_s``) and of b; a
+    second process, refused at both, has marked them full. The holder, that process, and
+    the lease at ``a``."""
+    holder, p = fleet(), fleet()
+    lease = await hold(holder, a, ttl_s=ttl_s)
+    await hold(holder, B)
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    return holder, p, lease
+
+
+async def refused_unexamined(p: RedisBackend, admin: aioredis.Redis) -> None:
+    """Both refused for concurrency, and no source's state read: their marks stand."""
+    before = await calls(admin, "hmget")
+    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    assert await calls(admin, "hmget") == before
 
 
 async def test_full_sources_are_refused_unexamined_once_marked(
@@ -89,14 +109,9 @@ async def test_a_mark_lapses_at_the_exact_expiry_of_the_earliest_lease(
 ) -> None:
     """A lease dead at 1030.0 (expiry <= now): its source is refused unexamined up to a
     millisecond before and granted at that instant, as an examination would."""
-    holder, p = fleet(), fleet()
-    await hold(holder, A, ttl_s=30.0)
-    await hold(holder, B)
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    _, p, _ = await marked(fleet, ttl_s=30.0)
     clock.advance(29.999)
-    before = await calls(admin, "hmget")
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
-    assert await calls(admin, "hmget") == before, "both marks stand: nothing examined"
+    await refused_unexamined(p, admin)
     clock.advance(0.001)
     assert await granted_at(p, [A, B]) == "a"
 
@@ -105,10 +120,7 @@ async def test_a_release_at_a_marked_source_clears_its_mark(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """A lease freed long before it lapses: the next call is granted there."""
-    holder, p = fleet(), fleet()
-    lease = await hold(holder, A)
-    await hold(holder, B)
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    holder, p, lease = await marked(fleet)
     assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")
     await released(holder, lease, SUCCESS)
     assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict") == ""
@@ -120,10 +132,7 @@ async def test_a_changed_spec_reads_no_mark_made_under_the_old_one(
 ) -> None:
     """a, first seen at max_concurrency 4 (AIMD's limit 4), is asked for at 1 with one lease
     live: refused and marked. Asked for at 4 again, it is examined, and granted."""
-    holder, p = fleet(), fleet()
-    await hold(holder, one("a", max_concurrency=4))
-    await hold(holder, B)
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    _, p, _ = await marked(fleet, one("a", max_concurrency=4))
     assert await granted_at(p, [one("a", max_concurrency=4), B]) == "a"
 
 
@@ -145,18 +154,15 @@ async def test_no_mark_stands_where_a_permit_is_held_for_a_waiting_process(
     assert await granted_at(p, [A, B]) == "a"
 
 
-@pytest.mark.parametrize(("ttl_s", "marked"), [(1.0, False), (1.001, True)])
+@pytest.mark.parametrize(("ttl_s", "expected"), [(1.0, False), (1.001, True)])
 async def test_no_mark_is_made_a_second_or_less_before_it_would_lapse(
-    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, ttl_s: float, marked: bool
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, ttl_s: float, expected: bool
 ) -> None:
     """A hand-off placeholder lives 1 s at most, so a source whose earliest live member
     lapses within a second is not marked (it may be a placeholder a waiting process is
     about to claim); a millisecond later than that, it is."""
-    holder, p = fleet(), fleet()
-    await hold(holder, A, ttl_s=ttl_s)
-    await hold(holder, B)
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
-    assert bool(await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")) is marked
+    await marked(fleet, ttl_s=ttl_s)
+    assert bool(await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")) is expected
     assert await admin.hget(f"pgw:{{{SCOPE}}}:src:b", "verdict")
 
 
@@ -186,10 +192,7 @@ async def test_a_release_does_not_make_a_verdict_key_anew(
 ) -> None:
     """The verdict key is gone (expired) when a marked source's lease is released: nothing
     is written to it (a key made by SETRANGE would never expire), the state's mark goes."""
-    holder, p = fleet(), fleet()
-    lease = await hold(holder, A)
-    await hold(holder, B)
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    holder, _, lease = await marked(fleet)
     assert 0 < await admin.ttl(VERDICTS) <= 86_400
     await admin.delete(VERDICTS)
     await released(holder, lease, SUCCESS)
@@ -259,11 +262,6 @@ async def test_a_mark_stands_to_the_millisecond(
 ) -> None:
     """A lease dead at 1030.009: 8 ms before, its source's mark still stands (the call reads
     no state), though the two times differ only in their last digit."""
-    holder, p = fleet(), fleet()
-    await hold(holder, A, ttl_s=30.009)
-    await hold(holder, B)
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
+    _, p, _ = await marked(fleet, ttl_s=30.009)
     clock.advance(30.001)
-    before = await calls(admin, "hmget")
-    assert await reasons(p, [A, B]) == ["concurrency", "concurrency"]
-    assert await calls(admin, "hmget") == before
+    await refused_unexamined(p, admin)
