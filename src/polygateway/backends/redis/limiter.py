@@ -80,7 +80,7 @@ import logging
 import os
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 try:
     import redis.asyncio as aioredis
@@ -398,7 +398,7 @@ class RedisBackend:
         self._spec_args: dict[SourceSpec, tuple[Arg, ...]] = {}
         self._spec_keys: dict[tuple[str, str], tuple[Arg, ...]] = {}
         self._spec_sets: dict[str, SpecSet] = {}  # per scope, the set ACQUIRE reads (specset.py)
-        self._scope_keys: dict[str, tuple[Arg, ...]] = {}
+        self._scope_keys: dict[str, _ScopeKeys] = {}
         self._class_args: dict[
             tuple[str, tuple[tuple[str, float], ...], tuple[int, ...]], _Classes
         ] = {}
@@ -556,18 +556,20 @@ class RedisBackend:
             self._spec_keys[(scope, source)] = cached
         return cached
 
-    def _keys_of_scope(self, scope: str) -> tuple[Arg, ...]:
+    def _keys_of_scope(self, scope: str) -> _ScopeKeys:
         """A scope's own keys (sources, progress mark, verdicts, waiting registry), packed once."""
         cached = self._scope_keys.get(scope)
         if cached is None:
-            cached = bulks(
-                (
-                    codec.key(scope, "sources"),
-                    codec.key(scope, "progress"),
-                    codec.key(scope, "verdicts"),
-                    codec.key(scope, "waiting"),
-                    codec.key(scope, "waiting_until"),
-                    codec.key(scope, "specs", ""),  # a single candidate's: no set, never read
+            cached = _ScopeKeys(
+                *bulks(
+                    (
+                        codec.key(scope, "sources"),
+                        codec.key(scope, "progress"),
+                        codec.key(scope, "verdicts"),
+                        codec.key(scope, "waiting"),
+                        codec.key(scope, "waiting_until"),
+                        codec.key(scope, "specs", ""),
+                    )
                 )
             )
             if len(self._scope_keys) >= _MAX_SPEC_CACHE:
@@ -688,15 +690,11 @@ class RedisBackend:
         if len(specs) > 1:
             # The others by index into the scope's spec set, sent whole while not stored.
             spec_set = self._spec_set_of(scope, specs)
-            keys = [scope_keys[0], *self._keys_of(scope, specs[0].name), scope_keys[2]]
-            keys.append(spec_set.key)
+            keys = [scope_keys.sources, *self._keys_of(scope, specs[0].name)]
+            keys += (scope_keys.verdicts, spec_set.key)
         else:
-            keys = [
-                scope_keys[0],
-                *self._keys_of(scope, specs[0].name),
-                scope_keys[2],
-                scope_keys[5],
-            ]
+            keys = [scope_keys.sources, *self._keys_of(scope, specs[0].name)]
+            keys += (scope_keys.verdicts, scope_keys.no_set)
         argv = [
             self._now_arg(),
             bulk(lease_id),
@@ -725,7 +723,7 @@ class RedisBackend:
             classes = self._classes_of(scope, room)
             flows = room.waiting_tenants()
             if classes is None:
-                keys += scope_keys[3:5]
+                keys += (scope_keys.waiting, scope_keys.waiting_until)
                 argv += (self._proc_arg, _WAITING_TTL_ARG)
                 if flows is not None:
                     # Its tenants too (a call here named one): registered per tenant.
@@ -894,15 +892,12 @@ class RedisBackend:
         pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
         room = self._listening.get(scope)
         classes = None if room is None else self._classes_of(scope, room)
+        ours = self._keys_of_scope(scope)
+        keys = (*self._keys_of(scope, lease.source), ours.progress, ours.verdicts)
         if classes is None:
-            keys = (*self._keys_of(scope, lease.source), *self._keys_of_scope(scope)[1:5])
+            keys += (ours.waiting, ours.waiting_until)
         else:
-            keys = (
-                *self._keys_of(scope, lease.source),
-                *self._keys_of_scope(scope)[1:3],
-                *classes.registry,
-                classes.hash_key,
-            )
+            keys += (*classes.registry, classes.hash_key)
         if room is not None and room.named_tenants:
             # A call here named a tenant: the wake-up takes the fleet's turn of tenants.
             keys += self._tenant_keys_of(scope, None if classes is None else classes.names)
@@ -994,7 +989,7 @@ class RedisBackend:
 
     async def progress_age_s(self, scope: str) -> float:
         """Seconds since the scope last served anywhere in the fleet; ``inf`` if never."""
-        keys = (self._keys_of_scope(scope)[1],)
+        keys = (self._keys_of_scope(scope).progress,)
         return await self._eval("progress_age_s", scope, keys, (self._now_arg(),), codec.age)
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
@@ -1105,6 +1100,17 @@ def _tenant_lists(names: Sequence[str], flows: Mapping[str, Collection[str]]) ->
         inner = "".join(f"{len(t.encode())}:{t}" for t in flows.get(name, ()))
         lists.append(f"{len(inner.encode())}:{inner}")
     return bulk("".join(lists))
+
+
+class _ScopeKeys(NamedTuple):
+    """A scope's own keys, packed (``scripts.py`` names what each holds)."""
+
+    sources: Arg
+    progress: Arg
+    verdicts: Arg
+    waiting: Arg
+    waiting_until: Arg
+    no_set: Arg  # a single candidate's spec-set key: no set, never read
 
 
 _SET_UNKNOWN = AcquireResult(None)
