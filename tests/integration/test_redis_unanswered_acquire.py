@@ -47,7 +47,8 @@ class Relay:
         self.holding = False
         self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -55,7 +56,20 @@ class Relay:
         return port
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        # Tracked, so that closing the relay also ends a connection it is still making.
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._tasks.add(handler)
+            handler.add_done_callback(self._tasks.discard)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+        if self._closed:  # accepted as the relay closed: nothing may outlive it
+            writer.transport.abort()
+            up_writer.transport.abort()
+            return
         self._writers += (writer, up_writer)
         for task in (
             asyncio.create_task(self._pump(reader, up_writer, held=False)),
@@ -83,6 +97,7 @@ class Relay:
         self.holding = False
 
     async def aclose(self) -> None:
+        self._closed = True
         self.reset()
         if self._server is not None:
             self._server.close()
