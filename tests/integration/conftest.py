@@ -110,16 +110,31 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
-    """Backends on one Redis and one fake clock, each a process of the fleet."""
+async def _backends_on(url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
+    """Make backends on ``url`` and one fake clock, each a process of the fleet; close them."""
     made: list[RedisBackend] = []
 
     def make() -> RedisBackend:
-        backend = RedisBackend(redis_url, now=clock, socket_timeout_s=FLEET_SOCKET_TIMEOUT_S)
+        backend = RedisBackend(url, now=clock, socket_timeout_s=FLEET_SOCKET_TIMEOUT_S)
         made.append(backend)
         return backend
 
     yield make
     for backend in made:
         await backend.aclose()
+
+
+@pytest.fixture
+async def fleet(redis_url: str, clock: FakeClock) -> AsyncIterator[Callable[[], RedisBackend]]:
+    """Backends on one Redis and one fake clock, each a process of the fleet."""
+    async for make in _backends_on(redis_url, clock):
+        yield make
+
+
+@pytest.fixture
+async def locked_fleet(
+    locked_url: str, clock: FakeClock
+) -> AsyncIterator[Callable[[], RedisBackend]]:
+    """``fleet``, as the user ``locked_url`` allows only the gateway's keys and channels."""
+    async for make in _backends_on(locked_url, clock):
+        yield make

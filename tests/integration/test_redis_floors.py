@@ -122,28 +122,24 @@ async def test_a_reserved_class_counts_its_leases_when_its_calls_name_tenants(
 
 
 async def test_a_fleet_user_allowed_only_the_gateways_keys_holds_floors_and_classes(
-    locked_url: str, admin: aioredis.Redis, clock: FakeClock
+    locked_fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """Classes, reserved floors and the hand-off touch pgw:{scope} keys only: a Redis user
     allowed no other key or channel counts, registers, wakes and renews."""
-    p1, p2 = (RedisBackend(locked_url, now=clock, socket_timeout_s=0.5) for _ in "ab")
-    try:
-        rooms = {"a": room_of(p1, "a"), "b": room_of(p2, "b")}
-        await listening(admin, 2)
-        leases = await hold(p2, SOURCE.max_concurrency, "b")
-        await refused(p1, "a")
-        await refused(p2, "b")
-        await p2.release(leases[0], SUCCESS)
-        await woken(list(rooms.values()), 1)
-        assert rooms["a"].wakeups == 1, "a is below its floor: its room is woken"
-        (got,) = await hold(p1, 1, "a", ttl_s=30.0)
-        assert await admin.zrange(held("a"), 0, -1) == [got.lease_id]
-        assert await p1.renew(got)
-        await released(p1, got, SUCCESS)
-        assert await admin.zrange(held("a"), 0, -1) == [], "the release ran: a's count is 0"
-    finally:
-        await p1.aclose()
-        await p2.aclose()
+    p1, p2 = locked_fleet(), locked_fleet()
+    rooms = {"a": room_of(p1, "a"), "b": room_of(p2, "b")}
+    await listening(admin, 2)
+    leases = await hold(p2, SOURCE.max_concurrency, "b")
+    await refused(p1, "a")
+    await refused(p2, "b")
+    await p2.release(leases[0], SUCCESS)
+    await woken(list(rooms.values()), 1)
+    assert rooms["a"].wakeups == 1, "a is below its floor: its room is woken"
+    (got,) = await hold(p1, 1, "a", ttl_s=30.0)
+    assert await admin.zrange(held("a"), 0, -1) == [got.lease_id]
+    assert await p1.renew(got)
+    await released(p1, got, SUCCESS)
+    assert await admin.zrange(held("a"), 0, -1) == [], "the release ran: a's count is 0"
 
 
 async def test_a_class_reserving_one_permit_and_holding_none_is_below_its_floor(

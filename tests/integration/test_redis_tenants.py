@@ -519,25 +519,21 @@ async def test_a_tenant_in_three_processes_and_one_in_one_are_served_alternately
 
 
 async def test_a_fleet_user_allowed_only_the_gateways_keys_serves_tenants_in_turn(
-    locked_url: str, admin: aioredis.Redis, clock: FakeClock
+    locked_fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """The tenant paths touch pgw:{scope} keys only: a Redis user allowed no other key or
     channel registers a tenant, is woken and served (a script touching any other key would
     fail every such call with NOPERM)."""
-    holder, p = (RedisBackend(locked_url, now=clock, socket_timeout_s=0.5) for _ in "ab")
-    try:
-        room = room_of(p, "T1")
-        releasing(holder)
-        await listening(admin, 2)
-        leases = await hold(holder, SOURCE.max_concurrency)
-        await refused(p)
-        assert await admin.zrange(key("tenants"), 0, -1) == ["T1"]
-        await holder.release(leases[0], SUCCESS)
-        await woken(room, 1)
-        assert (await p.acquire(SCOPE, [SOURCE], ttl_s=60.0)).lease is not None
-    finally:
-        await holder.aclose()
-        await p.aclose()
+    holder, p = locked_fleet(), locked_fleet()
+    room = room_of(p, "T1")
+    releasing(holder)
+    await listening(admin, 2)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    assert await admin.zrange(key("tenants"), 0, -1) == ["T1"]
+    await holder.release(leases[0], SUCCESS)
+    await woken(room, 1)
+    assert (await p.acquire(SCOPE, [SOURCE], ttl_s=60.0)).lease is not None
 
 
 async def test_the_tenant_keys_expire_like_the_registries(

@@ -221,21 +221,17 @@ async def test_a_single_candidate_reads_and_writes_no_verdict(
 
 
 async def test_a_fleet_user_allowed_only_the_gateways_keys_walks_and_marks(
-    locked_url: str, clock: FakeClock, admin: aioredis.Redis
+    locked_fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
     """The keys ACQUIRE makes for later candidates, the spec set and the verdicts are all
     ``pgw:`` keys: a Redis user allowed no other key walks past a full source, marks it,
     and has its release clear the mark."""
-    holder, p = (RedisBackend(locked_url, now=clock, socket_timeout_s=0.5) for _ in "hp")
-    try:
-        lease = await hold(holder, A)
-        assert await granted_at(p, [A, B]) == "b"
-        assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")
-        await released(holder, lease, SUCCESS)
-        assert await granted_at(p, [A, B]) == "a"
-    finally:
-        await holder.aclose()
-        await p.aclose()
+    holder, p = locked_fleet(), locked_fleet()
+    lease = await hold(holder, A)
+    assert await granted_at(p, [A, B]) == "b"
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "verdict")
+    await released(holder, lease, SUCCESS)
+    assert await granted_at(p, [A, B]) == "a"
 
 
 async def test_indices_beyond_one_byte_name_their_own_source_and_mark(
