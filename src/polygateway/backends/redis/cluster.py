@@ -70,7 +70,6 @@ _MAX_REDIRECTS: Final = 32
 _TRYAGAIN_FIRST_S: Final = 0.01
 _TRYAGAIN_MAX_S: Final = 0.2
 _ASKING: Final = command("ASKING")
-_NOT_HERE: Final = (NON_LOCAL_KEY, "ERR " + NON_LOCAL_KEY)
 _SHARDS: Final = command("CLUSTER", "SHARDS")
 _SLOTS: Final = command("CLUSTER", "SLOTS")
 _MAX_SCOPES: Final = 4096
@@ -243,7 +242,7 @@ class Cluster:
             return
         if (
             kind == "TRYAGAIN"
-            or str(reply).startswith(_NOT_HERE)
+            or str(reply).startswith(NON_LOCAL_KEY)
             or (kind == "ASK" and script is not None and script.makes_keys)
         ):
             # From the migrating node (it has some of the keys) or, after ASK, the importing

@@ -126,11 +126,15 @@ OnReply = Callable[[Any], None]
 Redirect = Callable[[ResponseError, bytes, "OnReply", "Script | None"], None]
 """Takes an error reply that says the command belongs elsewhere, with the command, to send it on."""
 
-NON_LOCAL_KEY: Final = "Script attempted to access a non local key"
-"""A script's error on a Cluster node whose slot migrates: it touched a key it did not name
-in KEYS that is not stored there (moved, or not made yet); what it wrote before stays."""
+NON_LOCAL_KEY: Final = (
+    "Script attempted to access a non local key",
+    "ERR Script attempted to access a non local key",
+)
+"""A script's error on a Cluster node whose slot migrates, as the reply may spell it: it
+touched a key it did not name in KEYS that is not stored there (moved, or not made yet);
+what it wrote before stays."""
 
-REDIRECTS: Final = ("MOVED ", "ASK ", "TRYAGAIN", "READONLY", NON_LOCAL_KEY, "ERR " + NON_LOCAL_KEY)
+REDIRECTS: Final = ("MOVED ", "ASK ", "TRYAGAIN", "READONLY", *NON_LOCAL_KEY)
 """The error replies a ``Redirect`` is given (Cluster redirections, a demoted primary)."""
 
 Locate = Callable[[], Awaitable[Endpoint]]
