@@ -21,6 +21,7 @@ soon after the backend reconnects, not at its expiry.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -39,72 +40,118 @@ SOCKET_TIMEOUT_S = 2.0
 GIVEN_BACK_WITHIN_S = 5.0
 
 
+class _End(asyncio.Protocol):
+    """One end of a relayed connection: what it receives is written to the other end."""
+
+    def __init__(self, relay: Relay, *, replies: bool, other: _End | None = None) -> None:
+        self.relay = relay
+        self.replies = replies  # the server's end: what it receives can be held
+        self.other = other
+        self.transport: asyncio.Transport | None = None
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.relay.closed or (self.other is not None and self.other.lost.done()):
+            transport.abort()  # made as the relay closed, or its client left meanwhile
+
+    def data_received(self, data: bytes) -> None:
+        if self.replies and self.relay.holding:
+            return  # held: lost with the connection at the reset
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set_result(None)
+        if self.other is not None:
+            self.other.abort()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
 class Relay:
-    """A TCP relay to one server: replies can be held, and connections reset (new ones go on)."""
+    """A TCP relay to one server: replies can be held, and connections reset (new ones go on).
+
+    It accepts on its own listening socket, in one task that is woken to stop
+    rather than cancelled, and it never cancels a connection being made; so
+    every socket it accepted or opened is known when it closes, and it aborts
+    and awaits them all. (asyncio's server, on Python 3.11, can accept a
+    connection as it closes and never hand it to the protocol made for it.)
+    """
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.holding = False
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self.closed = False
+        self._ends: list[_End] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._accepting: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        port: int = self._server.sockets[0].getsockname()[1]
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()
+        self._listener.setblocking(False)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        port: int = self._listener.getsockname()[1]
         return port
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # Tracked, so that closing the relay also ends a connection it is still making.
-        handler = asyncio.current_task()
-        if handler is not None:
-            self._tasks.add(handler)
-            handler.add_done_callback(self._tasks.discard)
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except asyncio.CancelledError:
-            writer.transport.abort()
-            raise
-        if self._closed:  # accepted as the relay closed: nothing may outlive it
-            writer.transport.abort()
-            up_writer.transport.abort()
-            return
-        self._writers += (writer, up_writer)
-        for task in (
-            asyncio.create_task(self._pump(reader, up_writer, held=False)),
-            asyncio.create_task(self._pump(up_reader, writer, held=True)),
-        ):
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            if self.closed:  # the wake-up of aclose, or a connection racing it
+                conn.close()
+                return
+            self._track(loop.create_task(self._serve(conn)))
 
-    async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, held: bool
-    ) -> None:
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _end(self, other: _End | None = None) -> _End:
+        end = _End(self, replies=other is not None, other=other)
+        if other is not None:  # joined before either is handed on, so each aborts the other
+            other.other = end
+        self._ends.append(end)
+        return end
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        _, client = await loop.connect_accepted_socket(self._end, conn)
+        if client.transport is None or client.lost.done() or self.closed:
+            client.abort()
+            return
+        client.transport.pause_reading()  # its bytes wait until its server end is made
         try:
-            while data := await reader.read(65536):
-                if not (held and self.holding):
-                    writer.write(data)
+            await loop.create_connection(lambda: self._end(client), "127.0.0.1", self.target_port)
         except OSError:
-            pass
-        writer.transport.abort()
+            client.abort()
+            return
+        client.transport.resume_reading()
 
     def reset(self) -> None:
         """Drop what is held and reset every connection; replies flow again on new ones."""
-        for writer in self._writers:
-            writer.transport.abort()
-        self._writers.clear()
+        for end in self._ends:
+            end.abort()
+        self._ends = [end for end in self._ends if not end.lost.done()]
         self.holding = False
 
     async def aclose(self) -> None:
-        self._closed = True
-        self.reset()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._tasks):
-            task.cancel()
+        self.closed = True
+        loop = asyncio.get_running_loop()
+        if self._accepting is not None:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as waker:
+                waker.setblocking(False)
+                await loop.sock_connect(waker, self._listener.getsockname())
+                await self._accepting
+        self._listener.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.reset()
+        await asyncio.gather(*(end.lost for end in self._ends))
 
 
 def leases(url: str) -> int:
