@@ -29,14 +29,15 @@ $(DEMO_STAMP): $(VENV)/bin/python pyproject.toml
 install-demo: $(DEMO_STAMP)
 
 # Debian's redis-server (and redis-sentinel, for the Sentinel failover tests) for the
-# real-Redis fixtures, and tmux, the real terminal the screen tests run the CLI in;
-# installed only when missing.
+# real-Redis fixtures, tmux, the real terminal the screen tests run the CLI in, and valgrind,
+# whose callgrind counts the scripts' instructions (bench.script_instructions); installed
+# only when missing.
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 && command -v redis-sentinel >/dev/null 2>&1 \
-	  && command -v tmux >/dev/null 2>&1 || { \
-	  echo "installing redis-server, redis-sentinel and tmux (Debian)"; \
+	  && command -v tmux >/dev/null 2>&1 && command -v valgrind >/dev/null 2>&1 || { \
+	  echo "installing redis-server, redis-sentinel, tmux and valgrind (Debian)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-sentinel tmux >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-sentinel tmux valgrind >/dev/null; }
 
 lint: install
 	$(VENV)/bin/ruff format --check src tests bench tools

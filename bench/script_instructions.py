@@ -1,0 +1,229 @@
+"""Instructions Redis executes per governed call's two scripts, counted by callgrind.
+
+    python -m bench.script_instructions [--pairs 1000] [--sources 200] [--against CHECKOUT]
+                                        [--server redis-server]
+
+``python -m bench.script_cost`` reads Redis's CPU time, which this shared
+machine moves by a quarter from one second to the next. This tool counts the
+instructions instead: the same server binary, scripts and calls execute the
+same instructions whatever else the machine is doing, so two versions of the
+scripts compare to a fraction of a percent in one run
+(research-wiki/designs/script-cost.md, "Counting instructions").
+
+Each case runs a private redis-server under ``valgrind --tool=callgrind``
+(loopback, a temporary directory, no persistence, ``hz 1`` so that the
+server's timer adds next to nothing while valgrind slows the run), with the
+call layout of ``bench.script_cost`` (rpm and tpm set, a success released
+with tokens reported, the wake-up tail, every source but the last full and
+marked), twice: with ``--pairs / 5`` and with ``--pairs`` interleaved
+ACQUIRE + RELEASE pairs after the same warm-up. The difference of the two
+totals over the difference of the pairs is what one pair costs: starting and
+stopping the server cancel out. ``INCR + DECR`` is the issue's baseline.
+
+``--against`` names another checkout (a directory with
+``src/polygateway/backends/redis/scripts.py``, e.g. from ``git archive``)
+whose scripts are counted beside the current ones; they must take the same
+call layout (every reply is checked). ``--server`` counts another server
+binary (a Valkey build, say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench.script_cost import BATCH, _check, _fill, _Scope
+from polygateway.backends.redis import scripts
+
+__all__ = ["callgrind_total", "count", "main"]
+
+_START_TIMEOUT_S = 60.0
+"""A server under valgrind starts in a few seconds; a loaded machine takes longer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scripts:
+    """One version of ACQUIRE and RELEASE, and where it came from."""
+
+    label: str
+    acquire: str
+    release: str
+
+
+def _load(checkout: Path) -> Scripts:
+    """The scripts of another checkout (its ``scripts.py`` imports nothing of the package)."""
+    path = checkout / "src" / "polygateway" / "backends" / "redis" / "scripts.py"
+    spec = importlib.util.spec_from_file_location("_against_scripts", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no scripts at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return Scripts(f"scripts of {checkout}", module.ACQUIRE, module.RELEASE)
+
+
+def callgrind_total(text: str) -> int:
+    """The instruction total of a callgrind output file (its ``summary:`` or ``totals:``)."""
+    for line in text.splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise ValueError("no summary line in the callgrind output")
+
+
+def _ping(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _instructions(server: str, drive: Callable[[redis.Redis], None]) -> int:
+    """Instructions a callgrind-run server executes from its start to its shutdown."""
+    with tempfile.TemporaryDirectory(prefix="bench-cg-") as directory:
+        out = Path(directory) / "callgrind.out"
+        port = _free_port()
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", server]
+        command += ["--port", str(port), "--bind", "127.0.0.1", "--dir", directory]
+        command += ["--save", "", "--appendonly", "no", "--hz", "1"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=port)
+        try:
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            while not _ping(client):
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"{server} did not start under valgrind")
+                time.sleep(0.1)  # edge: waiting for a real process
+            drive(client)
+            with contextlib.suppress(redis.ConnectionError):  # it closes as it stops
+                client.shutdown(nosave=True)
+            process.wait(timeout=_START_TIMEOUT_S)
+        finally:
+            client.close()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        return callgrind_total(out.read_text())
+
+
+def _baseline(pairs: int) -> Callable[[redis.Redis], None]:
+    def drive(client: redis.Redis) -> None:
+        for start in range(0, pairs, BATCH):
+            pipe = client.pipeline(transaction=False)
+            for _ in range(min(BATCH, pairs - start)):
+                pipe.incr("bench-counter")
+                pipe.decr("bench-counter")
+            pipe.execute()
+
+    return drive
+
+
+def _pairs(version: Scripts, sources: int, pairs: int) -> Callable[[redis.Redis], None]:
+    def drive(client: redis.Redis) -> None:
+        acquire = client.script_load(version.acquire)
+        release = client.script_load(version.release)
+        scope = _Scope("instructions", sources)
+        _fill(client, scope, acquire)
+        for lease in ("warm-0", "warm-1"):  # first sight, the spec set stored, marks made
+            _check([client.evalsha(acquire, *scope.acquire(lease))], sources, "acquire")
+            _check([client.evalsha(release, *scope.release(lease))], None, "release")
+        for start in range(0, pairs, BATCH):
+            pipe = client.pipeline(transaction=False)
+            for i in range(start, min(start + BATCH, pairs)):
+                pipe.evalsha(acquire, *scope.acquire(f"{i:012x}bench"))
+                pipe.evalsha(release, *scope.release(f"{i:012x}bench"))
+            replies = pipe.execute()
+            _check(replies[0::2], sources, "acquire")
+            _check(replies[1::2], None, "release")
+
+    return drive
+
+
+def count(
+    server: str, drive_for: Callable[[int], Callable[[redis.Redis], None]], pairs: int
+) -> int:
+    """Instructions per pair: two runs of different lengths, differenced."""
+    short = max(1, pairs // 5)
+    few = _instructions(server, drive_for(short))
+    many = _instructions(server, drive_for(pairs))
+    return round((many - few) / (pairs - short))
+
+
+def measure(
+    server: str, versions: Sequence[Scripts], *, pairs: int, sources: int
+) -> list[dict[str, Any]]:
+    baseline = count(server, _baseline, pairs)
+    rows = [{"case": "INCR + DECR", "version": "baseline", "instructions": baseline}]
+    cases = [("1 source", 1), ("2 sources, 1st full", 2)]
+    cases.append((f"{sources} sources, {sources - 1} full", sources))
+    for case, n in cases:
+        for version in versions:
+            per_pair = count(server, lambda p, v=version, n=n: _pairs(v, n, p), pairs)
+            rows.append({"case": case, "version": version.label, "instructions": per_pair})
+    for row in rows:
+        row["x INCR+DECR"] = row["instructions"] / baseline
+    return rows
+
+
+def render(rows: Sequence[dict[str, Any]], server: str, pairs: int) -> str:
+    lines = [
+        f"Instructions per ACQUIRE + RELEASE pair ({server} under callgrind, {pairs} pairs"
+        " less a fifth as many)",
+        "",
+        "| case | scripts | instructions per pair | x INCR+DECR |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['case']} | {row['version']} | {row['instructions']:,} |"
+            f" {row['x INCR+DECR']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.script_instructions", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--pairs", type=int, default=1000, help="pairs of the longer run")
+    parser.add_argument("--sources", type=int, default=200, help="sources of the walk case")
+    parser.add_argument("--against", type=Path, help="another checkout's scripts, beside")
+    parser.add_argument("--server", default="redis-server", help="the server binary")
+    args = parser.parse_args(argv)
+    if args.pairs < 5 or args.sources < 3:
+        parser.error("--pairs must be at least 5 and --sources at least 3")
+    server = shutil.which(args.server)
+    if server is None or shutil.which("valgrind") is None:
+        print("needs valgrind and the server binary (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    versions = [Scripts("current", scripts.ACQUIRE, scripts.RELEASE)]
+    if args.against is not None:
+        versions.append(_load(args.against))
+    print(
+        render(
+            measure(server, versions, pairs=args.pairs, sources=args.sources), server, args.pairs
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
