@@ -38,8 +38,12 @@ The figures and the plan they feed: research-wiki/designs/script-cost.md.
 
 Besides the ``current`` scripts, ``empty`` is a script that does nothing but
 take the same KEYS and ARGV: the floor of EVALSHA itself, which no cut inside
-the scripts can go below. (The ``O(1) call prototype`` once measured here
-shipped as the contract above.)
+the scripts can go below. ``calls`` (1 source only) runs the commands a
+1-source grant and its success run, with constant arguments and no Lua
+around them: the floor of the semantics' calls, so that the current scripts
+minus it is what their own logic costs. Every variant's sources are first
+seen by the real scripts, so each reads the state they keep. (The ``O(1)
+call prototype`` once measured here shipped as the contract above.)
 
 A last table (``LAYOUTS``) prices other ways ACQUIRE could take its
 candidates, each with the empty script at 2 and at N candidates (``INFO
@@ -107,6 +111,36 @@ def _empty(a: str, r: str) -> tuple[str, str]:
     return _EMPTY, _EMPTY
 
 
+# -- the commands alone: what a 1-source grant and its success run, with no Lua around -------
+
+_CALLS_ACQUIRE = """-- EXPERIMENT: a 1-source grant's commands, constant arguments, no logic
+redis.call('TIME')
+redis.call('HMGET', KEYS[2], 'limit', 'breaker', 'not_before', 'rpm_tokens', 'rpm_at',
+  'tpm_tokens', 'tpm_at', 'reopen_probe', 'spec', 'expires_at')
+redis.call('ZCOUNT', KEYS[3], '(1796212800.1234567', '+inf')
+redis.call('ZADD', KEYS[3], '1796212860.1234567', ARGV[2])
+redis.call('HSET', KEYS[2], 'rpm_tokens', '999999.00000000012', 'rpm_at',
+  '1796212800.1234567', 'tpm_tokens', '999999899.99999988', 'tpm_at', '1796212800.1234567')
+return {1, 0, ''}
+"""
+_CALLS_RELEASE = """-- EXPERIMENT: a success's commands, constant arguments, no logic
+redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '1796212800.1234567')
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('HMGET', KEYS[1], 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
+  'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
+  'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
+redis.call('HSET', KEYS[1], 'tpm_tokens', '999999919.99999988')
+redis.call('SET', KEYS[3], '1796212800.1234567', 'EX', ARGV[10])
+redis.call('ZCARD', KEYS[5])
+return 1
+"""
+
+
+def _calls(a: str, r: str) -> tuple[str, str]:
+    return _CALLS_ACQUIRE, _CALLS_RELEASE
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One pair of scripts to measure: ``current``, or the floor of EVALSHA."""
@@ -123,6 +157,7 @@ CASES = ("baseline", ONE, TWO, WALK)
 VARIANTS = (
     Variant("current", "current scripts", None, (ONE, TWO, WALK)),
     Variant("empty", "empty script, same KEYS/ARGV", _empty, (ONE, TWO, WALK), checked=False),
+    Variant("calls", "its commands alone, no logic", _calls, (ONE,), checked=False),
 )
 
 
@@ -381,12 +416,12 @@ def _scripts_run(
     sources: int,
     pairs: int,
     shas: tuple[str, str],
-    real_acquire: str,
+    real: tuple[str, str],
     tag: str,
 ) -> _Run:
     acquire_sha, release_sha = shas
     scope = _Scope(f"cost-{tag}", sources)
-    _fill(client, scope, real_acquire)
+    _fill(client, scope, real[0])
     granted = sources if variant.checked else None
     serial = 0
 
@@ -405,10 +440,14 @@ def _scripts_run(
         if variant.checked:
             _check(replies, expect, what)
 
-    # Warm-up: first sight of every source, scripts compiled; with 2 sources or more the
-    # spec set stored and every full source marked, so that what follows is the steady
-    # state: full sources skipped by their verdict.
+    # Warm-up, by the real scripts whatever the variant: first sight of every source (its
+    # state as the real scripts keep it); with 2 sources or more the spec set stored and
+    # every full source marked, so that what follows is the steady state: full sources
+    # skipped by their verdict. Then the variant's own scripts once, compiled.
     for lease in ids(2):
+        _check([client.evalsha(real[0], *acquire(lease))], sources, f"{tag} warm-up")
+        _check([client.evalsha(real[1], *scope.release(lease))], None, f"{tag} warm-up")
+    for lease in ids(1):
         call(acquire_sha, [acquire(lease)], granted, f"{tag} acquire")
         call(release_sha, [scope.release(lease)], None, f"{tag} release")
     if variant.checked:
@@ -476,7 +515,7 @@ def measure(url: str, *, pairs: int, walk_pairs: int, sources: int, rounds: int)
     """Every row of the tables, measured on the redis-server at ``url``."""
     client = redis.Redis.from_url(url)
     client.flushall()
-    real_acquire = client.script_load(scripts.ACQUIRE)
+    real = (client.script_load(scripts.ACQUIRE), client.script_load(scripts.RELEASE))
     plan: list[tuple[str, Variant | None, int, int]] = [("baseline", None, 1, pairs)]
     for case, n, size in ((ONE, 1, pairs), (TWO, 2, pairs), (WALK, sources, walk_pairs)):
         plan += [(case, v, n, size) for v in VARIANTS if case in v.cases]
@@ -496,10 +535,9 @@ def measure(url: str, *, pairs: int, walk_pairs: int, sources: int, rounds: int)
                 run = _baseline(client, max(size, _BASELINE_PAIRS))
             else:
                 tag = f"{case}-{variant.key}-{round_}"
-                run = _scripts_run(client, variant, n, size, shas[variant.key], real_acquire, tag)
+                run = _scripts_run(client, variant, n, size, shas[variant.key], real, tag)
             runs.setdefault((case, variant.label if variant else "baseline"), []).append(run)
         client.flushall()
-        client.script_load(scripts.ACQUIRE)
     rows = [_row(case, label, rs, sources) for (case, label), rs in runs.items()]
     base = rows[0]["pair_cpu_us"]
     for row in rows:

@@ -18,7 +18,10 @@ with tokens reported, the wake-up tail, every source but the last full and
 marked), twice: with ``--pairs / 5`` and with ``--pairs`` interleaved
 ACQUIRE + RELEASE pairs after the same warm-up. The difference of the two
 totals over the difference of the pairs is what one pair costs: starting and
-stopping the server cancel out. ``INCR + DECR`` is the issue's baseline.
+stopping the server cancel out. ``INCR + DECR`` is the issue's baseline;
+``its commands alone`` (1 source) is ``bench.script_cost``'s floor of the
+semantics' calls, so the current row less it is what the scripts' own Lua
+costs.
 
 ``--against`` names another checkout (a directory with
 ``src/polygateway/backends/redis/scripts.py``, e.g. from ``git archive``)
@@ -45,7 +48,7 @@ from typing import Any
 
 import redis
 
-from bench.script_cost import BATCH, _check, _fill, _Scope
+from bench.script_cost import _CALLS_ACQUIRE, _CALLS_RELEASE, BATCH, _check, _fill, _Scope
 from polygateway.backends.redis import scripts
 
 __all__ = ["callgrind_total", "count", "main"]
@@ -61,6 +64,11 @@ class Scripts:
     label: str
     acquire: str
     release: str
+
+
+CALLS = Scripts("its commands alone, no logic", _CALLS_ACQUIRE, _CALLS_RELEASE)
+"""``bench.script_cost``'s floor of the semantics' calls: a 1-source grant's and its
+success's commands, constant arguments, no Lua around them."""
 
 
 def _load(checkout: Path) -> Scripts:
@@ -136,15 +144,25 @@ def _baseline(pairs: int) -> Callable[[redis.Redis], None]:
     return drive
 
 
-def _pairs(version: Scripts, sources: int, pairs: int) -> Callable[[redis.Redis], None]:
+def _pairs(
+    version: Scripts, sources: int, pairs: int, real: Scripts | None = None
+) -> Callable[[redis.Redis], None]:
+    """Pairs of ``version``, after a warm-up by ``real`` (the version itself by default):
+    first sight of every source, the spec set stored, the full sources marked."""
+
     def drive(client: redis.Redis) -> None:
         acquire = client.script_load(version.acquire)
         release = client.script_load(version.release)
+        warm = real or version
+        warm_acquire, warm_release = (
+            client.script_load(warm.acquire),
+            client.script_load(warm.release),
+        )
         scope = _Scope("instructions", sources)
-        _fill(client, scope, acquire)
-        for lease in ("warm-0", "warm-1"):  # first sight, the spec set stored, marks made
-            _check([client.evalsha(acquire, *scope.acquire(lease))], sources, "acquire")
-            _check([client.evalsha(release, *scope.release(lease))], None, "release")
+        _fill(client, scope, warm_acquire)
+        for lease in ("warm-0", "warm-1"):
+            _check([client.evalsha(warm_acquire, *scope.acquire(lease))], sources, "acquire")
+            _check([client.evalsha(warm_release, *scope.release(lease))], None, "release")
         for start in range(0, pairs, BATCH):
             pipe = client.pipeline(transaction=False)
             for i in range(start, min(start + BATCH, pairs)):
@@ -178,6 +196,11 @@ def measure(
         for version in versions:
             per_pair = count(server, lambda p, v=version, n=n: _pairs(v, n, p), pairs)
             rows.append({"case": case, "version": version.label, "instructions": per_pair})
+        if n == 1:
+            # The commands alone, on the state the current scripts keep: what the logic
+            # around them costs is the current row less this one.
+            per_pair = count(server, lambda p: _pairs(CALLS, 1, p, real=versions[0]), pairs)
+            rows.append({"case": case, "version": CALLS.label, "instructions": per_pair})
     for row in rows:
         row["x INCR+DECR"] = row["instructions"] / baseline
     return rows

@@ -28,6 +28,7 @@ REQUIRED = [
     ("INCR + DECR", "baseline"),
     ("1 source", "current scripts"),
     ("1 source", "empty script, same KEYS/ARGV"),
+    ("1 source", "its commands alone, no logic"),
     ("2 sources, 1st full", "current scripts"),
     ("2 sources, 1st full", "empty script, same KEYS/ARGV"),
     (f"{SOURCES} sources, {SOURCES - 1} full", "current scripts"),
