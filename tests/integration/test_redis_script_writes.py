@@ -168,3 +168,36 @@ async def test_a_release_reads_the_failure_fields_only_for_a_failure_or_a_pause(
     assert client.hget(STATE, "failures") == "0", "the success after the failure reset it"
     refused = await backend.acquire(SCOPE, [spec], ttl_s=30.0)
     assert [r.reason for r in refused.rejections] == ["paced"]
+
+
+def _rebuilt_as_a_listpack(client: redis.Redis, expires_at: str) -> None:
+    """The state as a listpack, as scripts without the ``encoding`` field left it."""
+    fields = client.hgetall(STATE)
+    fields.pop("encoding", None)
+    fields["expires_at"] = expires_at
+    ttl = client.ttl(STATE)
+    client.delete(STATE)
+    client.hset(STATE, mapping=fields)
+    client.expire(STATE, ttl)
+    assert client.object("encoding", STATE) == "listpack"
+
+
+async def test_a_source_state_is_a_hashtable_from_its_first_call(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """A field longer than hash-max-listpack-value keeps the state a hashtable, whose
+    fields HMGET reads by hash (research-wiki/designs/script-cost.md, "Hashes as
+    hashtables"); a listpack left by older scripts turns one at its lifetime's renewal,
+    not before (the field is not written on every call)."""
+    assert (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease is not None
+    assert client.object("encoding", STATE) == "hashtable"
+    assert len(client.hget(STATE, "encoding") or "") > 64
+
+    renewal = float(client.hget(STATE, "expires_at") or 0)
+    _rebuilt_as_a_listpack(client, repr(renewal))
+    assert (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease is not None
+    assert client.object("encoding", STATE) == "listpack", "no renewal due: nothing written"
+
+    _rebuilt_as_a_listpack(client, "0")  # its lifetime is due for renewal
+    assert (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease is not None
+    assert client.object("encoding", STATE) == "hashtable"

@@ -125,6 +125,11 @@ end
 ``TIME``) and ``fmt``, which writes a float as its 17 significant digits; spliced in at
 its marker line."""
 
+_HASHTABLE = (
+    "kept a hashtable by this value, longer than hash-max-listpack-value (64 bytes by default)"
+)
+"""The value of a hash's ``encoding`` field; over 64 bytes (ACQUIRE's ``HASHTABLE``)."""
+
 ACQUIRE = """
 -- ACQUIRE: lease the first admissible candidate, in the given order.
 --
@@ -198,6 +203,11 @@ ACQUIRE = """
 
 -- @clock
 local now_s = fmt(now)
+-- Speed (research-wiki/designs/script-cost.md, "Hashes as hashtables"): the source state
+-- and the spec set store this value, longer than hash-max-listpack-value (64 bytes by
+-- default), in their field "encoding" when their lifetime is set, so that Redis keeps
+-- them hashtables, which find a field by its hash where a listpack scans every field.
+local HASHTABLE = '@hashtable'
 local lease_id = ARGV[2]
 local ttl = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
@@ -450,6 +460,7 @@ local function examine(c)
   if renewed then
     expires_at = now + life
     put('expires_at', fmt(expires_at))
+    put('encoding', HASHTABLE)
   end
   if #writes > 0 then
     redis.call('HSET', sk, unpack(writes))
@@ -485,6 +496,8 @@ if ARGV[18] ~= '' then
     fields[4 * k - 1] = 's' .. (k - 1)
     fields[4 * k] = items[2 * k]
   end
+  fields[#fields + 1] = 'encoding'
+  fields[#fields + 1] = HASHTABLE
   redis.call('HSET', setk, unpack(fields))
   redis.call('EXPIRE', setk, state_ttl)
 end
@@ -497,16 +510,17 @@ end
 
 local CODES = {concurrency = 'c', breaker_open = 'b', probe_in_flight = 'i', paced = 'p',
   rpm = 'r', tpm = 't'}
-local now_ms = string.format('%013d', math.floor(now * 1000))
+local now_ms = dl > 0 and string.format('%013d', math.floor(now * 1000))  -- marks' clock
 local codes, reopens, skipped = {}, {}, 0
 local for_release = false
+local byte, sub = string.byte, string.sub  -- per candidate walked: no global lookups
 for j = 1, count do
   local c, off = nil, nil
   if dl > 0 then
-    local hi, lo = string.byte(order, 2 * j - 1, 2 * j)
+    local hi, lo = byte(order, 2 * j - 1, 2 * j)
     off = dl + 13 * (hi * 256 + lo)
   end
-  if off and string.sub(verdicts, off + 1, off + 13) > now_ms then
+  if off and sub(verdicts, off + 1, off + 13) > now_ms then
     -- Marked full, and it stands: refused for concurrency unexamined (runs as one string).
     skipped = skipped + 1
     for_release = true
@@ -604,6 +618,7 @@ return result
 """
 
 ACQUIRE = ACQUIRE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
+ACQUIRE = ACQUIRE.replace("'@hashtable'", f"'{_HASHTABLE}'", 1)
 ACQUIRE = ACQUIRE.replace("-- @clock\n", _CLOCK, 1)
 
 RELEASE = """
