@@ -10,10 +10,16 @@ profile has no per-example deadline and does not fail a test whose data is
 slow to generate (``HealthCheck.too_slow``). A test's own ``@settings`` keep
 these unless they name them (a ``suppress_health_check`` list replaces the
 profile's: add ``too_slow`` to it).
+
+An object left unclosed (a socket, a transport) warns when the garbage
+collector frees it, and the warning fails whichever test is running then.
+Each module ends with a full collection, so that what a module leaves behind
+fails that module, not a later one.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -187,3 +193,10 @@ def make_redis_server(
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _leaks_found_in_their_module() -> Iterator[None]:
+    """A full collection as each module ends: its leaks warn (and fail) in it."""
+    yield
+    gc.collect()
