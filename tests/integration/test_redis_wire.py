@@ -528,6 +528,20 @@ async def test_tls_verifies_the_servers_certificate(tls_redis: TLSRedis) -> None
         await backend.aclose()
 
 
+async def test_a_tls_connection_is_closed_when_aclose_returns(tls_redis: TLSRedis) -> None:
+    """TLS says goodbye before its socket closes: ``aclose`` waits for that (briefly), so an
+    event loop closed right after leaks no socket (it would warn when collected)."""
+    backend = RedisBackend(tls_redis.url(1))
+    await backend.release(await _grant(backend), SUCCESS)
+    link = backend._wire._link
+    assert link is not None
+    assert link._transport is not None
+    sock = link._transport.get_extra_info("socket")
+    assert sock.fileno() >= 0
+    await backend.aclose()
+    assert sock.fileno() == -1, "the socket is still open"
+
+
 async def test_a_connection_abandoned_while_being_made_is_made_again_where_locate_says(
     redis_url: str, make_redis_server: Callable[..., Any]
 ) -> None:

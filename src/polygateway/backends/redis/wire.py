@@ -117,6 +117,9 @@ _EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n"
 _INCOMPLETE: Final = object()
 """What ``hiredis.Reader.gets`` returns while a reply is still incomplete (never a reply)."""
 
+_GOODBYE_S: Final = 1.0
+"""How long closing waits for a TLS connection's goodbye before cutting it (one round trip
+to a live server; a frozen one never answers)."""
 _KEEPALIVE: Final = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
 """Probes after 30 s idle, every 5 s, 3 unanswered: redis-py 8's defaults, about 45 s to notice."""
 
@@ -241,6 +244,7 @@ class Link(asyncio.Protocol):
         "_drained",
         "_heard",
         "_late_reply_s",
+        "_lost",
         "_on_down",
         "_parser",
         "_pending",
@@ -266,6 +270,7 @@ class Link(asyncio.Protocol):
         self._clock: Callable[[], float] = time.monotonic  # edge: the event loop's once connected
         self._watchdog: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
+        self._lost: asyncio.Future[None] | None = None  # done once the socket is closed
         self.open = False
 
     @property
@@ -278,6 +283,7 @@ class Link(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
         self.open = True
         loop = asyncio.get_running_loop()
+        self._lost = loop.create_future()
         self._clock = loop.time
         self._heard = loop.time()
         self._watchdog = loop.call_later(self._late_reply_s / 2, self._watch)
@@ -320,6 +326,8 @@ class Link(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Fail what was pending: its replies will never come."""
         self.open = False
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
         if self._watchdog is not None:
             self._watchdog.cancel()
         reason = "connection closed" if exc is None else f"connection lost: {exc}"
@@ -351,6 +359,25 @@ class Link(asyncio.Protocol):
         self.open = False
         if self._transport is not None:
             self._transport.close()
+
+    async def aclose(self, goodbye_s: float) -> None:
+        """Close, and return once the socket is closed.
+
+        A plain connection closes at the loop's next turn; TLS first exchanges
+        its goodbye with the server, given ``goodbye_s`` before the connection
+        is cut. Returning earlier would leave the socket to an event loop that
+        may be closed next, which never closes it.
+        """
+        self.close()
+        lost, transport = self._lost, self._transport
+        if lost is None or transport is None:
+            return  # never connected: no socket of ours
+        try:
+            async with asyncio.timeout(goodbye_s):
+                await asyncio.shield(lost)
+        except TimeoutError:
+            transport.abort()
+            await asyncio.shield(lost)
 
     def _fail(self, why: str) -> None:
         logger.warning("closing a Redis connection: %s", why)
@@ -621,5 +648,4 @@ class Wire:
                 await self._connecting
         link, self._link = self._link, None
         if link is not None:
-            link.close()
-            await asyncio.sleep(0)  # edge: one turn, for the transport to report the loss
+            await link.aclose(_GOODBYE_S)
