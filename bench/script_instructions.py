@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import importlib.util
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from typing import Any
 import redis
 
 from bench.script_cost import _CALLS_ACQUIRE, _CALLS_RELEASE, BATCH, _check, _fill, _Scope
+from bench.services import _free_port, _ping
 from polygateway.backends.redis import scripts
 
 __all__ = ["callgrind_total", "count", "main"]
@@ -90,20 +90,6 @@ def callgrind_total(text: str) -> int:
     raise ValueError("no summary line in the callgrind output")
 
 
-def _ping(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _instructions(server: str, drive: Callable[[redis.Redis], None]) -> int:
     """Instructions a callgrind-run server executes from its start to its shutdown."""
     with tempfile.TemporaryDirectory(prefix="bench-cg-") as directory:
@@ -116,7 +102,7 @@ def _instructions(server: str, drive: Callable[[redis.Redis], None]) -> int:
         client = redis.Redis(port=port)
         try:
             deadline = time.monotonic() + _START_TIMEOUT_S
-            while not _ping(client):
+            while not _ping(port):
                 if time.monotonic() > deadline or process.poll() is not None:
                     raise RuntimeError(f"{server} did not start under valgrind")
                 time.sleep(0.1)  # edge: waiting for a real process
