@@ -88,7 +88,7 @@ local function tenants_of(list)
   local out, at = {}, 1
   while at <= #list do
     local colon = string.find(list, ':', at, true)
-    local len = tonumber(string.sub(list, at, colon - 1))
+    local len = num(string.sub(list, at, colon - 1))
     table.insert(out, string.sub(list, colon + 1, colon + len))
     at = colon + len + 1
   end
@@ -111,19 +111,42 @@ end
 """
 """Lua functions ACQUIRE and RELEASE both use, written once; spliced in at its marker line."""
 
-_CLOCK = """local function fmt(x)
+_CLOCK = """-- A float as text that reads back as the same double: its 17 significant digits. A whole
+-- number below 1e15 (a full bucket's tokens, say) as '%d', the same digits for a fraction
+-- of the cost (research-wiki/designs/script-cost.md, "The Lua's own share"); zero, whose
+-- sign '%d' would lose, as '%.17g'.
+local function fmt(x)
+  if x % 1 == 0 and x > -1e15 and x < 1e15 and x ~= 0 then
+    return string.format('%d', x)
+  end
   return string.format('%.17g', x)
 end
 
-local now = tonumber(ARGV[1])
+-- A number's text (or a number) as a number; nil for none: absent (nil, or false from a
+-- reply) or "". One parse where tonumber makes two (research-wiki/designs/script-cost.md,
+-- "The Lua's own share"); text that is no number stops the script. ``* 1``, not ``+ 0``,
+-- which would turn -0 into 0.
+local function num(s)
+  if s and s ~= '' then
+    return s * 1
+  end
+end
+
+-- now, and now_s, its text for Redis's score ranges: from ARGV[1], or the server's TIME
+-- read as the decimal "<seconds>.<microseconds>", which Redis and Lua both parse to the
+-- same double, so no float is formatted.
+local now, now_s = num(ARGV[1]), nil
 if now == nil then
   local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  now_s = t[1] .. '.' .. string.rep('0', 6 - #t[2]) .. t[2]
+  now = now_s * 1
+else
+  now_s = fmt(now)
 end
 """
-"""The clock every script but PROGRESS starts with (``now`` from ``ARGV[1]`` or the server's
-``TIME``) and ``fmt``, which writes a float as its 17 significant digits; spliced in at
-its marker line."""
+"""The clock every script starts with (``now`` and its text ``now_s``, from ``ARGV[1]`` or
+the server's ``TIME``), ``fmt``, which writes a float as its 17 significant digits, and
+``num``, which reads one; spliced in at its marker line."""
 
 _HASHTABLE = (
     "kept a hashtable by this value, longer than hash-max-listpack-value (64 bytes by default)"
@@ -202,16 +225,15 @@ ACQUIRE = """
 -- applies as usual.
 
 -- @clock
-local now_s = fmt(now)
 -- Speed (research-wiki/designs/script-cost.md, "Hashes as hashtables"): the source state
 -- and the spec set store this value, longer than hash-max-listpack-value (64 bytes by
 -- default), in their field "encoding" when their lifetime is set, so that Redis keeps
 -- them hashtables, which find a field by its hash where a listpack scans every field.
 local HASHTABLE = '@hashtable'
 local lease_id = ARGV[2]
-local ttl = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
-local state_ttl = tonumber(ARGV[5])
+local ttl = num(ARGV[3])
+local cost = num(ARGV[4])
+local state_ttl = num(ARGV[5])
 local digest, order = ARGV[16], ARGV[17]
 local count = math.max(1, #order / 2)
 local tail = #ARGV - 18
@@ -232,7 +254,7 @@ if tail >= 2 then
       for j, c in ipairs(classes) do
         local base = 3 + 2 * #flags + 3 * j
         local colon = string.find(lists, ':', at, true)
-        local len = tonumber(string.sub(lists, at, colon - 1))
+        local len = num(string.sub(lists, at, colon - 1))
         c[4], c[5], c[6] = KEYS[base], KEYS[base + 1], KEYS[base + 2]
         c[7] = string.sub(lists, colon + 1, colon + len)
         at = colon + len + 1
@@ -251,18 +273,19 @@ local hk = KEYS[others + 1]
 local vk, setk = KEYS[4], KEYS[5]
 local verdicts = ''  -- this call's view of the marks: the digest, then 13 bytes an index
 
--- The checks of source_state.admit, in order; returns reason, reopen_in_s, probe.
--- Stored whatever the verdict, in one HSET: first sight, a changed spec, open ->
--- half_open, refills, the commit. Dead leases are not counted (and left to RELEASE's
--- sweep).
-local function examine(c)
+-- The checks of source_state.admit, in order; returns the reason (its code letter, as
+-- in the reply: see the header; nil for a grant), reopen_in_s, probe. ``off`` is the
+-- candidate's offset among the marks (nil for a single candidate). Stored whatever the
+-- verdict, in one HSET: first sight, a changed spec, open -> half_open, refills, the
+-- commit. Dead leases are not counted (and left to RELEASE's sweep).
+local function examine(c, off)
   local sk, lk = c.sk, c.lk
-  local maxc = tonumber(c[2])
-  local rpm = tonumber(c[3])
-  local rpm_cap = tonumber(c[4])
-  local tpm = tonumber(c[5])
-  local tpm_cap = tonumber(c[6])
-  local cooldown_max = tonumber(c[9])
+  local maxc = num(c[2])
+  local rpm = num(c[3])
+  local rpm_cap = num(c[4])
+  local tpm = num(c[5])
+  local tpm_cap = num(c[6])
+  local cooldown_max = num(c[9])
   local spec = c[10]
 
   -- What every call reads; the probes' fields only when a breaker is not closed or a
@@ -274,10 +297,10 @@ local function examine(c)
     writes[#writes + 1] = field
     writes[#writes + 1] = value
   end
-  local limit = tonumber(h[1])
+  local limit = num(h[1])
   local breaker, open_until, probe_id, probe_until, not_before
-  local rpm_tokens, rpm_at = tonumber(h[4]), tonumber(h[5])
-  local tpm_tokens, tpm_at = tonumber(h[6]), tonumber(h[7])
+  local rpm_tokens, rpm_at = num(h[4]), num(h[5])
+  local tpm_tokens, tpm_at = num(h[6]), num(h[7])
   local rpm_moved, tpm_moved = false, false  -- a bucket's values below are to be stored
   local reopen_probe = h[8] == '1'
   local pprobe_id, pprobe_until  -- read below only when a pause waits for its probe
@@ -297,14 +320,14 @@ local function examine(c)
     rpm_tokens, rpm_at, tpm_tokens, tpm_at = nil, nil, nil, nil
   else
     breaker = h[2]
-    not_before = tonumber(h[3])
+    not_before = num(h[3])
     -- The probes' fields, read only where admit() reads them: an open or half-open
     -- breaker, a pause waiting for its probe.
     if breaker ~= 'closed' or reopen_probe then
       local p = redis.call('HMGET', sk, 'open_until', 'probe_id', 'probe_until', 'pprobe_id',
         'pprobe_until')
-      open_until, probe_id, probe_until = tonumber(p[1]), p[2] or '', tonumber(p[3])
-      pprobe_id, pprobe_until = p[4] or '', tonumber(p[5]) or 0
+      open_until, probe_id, probe_until = num(p[1]), p[2] or '', num(p[3])
+      pprobe_id, pprobe_until = p[4] or '', num(p[5]) or 0
     end
   end
   -- The last spec seen, which release and snapshot work from: written when it changed.
@@ -320,52 +343,40 @@ local function examine(c)
     put('spec', spec)
   end
 
+  -- The checks run in one block that a refusal leaves by ``break``, with its reason set:
+  -- written inline, not as a function of returns, since a function nested here would close
+  -- over every local above at each call (research-wiki/designs/script-cost.md, "The Lua's
+  -- own share").
+  local reason, reopen, probe = nil, nil, false
   local live = nil  -- live leases, once counted
-  -- The verdict (see the header): full until the earliest live lease lapses, in ms rounded
-  -- down, so that it never outlasts the lease. None when that is at most a second away:
-  -- a hand-off placeholder (at most 1 s, RELEASE) may be live here, and the process it
-  -- waits for would skip the source it may claim; a lease that close to its end would
-  -- lapse the mark at once anyway.
-  local function mark()
-    local first = redis.call('ZRANGEBYSCORE', lk, '(' .. now_s, '+inf', 'WITHSCORES',
-      'LIMIT', 0, 1)
-    local lapse = tonumber(first[2])
-    if lapse <= now + 1 then
-      return
-    end
-    if verdicts == '' then
-      redis.call('SET', vk, digest, 'EX', state_ttl)
-      verdicts = digest
-    end
-    redis.call('SETRANGE', vk, c.off,
-      string.format('%013d', math.floor(lapse * 1000)))
-    put('verdict', c.off)
-  end
-  local function admit()
+  repeat
     -- 1. Breaker (breaker.admit).
     if breaker == 'open' then
       if now < open_until then
-        return 'breaker_open', open_until - now, false
+        reason, reopen = 'b', open_until - now  -- breaker_open
+        break
       end
       breaker = 'half_open'
       put('breaker', breaker)
     end
-    local probe = false
     if breaker == 'half_open' then
       if probe_id ~= '' and probe_until > now then
-        return 'probe_in_flight', nil, false
+        reason = 'i'  -- probe_in_flight
+        break
       end
       probe = true
     end
 
     -- 2. Pacer; once a failure's pause lapses, one probe fleet-wide.
     if now < not_before then
-      return 'paced', not_before - now, false
+      reason, reopen = 'p', not_before - now  -- paced
+      break
     end
     local pace_probe = false
     if reopen_probe then
       if pprobe_id ~= '' and pprobe_until > now then
-        return 'probe_in_flight', nil, false
+        reason = 'i'  -- probe_in_flight
+        break
       end
       pace_probe = true
     end
@@ -376,12 +387,29 @@ local function examine(c)
     -- grant removes it whether full or not (below).
     live = redis.call('ZCOUNT', lk, '(' .. now_s, '+inf')
     if live >= math.max(1, math.min(maxc, math.floor(limit))) then
-      local held = promised and tonumber(redis.call('ZSCORE', lk, promised))
+      local held = promised and num(redis.call('ZSCORE', lk, promised))
       if not (held and held > now) then
-        if c.off then
-          mark()
+        if off then
+          -- The verdict (see the header): full until the earliest live lease lapses, in ms
+          -- rounded down, so that it never outlasts the lease. None when that is at most a
+          -- second away: a hand-off placeholder (at most 1 s, RELEASE) may be live here,
+          -- and the process it waits for would skip the source it may claim; a lease that
+          -- close to its end would lapse the mark at once anyway.
+          local first = redis.call('ZRANGEBYSCORE', lk, '(' .. now_s, '+inf', 'WITHSCORES',
+            'LIMIT', 0, 1)
+          local lapse = num(first[2])
+          if lapse > now + 1 then
+            if verdicts == '' then
+              redis.call('SET', vk, digest, 'EX', state_ttl)
+              verdicts = digest
+            end
+            redis.call('SETRANGE', vk, off,
+              string.format('%013d', math.floor(lapse * 1000)))
+            put('verdict', off)
+          end
         end
-        return 'concurrency', nil, false
+        reason = 'c'  -- concurrency
+        break
       end
     end
 
@@ -394,7 +422,8 @@ local function examine(c)
       rpm_at = now
       rpm_moved = true
       if not (rpm_tokens >= 1) then
-        return 'rpm', (1 - rpm_tokens) * 60 / rpm, false
+        reason, reopen = 'r', (1 - rpm_tokens) * 60 / rpm  -- rpm
+        break
       end
     end
 
@@ -408,7 +437,8 @@ local function examine(c)
       tpm_moved = true
       local need = math.min(cost, tpm_cap)
       if not (tpm_tokens >= need) then
-        return 'tpm', (need - tpm_tokens) * 60 / tpm, false
+        reason, reopen = 't', (need - tpm_tokens) * 60 / tpm  -- tpm
+        break
       end
     end
 
@@ -435,11 +465,9 @@ local function examine(c)
       put('pprobe_id', lease_id)
       put('pprobe_until', fmt(expiry))
     end
-    return nil, nil, probe
-  end
-
-  local reason, reopen, probe = admit()
-  -- A bucket that moved was refilled up to now: its time is now_s, formatted once.
+  until true
+  probe = reason == nil and probe
+  -- A bucket that moved was refilled up to now: its time is now_s.
   if rpm_moved then
     put('rpm_tokens', fmt(rpm_tokens))
     put('rpm_at', now_s)
@@ -455,7 +483,7 @@ local function examine(c)
   -- they are set again only once half of that is gone, not at every call.
   local need = math.max(math.ceil(ttl), math.ceil(cooldown_max)) + 1
   local life = math.max(state_ttl, 2 * need)
-  local expires_at = tonumber(h[10])
+  local expires_at = num(h[10])
   local renewed = expires_at == nil or expires_at - now < life / 2
   if renewed then
     expires_at = now + life
@@ -508,8 +536,6 @@ if dl > 0 then
   end
 end
 
-local CODES = {concurrency = 'c', breaker_open = 'b', probe_in_flight = 'i', paced = 'p',
-  rpm = 'r', tpm = 't'}
 local now_ms = dl > 0 and string.format('%013d', math.floor(now * 1000))  -- marks' clock
 local codes, reopens, skipped = {}, {}, 0
 local for_release = false
@@ -525,8 +551,10 @@ for j = 1, count do
     skipped = skipped + 1
     for_release = true
   else
-    codes[#codes + 1] = string.rep('c', skipped)  -- the run before it ('' when none)
-    skipped = 0
+    if skipped > 0 then
+      codes[#codes + 1] = string.rep('c', skipped)  -- the run before it
+      skipped = 0
+    end
     if j == 1 then
       c = first
     else
@@ -542,8 +570,7 @@ for j = 1, count do
       c[10] = s[2]
       c.sk, c.lk = prefix .. 'src:' .. s[1], prefix .. 'leases:' .. s[1]
     end
-    c.off = off
-    local reason, reopen, probe = examine(c)
+    local reason, reopen, probe = examine(c, off)
     if reason == nil then
       if hk then
         -- The lease counts toward its class's permits held fleet-wide until it ends or
@@ -565,10 +592,10 @@ for j = 1, count do
       end
       return {j, probe and 1 or 0, table.concat(codes), unpack(reopens)}
     end
-    if reason == 'concurrency' or reason == 'probe_in_flight' then
-      for_release = true
+    if reason == 'c' or reason == 'i' then
+      for_release = true  -- concurrency, probe_in_flight
     end
-    codes[#codes + 1] = CODES[reason]
+    codes[#codes + 1] = reason
     if reopen ~= nil then
       reopens[#reopens + 1] = fmt(reopen)
     end
@@ -578,7 +605,7 @@ codes[#codes + 1] = string.rep('c', skipped)
 local result = {0, 0, table.concat(codes), unpack(reopens)}
 -- Refused: a process waiting for a release is registered to be woken by one.
 if proc and for_release then
-  local wttl = tonumber(ARGV[20])
+  local wttl = num(ARGV[20])
   local keep = math.ceil(wttl) + 1
   for _, c in ipairs(classes) do
     if c[3] then
@@ -601,7 +628,7 @@ if proc and for_release then
       end
       if list ~= '' then
         local last = redis.call('ZRANGE', c[6], -1, -1, 'WITHSCORES')
-        local turn = (tonumber(last[2]) or 0) + 1
+        local turn = (num(last[2]) or 0) + 1
         for _, t in ipairs(tenants_of(list)) do
           redis.call('ZADD', c[4], 0, flow(t, proc))
           turn = turn + redis.call('ZADD', c[6], 'NX', turn, t)
@@ -679,7 +706,6 @@ RELEASE = """
 -- held.
 
 -- @clock
-local now_s = fmt(now)
 local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
 local kind = ARGV[3]
@@ -690,7 +716,7 @@ if #ARGV >= 16 and (#ARGV - 15) % 2 == 1 then
   local nclasses = math.floor((#ARGV - 15) / 2)
   local words = {}
   for w in string.gmatch(ARGV[#ARGV], '%d+') do
-    table.insert(words, tonumber(w))
+    table.insert(words, num(w))
   end
   floors = {}
   for j = 1, nclasses do
@@ -719,11 +745,21 @@ local function wake(cap, expires_at)
   if #ARGV < 14 then
     return 1
   end
+  local m = math.floor((#ARGV - 15) / 2)
+  -- Who is registered, per class (one, without classes): one command a class, and nothing
+  -- more when nobody is, the case of every call that does not wait.
+  local counts, anyone = {}, false
+  for j = 1, math.max(m, 1) do
+    counts[j] = redis.call('ZCARD', KEYS[m < 1 and 5 or 3 + 2 * j])
+    anyone = anyone or counts[j] > 0
+  end
+  if not anyone then
+    return 1
+  end
   local me = ARGV[12]
   -- The registries: per class its two keys, its name and its share (one, nameless,
   -- without classes), and with tenants its three tenant keys. Swept of lapsed
   -- registrations; those with someone left are live.
-  local m = math.floor((#ARGV - 15) / 2)
   local regs, live = {}, {}
   if m < 1 then
     regs[1] = {KEYS[5], KEYS[6], nil, 1}
@@ -733,7 +769,7 @@ local function wake(cap, expires_at)
   else
     local tenants = #KEYS - (floors and m or 0) >= 5 + 5 * m
     for j = 1, m do
-      regs[j] = {KEYS[3 + 2 * j], KEYS[4 + 2 * j], ARGV[14 + 2 * j], tonumber(ARGV[15 + 2 * j])}
+      regs[j] = {KEYS[3 + 2 * j], KEYS[4 + 2 * j], ARGV[14 + 2 * j], num(ARGV[15 + 2 * j])}
       if tenants then
         local base = 5 + 2 * m + 3 * j
         regs[j][5], regs[j][6], regs[j][7] = KEYS[base - 2], KEYS[base - 1], KEYS[base]
@@ -749,7 +785,7 @@ local function wake(cap, expires_at)
   end
 
   for j, r in ipairs(regs) do
-    local n = redis.call('ZCARD', r[1])  -- nobody waits anywhere: one command per class
+    local n = counts[j]
     if n > 0 then
       local gone = redis.call('ZRANGEBYSCORE', r[2], '-inf', now_s)
       for first = 1, #gone, 1000 do
@@ -784,7 +820,7 @@ local function wake(cap, expires_at)
     local h = redis.call('HMGET', ck, unpack(fields))
     local pass, on, lowest = {}, {}, nil
     for k = 1, m do
-      pass[k] = tonumber(h[2 * k]) or 0
+      pass[k] = num(h[2 * k]) or 0
     end
     for _, k in ipairs(live) do
       on[k] = true
@@ -792,7 +828,7 @@ local function wake(cap, expires_at)
         lowest = pass[k]
       end
     end
-    local vtime = lowest or tonumber(h[1]) or 0
+    local vtime = lowest or num(h[1]) or 0
     -- Reserved floors first: a live class holding fewer live permits fleet-wide than its
     -- reserved is preferred (among several, the stride order decides).
     local below, floor = {}, false
@@ -832,7 +868,7 @@ local function wake(cap, expires_at)
   end
   local reg = regs[j]
   local wk, wuk, class = reg[1], reg[2], reg[3]
-  local handoff = tonumber(ARGV[15])
+  local handoff = num(ARGV[15])
   if handoff then
     handoff = math.min(handoff, 1)
   end
@@ -847,7 +883,7 @@ local function wake(cap, expires_at)
     -- Processes registered with no tenant list take their turns as the tenant "".
     if redis.call('ZCARD', wk) > redis.call('HLEN', fok) then
       local last = redis.call('ZRANGE', tk, -1, -1, 'WITHSCORES')
-      redis.call('ZADD', tk, 'NX', (tonumber(last[2]) or 0) + 1, '')
+      redis.call('ZADD', tk, 'NX', (num(last[2]) or 0) + 1, '')
       -- Made here (no expiry yet): it lives as long as wk, to the millisecond.
       if redis.call('PTTL', tk) < 0 then
         redis.call('PEXPIRE', tk, math.max(redis.call('PTTL', wk), 1))
@@ -880,7 +916,7 @@ local function wake(cap, expires_at)
       end
       local best, best_s, first, first_s
       for _, p in ipairs(procs) do
-        local score = tonumber(redis.call('ZSCORE', wk, p))
+        local score = num(redis.call('ZSCORE', wk, p))
         if score == nil or not redis.call('ZSCORE', wuk, p) then
           -- Not registered (or its expiry lost with its key): not live.
           redis.call('ZREM', wk, p)
@@ -958,7 +994,7 @@ local function wake(cap, expires_at)
         if tenant ~= nil then
           -- The tenant goes to the back of the class's turn.
           local last = redis.call('ZRANGE', reg[7], -1, -1, 'WITHSCORES')
-          redis.call('ZADD', reg[7], 'XX', tonumber(last[2]) + 1, tenant)
+          redis.call('ZADD', reg[7], 'XX', num(last[2]) + 1, tenant)
         end
         if head ~= me then
           return 2
@@ -988,88 +1024,96 @@ end
 local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
   'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
   'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
-local maxc = tonumber(h[1])
+local maxc = num(h[1])
 if maxc == nil then
   -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
   return wake(nil, nil)
 end
-local pause = tonumber(ARGV[5])
+local pause = num(ARGV[5])
 local f = {}
 if kind ~= 'success' or pause ~= nil then
   f = redis.call('HMGET', sk, 'breaker_failures', 'cooldown_s', 'open_until',
     'last_decrease', 'not_before')
 end
-local tpm, tpm_cap, cooldown_max = tonumber(h[2]), tonumber(h[3]), tonumber(h[4])
-local breaker, failures, trips = h[5], tonumber(h[6]), tonumber(h[7])
-local probe_id, probe_until = h[8] or '', tonumber(h[9])
-local limit, tpm_tokens = tonumber(h[10]), tonumber(h[11])
+local tpm, tpm_cap, cooldown_max = num(h[2]), num(h[3]), num(h[4])
+local breaker, failures, trips = h[5], num(h[6]), num(h[7])
+local probe_id, probe_until = h[8] or '', num(h[9])
+local limit, tpm_tokens = num(h[10]), num(h[11])
 local reopen_probe, pprobe_id = h[12] or '0', h[13] or ''
 -- Unread (nil) on a success without a pause, which neither uses nor changes them.
-local threshold, cooldown, open_until = tonumber(f[1]), tonumber(f[2]), tonumber(f[3])
-local last_decrease, not_before = tonumber(f[4]), tonumber(f[5])
+local threshold, cooldown, open_until = num(f[1]), num(f[2]), num(f[3])
+local last_decrease, not_before = num(f[4]), num(f[5])
 local decreased = false
-
-local function free_probe(only)
-  if only == nil or (probe_id ~= '' and probe_id == only) then
-    probe_id, probe_until = '', 0
-  end
-end
-
--- breaker.trip: the cool-down doubles per consecutive trip, capped.
-local function trip()
-  trips = trips + 1
-  local doublings = math.min(math.max(trips - 1, 0), 1000)
-  open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
-  breaker, failures = 'open', 0
-  free_probe(nil)
-end
-
--- aimd.on_overload: at most one decrease per cool-off.
-local function overload()
-  if last_decrease ~= nil and now - last_decrease < tonumber(ARGV[8]) then
-    return
-  end
-  limit = math.max(1, limit * tonumber(ARGV[9]))
-  last_decrease = now
-  decreased = true
-end
+-- As read: what the writes below compare the new values with (each parsed once).
+local read_failures, read_trips, read_probe_until = failures, trips, probe_until
+local read_limit, read_open_until, read_not_before = limit, open_until, not_before
 
 -- The pause's probe slot is freed by its own lease's release, whatever the outcome.
 local pprobe_freed = pprobe_id ~= '' and pprobe_id == lease_id
 if kind == 'success' then
   breaker, failures, trips = 'closed', 0, 0
-  free_probe(nil)
+  probe_id, probe_until = '', 0
   limit = math.min(maxc, limit + 1 / limit)
   reopen_probe = '0'
-elseif kind == 'transient' then
-  if breaker == 'closed' then
-    failures = failures + 1
-    if failures >= threshold then
+else
+  -- The failures' helpers, made for a failure only: a function nested here closes over
+  -- the locals it uses each time it is made (research-wiki/designs/script-cost.md, "The
+  -- Lua's own share").
+  local function free_probe(only)
+    if only == nil or (probe_id ~= '' and probe_id == only) then
+      probe_id, probe_until = '', 0
+    end
+  end
+
+  -- breaker.trip: the cool-down doubles per consecutive trip, capped.
+  local function trip()
+    trips = trips + 1
+    local doublings = math.min(math.max(trips - 1, 0), 1000)
+    open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
+    breaker, failures = 'open', 0
+    free_probe(nil)
+  end
+
+  -- aimd.on_overload: at most one decrease per cool-off.
+  local function overload()
+    if last_decrease ~= nil and now - last_decrease < num(ARGV[8]) then
+      return
+    end
+    limit = math.max(1, limit * num(ARGV[9]))
+    last_decrease = now
+    decreased = true
+  end
+
+  if kind == 'transient' then
+    if breaker == 'closed' then
+      failures = failures + 1
+      if failures >= threshold then
+        trip()
+      end
+    elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
       trip()
     end
-  elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
-    trip()
-  end
-  if ARGV[4] == '1' then
+    if ARGV[4] == '1' then
+      overload()
+    end
+    if pause ~= nil then
+      reopen_probe = '1'
+    end
+  elseif kind == 'rate_limited' then
+    free_probe(lease_id)
     overload()
-  end
-  if pause ~= nil then
     reopen_probe = '1'
+  elseif kind == 'source_misconfigured' then
+    -- breaker.trip_long: misconfigured, not overloaded.
+    trips = trips + 1
+    open_until = now + cooldown_max
+    breaker, failures = 'open', 0
+    free_probe(nil)
+    pause = nil
+  else
+    free_probe(lease_id)
+    pause = nil
   end
-elseif kind == 'rate_limited' then
-  free_probe(lease_id)
-  overload()
-  reopen_probe = '1'
-elseif kind == 'source_misconfigured' then
-  -- breaker.trip_long: misconfigured, not overloaded.
-  trips = trips + 1
-  open_until = now + cooldown_max
-  breaker, failures = 'open', 0
-  free_probe(nil)
-  pause = nil
-else
-  free_probe(lease_id)
-  pause = nil
 end
 if pause ~= nil then
   not_before = math.max(not_before, now + pause)
@@ -1085,19 +1129,19 @@ local function put(field, value, stored)
   end
 end
 local function put_number(field, value, stored)
-  if value ~= tonumber(stored) then
+  if value ~= stored then
     table.insert(writes, field)
     table.insert(writes, fmt(value))
   end
 end
 put('breaker', breaker, h[5])
-put_number('failures', failures, h[6])
-put_number('trips', trips, h[7])
-put_number('open_until', open_until, f[3])
+put_number('failures', failures, read_failures)
+put_number('trips', trips, read_trips)
+put_number('open_until', open_until, read_open_until)
 put('probe_id', probe_id, h[8])
-put_number('probe_until', probe_until, h[9])
-put_number('limit', limit, h[10])
-put_number('not_before', not_before, f[5])
+put_number('probe_until', probe_until, read_probe_until)
+put_number('limit', limit, read_limit)
+put_number('not_before', not_before, read_not_before)
 put('reopen_probe', reopen_probe, h[12] or '0')  -- absent reads as "0" everywhere
 if pprobe_freed then
   table.insert(writes, 'pprobe_id')
@@ -1111,9 +1155,9 @@ if decreased then
 end
 
 -- ratelimit.reconcile: replace the reservation with real usage.
-local used = tonumber(ARGV[6])
+local used = num(ARGV[6])
 if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
-  local reserved = tonumber(ARGV[7]) or 0
+  local reserved = num(ARGV[7]) or 0
   table.insert(writes, 'tpm_tokens')
   table.insert(writes, fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
 end
@@ -1133,10 +1177,10 @@ end
 -- Lifetimes (see ACQUIRE): a lease renewed past half the state's life still leaves a
 -- breaker's cool-down time to run out. ``expires_at`` is left to ACQUIRE, which also
 -- keeps the scope's list of sources.
-local expires_at = tonumber(h[14])
+local expires_at = num(h[14])
 local need = math.ceil(cooldown_max) + 1
 if expires_at == nil or expires_at - now < need then
-  local life = math.max(tonumber(ARGV[11]), 2 * need)
+  local life = math.max(num(ARGV[11]), 2 * need)
   redis.call('EXPIRE', sk, life)
   redis.call('EXPIRE', lk, life)
 end
@@ -1163,9 +1207,9 @@ RENEW = """
 -- @clock
 local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
-local ttl = tonumber(ARGV[3])
+local ttl = num(ARGV[3])
 
-redis.call('ZREMRANGEBYSCORE', lk, '-inf', fmt(now))
+redis.call('ZREMRANGEBYSCORE', lk, '-inf', now_s)
 if not redis.call('ZSCORE', lk, lease_id) then
   return 0
 end
@@ -1186,10 +1230,10 @@ if h[2] and h[2] ~= '' and h[2] == lease_id then
   redis.call('HSET', sk, 'pprobe_until', expiry)
 end
 -- Lifetimes (see ACQUIRE): a lease renewed past half the state's life keeps its keys.
-local expires_at = tonumber(h[3])
+local expires_at = num(h[3])
 local need = math.ceil(ttl) + 1
 if expires_at == nil or expires_at - now < need then
-  local life = math.max(tonumber(ARGV[4]), 2 * need)
+  local life = math.max(num(ARGV[4]), 2 * need)
   redis.call('EXPIRE', sk, life)
   redis.call('EXPIRE', lk, life)
 end
@@ -1205,17 +1249,14 @@ PROGRESS = """
 -- Returns the age as a string, at least 0, or "" when the scope never served
 -- (or not within the key's TTL).
 
-local now = tonumber(ARGV[1])
-if now == nil then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-local at = tonumber(redis.call('GET', KEYS[1]))
+-- @clock
+local at = num(redis.call('GET', KEYS[1]))
 if at == nil then
   return ''
 end
-return string.format('%.17g', math.max(0, now - at))
+return fmt(math.max(0, now - at))
 """
+PROGRESS = PROGRESS.replace("-- @clock\n", _CLOCK, 1)
 
 SNAPSHOT = """
 -- SNAPSHOT: the scope's live state as of now, read-only (source_state.view).
@@ -1228,10 +1269,9 @@ SNAPSHOT = """
 -- with "" for every value that is none.
 
 -- @clock
-local now_s = fmt(now)
 
 local result = {''}
-local at = tonumber(redis.call('GET', KEYS[1]))
+local at = num(redis.call('GET', KEYS[1]))
 if at ~= nil then
   result[1] = fmt(math.max(0, now - at))
 end
@@ -1252,7 +1292,7 @@ for i = 1, (#KEYS - 1) / 2 do
   local h = redis.call('HMGET', sk, 'limit', 'breaker', 'failures', 'trips', 'open_until',
     'not_before', 'rpm', 'rpm_cap', 'rpm_tokens', 'rpm_at', 'tpm', 'tpm_cap', 'tpm_tokens',
     'tpm_at')
-  local limit = tonumber(h[1])
+  local limit = num(h[1])
   if limit == nil then
     table.insert(result, 0)
     for _ = 1, 9 do
@@ -1260,7 +1300,7 @@ for i = 1, (#KEYS - 1) / 2 do
     end
   else
     local breaker = h[2]
-    local open_until = tonumber(h[5])
+    local open_until = num(h[5])
     if breaker == 'open' and now >= open_until then
       breaker = 'half_open'
     end
@@ -1268,7 +1308,7 @@ for i = 1, (#KEYS - 1) / 2 do
     if breaker == 'open' then
       reopen = fmt(open_until - now)
     end
-    local not_before = tonumber(h[6])
+    local not_before = num(h[6])
     local paced = ''
     if now < not_before then
       paced = fmt(not_before - now)
@@ -1281,8 +1321,8 @@ for i = 1, (#KEYS - 1) / 2 do
     table.insert(result, h[4])
     table.insert(result, reopen)
     table.insert(result, paced)
-    table.insert(result, bucket(tonumber(h[7]), tonumber(h[8]), tonumber(h[9]), tonumber(h[10])))
-    table.insert(result, bucket(tonumber(h[11]), tonumber(h[12]), tonumber(h[13]), tonumber(h[14])))
+    table.insert(result, bucket(num(h[7]), num(h[8]), num(h[9]), num(h[10])))
+    table.insert(result, bucket(num(h[11]), num(h[12]), num(h[13]), num(h[14])))
   end
 end
 return result
