@@ -124,7 +124,6 @@ _FLIP = {"<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "~=", "~=": "=="}
 # Range bounds written as Redis arguments: inclusive <-> exclusive ('(' prefix).
 _BOUNDS = {
     "'-inf', now_s)": "'-inf', '(' .. now_s)",
-    "'-inf', fmt(now))": "'-inf', '(' .. fmt(now))",
     "'(' .. now_s, '+inf')": "now_s, '+inf')",
 }
 _SWEEP_CALL = re.compile(r"\n *redis\.call\('ZREMRANGEBYSCORE', lk, [^\n]*\)\n")
