@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
 
-from polygateway.backends.redis import scripts
+from polygateway.backends.base import SourceSpec
+from polygateway.backends.redis import RedisBackend, scripts
 
 # Runs the prelude, then answers by ARGV[2]: "fmt" writes each later argument read as a
 # number, "num" reads each as a number (or says none), "clock" gives now_s and fmt(now).
@@ -129,3 +131,32 @@ def test_the_server_clock_text_and_number_are_the_same_double(client: redis.Redi
 def test_a_given_now_is_used_as_given(client: redis.Redis) -> None:
     now_s, now_text = _run(client, "1000.25", "clock")
     assert (now_s, now_text) == ("1000.25", "1000.25")
+
+
+@pytest.fixture
+async def server_clock(redis_url: str) -> AsyncIterator[RedisBackend]:
+    b = RedisBackend(redis_url)
+    yield b
+    await b.aclose()
+
+
+def _server_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+async def test_acquire_on_the_server_clock_stamps_the_lease_from_that_moment(
+    server_clock: RedisBackend, client: redis.Redis
+) -> None:
+    """The real ACQUIRE, on TIME: each lease expires its TTL after a moment between the
+    server's clock read before and after the call (a fraction read wrong, padded to more
+    or fewer than six digits say, lands up to a second off)."""
+    spec = SourceSpec("a", max_concurrency=100)
+    for _ in range(10):
+        before = _server_now(client)
+        lease = (await server_clock.acquire("numbers", [spec], ttl_s=30.0)).lease
+        after = _server_now(client)
+        assert lease is not None
+        expiry = client.zscore("pgw:{numbers}:leases:a", lease.lease_id)
+        assert expiry is not None
+        assert before - 1e-6 <= expiry - 30.0 <= after + 1e-6

@@ -97,6 +97,7 @@ TESTS = [
     "tests/integration/test_redis_wakeups.py",
     "tests/integration/test_redis_backend.py",
     "tests/integration/test_redis_differential.py",
+    "tests/integration/test_redis_script_numbers.py",
     "-k",
     "redis and (not test_redis_backend or server_clock or real_time or documented_ttl)",
 ]

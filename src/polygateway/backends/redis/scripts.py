@@ -111,10 +111,10 @@ end
 """
 """Lua functions ACQUIRE and RELEASE both use, written once; spliced in at its marker line."""
 
-_CLOCK = """-- A float as text that reads back as the same double: its 17 significant digits. A whole
--- number below 1e15 (a full bucket's tokens, say) as '%d', the same digits for a fraction
--- of the cost (research-wiki/designs/script-cost.md, "The Lua's own share"); zero, whose
--- sign '%d' would lose, as '%.17g'.
+_CLOCK = """-- A float as text that reads back as the same double: its 17 significant digits. A
+-- whole number below 1e15 (a full bucket's tokens, say) as '%d', the same digits for a
+-- fraction of the cost (research-wiki/designs/script-cost.md, "The Lua's own share");
+-- zero, whose sign '%d' would lose, as '%.17g'.
 local function fmt(x)
   if x % 1 == 0 and x > -1e15 and x < 1e15 and x ~= 0 then
     return string.format('%d', x)
@@ -138,7 +138,7 @@ end
 local now, now_s = num(ARGV[1]), nil
 if now == nil then
   local t = redis.call('TIME')
-  now_s = t[1] .. '.' .. string.rep('0', 6 - #t[2]) .. t[2]
+  now_s = t[1] .. '.' .. string.sub('00000' .. t[2], -6)  -- microseconds: 6 digits
   now = now_s * 1
 else
   now_s = fmt(now)
