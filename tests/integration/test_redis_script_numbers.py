@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+from _behind import released
 
-from polygateway.backends.base import SourceSpec
+from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend, scripts
 
 # Runs the prelude, then answers by ARGV[2]: "fmt" writes each later argument read as a
@@ -160,3 +161,19 @@ async def test_acquire_on_the_server_clock_stamps_the_lease_from_that_moment(
         expiry = client.zscore("pgw:{numbers}:leases:a", lease.lease_id)
         assert expiry is not None
         assert before - 1e-6 <= expiry - 30.0 <= after + 1e-6
+
+
+async def test_release_on_the_server_clock_opens_the_breaker_from_that_moment(
+    server_clock: RedisBackend, client: redis.Redis
+) -> None:
+    """The real RELEASE, on TIME: a failure that trips the breaker opens it for the
+    cool-down from a moment between the server's clock read before and after."""
+    spec = SourceSpec("b", max_concurrency=4, breaker_failures=1, cooldown_s=30.0)
+    lease = (await server_clock.acquire("numbers", [spec], ttl_s=30.0)).lease
+    assert lease is not None
+    before = _server_now(client)
+    await released(server_clock, lease, AttemptOutcome("transient"))
+    after = _server_now(client)
+    open_until = client.hget("pgw:{numbers}:src:b", "open_until")
+    assert open_until is not None
+    assert before - 1e-6 <= float(open_until) - 30.0 <= after + 1e-6
