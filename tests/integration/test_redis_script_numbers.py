@@ -177,3 +177,11 @@ async def test_release_on_the_server_clock_opens_the_breaker_from_that_moment(
     open_until = client.hget("pgw:{numbers}:src:b", "open_until")
     assert open_until is not None
     assert before - 1e-6 <= float(open_until) - 30.0 <= after + 1e-6
+    # SNAPSHOT, on TIME too, counts the cool-down left from its own moment.
+    before = _server_now(client)
+    source = (await server_clock.snapshot("numbers")).source("b")
+    after = _server_now(client)
+    assert source is not None
+    assert source.reopen_in_s is not None
+    assert float(open_until) - after - 1e-6 <= source.reopen_in_s
+    assert source.reopen_in_s <= float(open_until) - before + 1e-6
