@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
+from _leases import LEASES_ONLY
 from _redis_topologies import Process, SentinelSetup
 from _traffic import Traffic
 
@@ -185,7 +186,9 @@ def held_leases(setup: SentinelSetup) -> list[tuple[str, float]]:
         return [
             (name, expiry - ttl_s)
             for name in PERMITS
-            for _, expiry in client.zrange(codec.key(SCOPE, "leases", name), 0, -1, withscores=True)
+            for _, expiry in client.zrangebyscore(
+                codec.key(SCOPE, "leases", name), *LEASES_ONLY, withscores=True
+            )
         ]
 
 

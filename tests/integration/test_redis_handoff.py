@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from _leases import LEASES_ONLY
 from _wakeups import BOUND_S, FLEET_SOCKET_TIMEOUT_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
@@ -104,14 +105,14 @@ async def test_a_permit_handed_to_a_waiting_process_is_refused_to_others_and_gra
     proc = await register(admin, p, spec(1))
     await holder.release(lease, SUCCESS)
     await woken(room)
-    assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{proc}"]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [f"handoff:{proc}"]
     await refused(other, spec(1), "concurrency")
     await refused(holder, spec(1), "concurrency")
     snapshot = await other.snapshot(SCOPE)
     assert snapshot.sources[0].in_flight == 1, "the promised permit is counted"
     granted = (await p.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease
     assert granted is not None
-    assert await admin.zrange(LEASES, 0, -1) == [granted.lease_id]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [granted.lease_id]
     assert proc not in await admin.zrange(WAITING, 0, -1), "a grant unregisters P"
 
 
@@ -121,6 +122,10 @@ async def test_an_unclaimed_placeholder_lapses_after_the_handoff_ttl(
     """A permit held for a process that never asks is anyone's once the socket timeout passed."""
     w = await p_waiting(fleet, admin, spec(1))
     clock.advance(30.0)  # within P's registration (60 s)
+    # The lease zset as older scripts left it, no SKIPLIST member: the release empties it.
+    expiry = await admin.zscore(LEASES, w.leases[0].lease_id)
+    await admin.delete(LEASES)
+    await admin.zadd(LEASES, {w.leases[0].lease_id: expiry})
     await w.holder.release(w.leases[0], SUCCESS)
     await woken(w.room)
     # The placeholder made the lease key anew; the lease that claims it will live in it, so
@@ -158,7 +163,7 @@ async def test_releasing_a_lease_that_expired_wakes_nobody(
     await b.release(lease, SUCCESS)
     await b.snapshot(SCOPE)  # one more round trip on the same connection: the reply was read
     assert room.wakeups == 0
-    assert await admin.zrange(LEASES, 0, -1) == []
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == []
 
 
 async def test_a_claiming_process_is_still_refused_by_rpm(
@@ -170,7 +175,9 @@ async def test_a_claiming_process_is_still_refused_by_rpm(
     await w.holder.release(w.leases[0], SUCCESS)
     await woken(w.room)
     await refused(w.p, source, "rpm")
-    assert len(await admin.zrange(LEASES, 0, -1)) == 1, "the placeholder waits for its TTL"
+    assert len(await admin.zrangebyscore(LEASES, *LEASES_ONLY)) == 1, (
+        "the placeholder waits for its TTL"
+    )
 
 
 async def test_a_claiming_process_is_still_refused_by_an_open_breaker(
@@ -190,10 +197,13 @@ async def test_no_permit_is_held_beyond_a_limit_that_aimd_just_lowered(
     w = await p_waiting(fleet, admin, spec(4))
     await w.holder.release(w.leases[0], AttemptOutcome("rate_limited"))  # limit 4 -> 2.8
     await woken(w.room)
-    assert f"handoff:{w.proc}" not in await admin.zrange(LEASES, 0, -1)
+    assert f"handoff:{w.proc}" not in await admin.zrangebyscore(LEASES, *LEASES_ONLY)
     await w.holder.release(w.leases[1], AttemptOutcome("cancelled"))  # 2 leases, limit 2
     await woken(w.room, 2)
-    assert await admin.zrange(LEASES, 0, -1) == [w.leases[2].lease_id, w.leases[3].lease_id]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [
+        w.leases[2].lease_id,
+        w.leases[3].lease_id,
+    ]
 
 
 async def test_a_process_already_promised_a_permit_is_passed_over_for_the_next(
@@ -211,7 +221,7 @@ async def test_a_process_already_promised_a_permit_is_passed_over_for_the_next(
     second = await register(admin, q, spec(3))  # Q registers after P was woken: behind P
     await holder.release(leases[1], SUCCESS)
     await woken(rooms[1])
-    held = set(await admin.zrange(LEASES, 0, -1)) - {leases[2].lease_id}
+    held = set(await admin.zrangebyscore(LEASES, *LEASES_ONLY)) - {leases[2].lease_id}
     assert held == {f"handoff:{first}", f"handoff:{second}"}
 
 
@@ -225,7 +235,7 @@ async def test_a_lone_waiting_process_already_promised_is_woken_with_nothing_mor
     await woken(w.room)
     await w.holder.release(w.leases[1], SUCCESS)
     await woken(w.room, 2)
-    assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{w.proc}"]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [f"handoff:{w.proc}"]
     assert (await other.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease is not None
 
 
@@ -249,7 +259,7 @@ async def test_the_releasing_process_holds_a_permit_for_itself_when_the_turn_is_
     await p.release(lease, SUCCESS)
     await woken(room)
     assert await _published(admin) == published, "its own turn: nothing published"
-    assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{proc}"]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [f"handoff:{proc}"]
     await refused(other, spec(1), "concurrency")
     assert (await p.acquire(SCOPE, [spec(1)], ttl_s=60.0)).lease is not None
 
@@ -272,7 +282,7 @@ async def test_a_permit_held_for_a_process_that_stopped_listening_goes_to_the_ne
             await asyncio.sleep(0.01)
     await holder.release(lease, SUCCESS)
     await woken(room)
-    assert await admin.zrange(LEASES, 0, -1) == [f"handoff:{proc}"]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [f"handoff:{proc}"]
     # The key emptied when the first placeholder was taken back, and the second made it anew:
     # it expires with the source's state, as the lease that claims it will need.
     assert await admin.ttl(LEASES) > 3600
@@ -291,7 +301,10 @@ async def test_the_permit_is_held_for_the_first_registered_process_only(
     await register(admin, q, spec(2))
     await holder.release(leases[0], SUCCESS)
     await woken(rooms[0])
-    assert set(await admin.zrange(LEASES, 0, -1)) == {leases[1].lease_id, f"handoff:{first}"}
+    assert set(await admin.zrangebyscore(LEASES, *LEASES_ONLY)) == {
+        leases[1].lease_id,
+        f"handoff:{first}",
+    }
     assert rooms[1].wakeups == 0
 
 
@@ -314,7 +327,9 @@ async def test_with_every_process_promised_the_least_recently_woken_is_woken_aga
     await holder.release(leases[2], SUCCESS)
     await woken(rooms[0], 2)
     assert rooms[1].wakeups == 1
-    assert len(await admin.zrange(LEASES, 0, -1)) == 2, "two promises, the third permit free"
+    assert len(await admin.zrangebyscore(LEASES, *LEASES_ONLY)) == 2, (
+        "two promises, the third permit free"
+    )
 
 
 async def test_a_release_finding_only_lapsed_registrations_wakes_its_own_waiters(
@@ -329,7 +344,7 @@ async def test_a_release_finding_only_lapsed_registrations_wakes_its_own_waiters
     clock.advance(61.0)  # past the 60 s registration
     await p.release(lease, SUCCESS)
     await woken(room)
-    assert await admin.zrange(LEASES, 0, -1) == []
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == []
 
 
 async def test_a_grant_at_a_source_with_room_still_replaces_the_processs_placeholder(
@@ -348,7 +363,7 @@ async def test_a_grant_at_a_source_with_room_still_replaces_the_processs_placeho
     await woken(w.room, 2)
     granted = (await w.p.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease
     assert granted is not None
-    assert await admin.zrange(LEASES, 0, -1) == [granted.lease_id]
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == [granted.lease_id]
     await w.p.release(granted, SUCCESS)
     assert (await w.p.snapshot(SCOPE)).in_flight == 0
 
@@ -370,7 +385,7 @@ async def test_a_release_whose_only_registrant_is_gone_wakes_the_releasing_proce
             await asyncio.sleep(0.01)
     await p.release(lease, SUCCESS)
     await woken(room)
-    assert await admin.zrange(LEASES, 0, -1) == []
+    assert await admin.zrangebyscore(LEASES, *LEASES_ONLY) == []
     assert await admin.zcard(WAITING) == 0
 
 

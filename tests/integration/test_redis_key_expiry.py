@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 from _behind import released
+from _leases import LEASES_ONLY
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -130,12 +131,15 @@ async def test_a_refused_acquire_sets_the_lifetimes_too(
 async def test_a_lease_key_made_anew_gets_what_the_state_has_left(
     backend: RedisBackend, redis_url: str, clock: FakeClock
 ) -> None:
-    """The source's last lease gone, its key is gone; the next lease makes it again, and it
-    expires with the source's state (a day from the first acquire), not never."""
+    """The source's last lease gone, its key stays (its SKIPLIST member) with its expiry; a
+    key lost anyway (evicted, say) is made again by the next lease, and expires with the
+    source's state (a day from the first acquire), not never."""
     lease = await _lease(backend)
     await released(backend, lease, AttemptOutcome("success"))
     with redis.Redis.from_url(redis_url) as client:
-        assert not client.exists(_key("leases:a"))
+        assert client.zcount(_key("leases:a"), *LEASES_ONLY) == 0
+        assert _within_a_second_below(_pttl(redis_url, "leases:a"), DAY_MS)
+        client.delete(_key("leases:a"))
     clock.advance(1000.0)
     await _lease(backend)
     assert _within_a_second_below(_pttl(redis_url, "leases:a"), DAY_MS - 1_000_000)

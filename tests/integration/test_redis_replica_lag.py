@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from _leases import LEASES_ONLY
 from _redis_topologies import LaggingReplica, Process, SentinelSetup, running
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Lease, SourceSpec
@@ -67,7 +68,7 @@ def leases(result: list[AcquireResult | BaseException]) -> list[Lease]:
 
 
 def lease_ids_on(client: redis.Redis) -> set[str]:
-    members = client.zrange(codec.key(SCOPE, "leases", SPEC.name), 0, -1)
+    members = client.zrangebyscore(codec.key(SCOPE, "leases", SPEC.name), *LEASES_ONLY)
     return {m.decode() for m in members}
 
 

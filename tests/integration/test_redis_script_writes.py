@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 from _behind import released
+from _leases import LEASES_ONLY
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -22,6 +23,7 @@ from polygateway.testing import FakeClock
 
 SCOPE = "writes"
 STATE = f"pgw:{{{SCOPE}}}:src:a"
+LEASES = f"pgw:{{{SCOPE}}}:leases:a"
 PLAIN = SourceSpec("a", max_concurrency=4)
 
 
@@ -201,3 +203,67 @@ async def test_a_source_state_is_a_hashtable_from_its_first_call(
     _rebuilt_as_a_listpack(client, "0")  # its lifetime is due for renewal
     assert (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease is not None
     assert client.object("encoding", STATE) == "hashtable"
+
+
+async def test_a_lease_zset_is_a_skiplist_from_its_first_lease_and_stays_one(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """A member longer than zset-max-listpack-value, at -inf, keeps the lease zset a
+    skiplist, which adds and counts a lease in O(log n) where a listpack parses every
+    lease's score (research-wiki/designs/script-cost.md, "Lease zsets as skiplists"). It is
+    no lease: renewals and releases sweep from above -inf and leave it, and the key, behind."""
+    lease = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+    assert lease is not None
+    assert client.object("encoding", LEASES) == "skiplist"
+    (member,) = client.zrangebyscore(LEASES, "-inf", "-inf")
+    assert len(member) > 64
+    assert client.zrangebyscore(LEASES, *LEASES_ONLY) == [lease.lease_id]
+
+    assert await backend.renew(lease)
+    assert client.zrange(LEASES, 0, -1) == [member, lease.lease_id], "renewing sweeps above it"
+    await released(backend, lease, AttemptOutcome("success"))
+    assert client.zrange(LEASES, 0, -1) == [member], "the member stays, the lease went"
+    assert client.object("encoding", LEASES) == "skiplist"
+    assert client.ttl(LEASES) > 0
+    again = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+    assert again is not None
+    assert client.zrangebyscore(LEASES, *LEASES_ONLY) == [again.lease_id]
+
+
+async def test_a_lease_into_a_kept_zset_sets_no_expiry(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """The zset outlives its last lease, so a grant at an idle source finds it with its
+    expiry and sets none: EXPIRE runs when a lease makes the key anew, not at every grant
+    after an idle moment."""
+    for _ in range(2):
+        lease = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+        assert lease is not None
+        await released(backend, lease, AttemptOutcome("success"))
+    before = _calls(client, "expire")
+    lease = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+    assert lease is not None
+    assert _calls(client, "expire") == before
+
+
+async def test_a_listpack_lease_zset_left_by_older_scripts_turns_a_skiplist_at_its_next_grant(
+    backend: RedisBackend, client: redis.Redis
+) -> None:
+    """A lease zset without the member (a listpack, as older scripts kept it) gets it with
+    the next grant, and keeps its live lease counted."""
+    first = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+    assert first is not None
+    expiry = client.zscore(LEASES, first.lease_id)
+    ttl = client.ttl(LEASES)
+    client.delete(LEASES)
+    client.zadd(LEASES, {first.lease_id: expiry})
+    client.expire(LEASES, ttl)
+    assert client.object("encoding", LEASES) == "listpack"
+
+    second = (await backend.acquire(SCOPE, [PLAIN], ttl_s=30.0)).lease
+    assert second is not None
+    assert client.object("encoding", LEASES) == "skiplist"
+    assert sorted(client.zrangebyscore(LEASES, *LEASES_ONLY)) == sorted(
+        [first.lease_id, second.lease_id]
+    )
+    assert 0 < client.ttl(LEASES) <= ttl

@@ -21,6 +21,7 @@ import _wakeups as wakeups
 import pytest
 import redis.asyncio as aioredis
 from _behind import released
+from _leases import LEASES_ONLY
 from _wakeups import BOUND_S, listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
@@ -264,7 +265,7 @@ async def test_a_tenant_whose_processes_all_hold_a_promise_keeps_its_place(
     assert rooms["Q"].wakeups == 1
     assert rooms["R"].wakeups == 0
     assert (await admin.zrange(key("tenants"), 0, 0)) == ["T2"], "T2 keeps its place"
-    promised = await admin.zrange(f"pgw:{{{SCOPE}}}:leases:a", 0, -1)
+    promised = await admin.zrangebyscore(f"pgw:{{{SCOPE}}}:leases:a", *LEASES_ONLY)
     assert {f"handoff:{ids['Q']}", f"handoff:{ids['P']}"} <= set(promised), "both held"
 
 
@@ -293,7 +294,7 @@ async def test_when_every_tenant_holds_a_promise_the_tenant_whose_turn_it_is_is_
     await woken(rooms["Q"], 2)
     assert rooms["P"].wakeups == 1
     assert (await admin.zrange(key("tenants"), 0, 0)) == ["T1"], "T2 went to the back"
-    promised = await admin.zrange(f"pgw:{{{SCOPE}}}:leases:a", 0, -1)
+    promised = await admin.zrangebyscore(f"pgw:{{{SCOPE}}}:leases:a", *LEASES_ONLY)
     assert sorted(m for m in promised if m.startswith("handoff:")) == sorted(
         f"handoff:{ids[name]}" for name in ("P", "Q")
     ), "nothing more held"

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import redis
+from _leases import LEASES_ONLY
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend, codec
@@ -156,7 +157,10 @@ class Relay:
 
 def leases(url: str) -> int:
     with redis.Redis.from_url(url) as client:
-        return sum(int(client.zcard(codec.key(SCOPE, "leases", spec.name))) for spec in SPECS)
+        return sum(
+            int(client.zcount(codec.key(SCOPE, "leases", spec.name), *LEASES_ONLY))
+            for spec in SPECS
+        )
 
 
 async def eventually(check: Callable[[], bool], within_s: float) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 from _behind import released
+from _leases import LEASES_ONLY
 from _wakeups import listening
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
@@ -250,7 +251,9 @@ async def test_indices_beyond_one_byte_name_their_own_source_and_mark(
     assert result.lease is not None
     assert result.lease.source == "s281"
     assert [(r.source, r.reason) for r in result.rejections] == [("s280", "concurrency")]
-    assert result.lease.lease_id in await admin.zrange(f"pgw:{{{SCOPE}}}:leases:s281", 0, -1)
+    assert result.lease.lease_id in await admin.zrangebyscore(
+        f"pgw:{{{SCOPE}}}:leases:s281", *LEASES_ONLY
+    )
     offset = 32 + 13 * 280  # after the digest
     assert await admin.hget(f"pgw:{{{SCOPE}}}:src:s280", "verdict") == str(offset)
     assert await admin.getrange(VERDICTS, offset, offset + 12) == "0000002000000"  # 1000 + 1000

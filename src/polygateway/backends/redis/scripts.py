@@ -41,7 +41,10 @@ Conventions shared by every script:
 - Leases: zset ``pgw:{scope}:leases:<source>`` (lease id -> expiry). A lease
   with ``expiry <= now`` is dead: never counted, and dropped by RELEASE and
   RENEW. What a release or a renewal needs of a lease (its tpm reservation,
-  its TTL) travels with the call: the client's ``Lease`` holds it.
+  its TTL) travels with the call: the client's ``Lease`` holds it. One member
+  is no lease: ``_SKIPLIST`` at score -inf, which every grant (and hand-off)
+  adds, so that Redis keeps the zset a skiplist, and which no count and no
+  sweep reaches (they start above -inf); the key outlives its last lease.
 - Lifetimes: the keys of a source (and its scope's list of sources) outlive
   the last call by at least half a day (``state TTL / 2``, longer when a
   lease's TTL or a breaker's cool-down needs it) and at most a day. ACQUIRE
@@ -153,6 +156,9 @@ _HASHTABLE = (
 )
 """The value of a hash's ``encoding`` field; over 64 bytes (ACQUIRE's ``HASHTABLE``)."""
 
+_SKIPLIST = "kept a skiplist by this member, longer than zset-max-listpack-value (64 bytes)"
+"""A lease zset's member at score -inf; over 64 bytes (ACQUIRE's and RELEASE's ``SKIPLIST``)."""
+
 ACQUIRE = """
 -- ACQUIRE: lease the first admissible candidate, in the given order.
 --
@@ -230,6 +236,12 @@ ACQUIRE = """
 -- default), in their field "encoding" when their lifetime is set, so that Redis keeps
 -- them hashtables, which find a field by its hash where a listpack scans every field.
 local HASHTABLE = '@hashtable'
+-- Speed (research-wiki/designs/script-cost.md, "Lease zsets as skiplists"): every lease
+-- zset holds this member at score -inf, which is no lease (leases score their expiry,
+-- sweeps start above -inf), longer than zset-max-listpack-value (64 bytes by default),
+-- so that Redis keeps it a skiplist, which adds and counts a lease in O(log n) where a
+-- listpack parses every lease's score.
+local SKIPLIST = '@skiplist'
 local lease_id = ARGV[2]
 local ttl = num(ARGV[3])
 local cost = num(ARGV[4])
@@ -348,7 +360,7 @@ local function examine(c, off)
   -- over every local above at each call (research-wiki/designs/script-cost.md, "The Lua's
   -- own share").
   local reason, reopen, probe = nil, nil, false
-  local live = nil  -- live leases, once counted
+  local made = false  -- the grant's lease made its zset anew
   repeat
     -- 1. Breaker (breaker.admit).
     if breaker == 'open' then
@@ -385,7 +397,7 @@ local function examine(c, off)
     -- full source still admits the process a release promised a permit to (RELEASE's
     -- hand-off): its placeholder is counted already. Looked up here only when full; a
     -- grant removes it whether full or not (below).
-    live = redis.call('ZCOUNT', lk, '(' .. now_s, '+inf')
+    local live = redis.call('ZCOUNT', lk, '(' .. now_s, '+inf')
     if live >= math.max(1, math.min(maxc, math.floor(limit))) then
       local held = promised and num(redis.call('ZSCORE', lk, promised))
       if not (held and held > now) then
@@ -456,7 +468,7 @@ local function examine(c, off)
       -- left standing, it would hold a permit for nobody once the process stops waiting.
       redis.call('ZREM', lk, promised)
     end
-    redis.call('ZADD', lk, fmt(expiry), lease_id)
+    made = redis.call('ZADD', lk, fmt(expiry), lease_id, '-inf', SKIPLIST) == 2
     if probe then
       put('probe_id', lease_id)
       put('probe_until', fmt(expiry))
@@ -500,9 +512,9 @@ local function examine(c, off)
       redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), c[1])
     end
     redis.call('EXPIRE', KEYS[1], life)
-  elseif reason == nil and live == 0 then
-    -- The lease may have made the key anew (an empty zset is no key): it gets the
-    -- lifetime the others have left.
+  elseif made then
+    -- The lease made the key anew (with SKIPLIST): it gets the lifetime the others have
+    -- left.
     redis.call('EXPIRE', lk, math.ceil(expires_at - now))
   end
   return reason, reopen, probe
@@ -646,6 +658,7 @@ return result
 
 ACQUIRE = ACQUIRE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
 ACQUIRE = ACQUIRE.replace("'@hashtable'", f"'{_HASHTABLE}'", 1)
+ACQUIRE = ACQUIRE.replace("'@skiplist'", f"'{_SKIPLIST}'", 1)
 ACQUIRE = ACQUIRE.replace("-- @clock\n", _CLOCK, 1)
 
 RELEASE = """
@@ -731,7 +744,9 @@ if #ARGV >= 16 and (#ARGV - 15) % 2 == 1 then
 end
 
 -- Dead leases (expiry <= now) go first: the lease is live exactly when it is still there.
-redis.call('ZREMRANGEBYSCORE', lk, '-inf', now_s)
+-- ACQUIRE's SKIPLIST member, at -inf, stays.
+local SKIPLIST = '@skiplist'
+redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)
 if redis.call('ZREM', lk, lease_id) == 0 then
   return 0
 end
@@ -872,7 +887,8 @@ local function wake(cap, expires_at)
   if handoff then
     handoff = math.min(handoff, 1)
   end
-  local left = cap and handoff and redis.call('ZCARD', lk)  -- live leases: swept above
+  -- Live leases (swept above), SKIPLIST not counted.
+  local left = cap and handoff and redis.call('ZCOUNT', lk, '(-inf', '+inf')
   local held = left and left < cap
 
   -- With tenant registrations in the class: the tenant whose turn it is, fleet-wide,
@@ -968,8 +984,8 @@ local function wake(cap, expires_at)
     else
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
-        redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head)
-        if left == 0 then
+        if redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head, '-inf', SKIPLIST)
+            == 2 then
           -- The placeholder made the key anew: it gets the lifetime the source's state
           -- has left (ACQUIRE's leases may join it), at least the placeholder's own.
           local life = math.ceil(handoff) + 1
@@ -1193,6 +1209,7 @@ return wake(math.min(maxc, math.floor(limit)), expires_at)
 
 RELEASE = RELEASE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
 RELEASE = RELEASE.replace("-- @clock\n", _CLOCK, 1)
+RELEASE = RELEASE.replace("'@skiplist'", f"'{_SKIPLIST}'", 1)
 
 RENEW = """
 -- RENEW: extend a live lease by its own TTL from now (and the probe slot it may hold).
@@ -1209,7 +1226,7 @@ local sk, lk = KEYS[1], KEYS[2]
 local lease_id = ARGV[2]
 local ttl = num(ARGV[3])
 
-redis.call('ZREMRANGEBYSCORE', lk, '-inf', now_s)
+redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)  -- ACQUIRE's SKIPLIST member stays
 if not redis.call('ZSCORE', lk, lease_id) then
   return 0
 end
