@@ -16,7 +16,9 @@ server's timer adds next to nothing while valgrind slows the run), with the
 call layout of ``bench.script_cost`` (rpm and tpm set, a success released
 with tokens reported, the wake-up tail, every source but the last full and
 marked), twice: with ``--pairs / 5`` and with ``--pairs`` interleaved
-ACQUIRE + RELEASE pairs after the same warm-up. The difference of the two
+ACQUIRE + RELEASE pairs after the same warm-up (and, for ``1 source, 50
+leases live``, 50 ACQUIREs then their RELEASEs, as a busy source holds its
+leases). The difference of the two
 totals over the difference of the pairs is what one pair costs: starting and
 stopping the server cancel out. ``INCR + DECR`` is the issue's baseline;
 ``its commands alone`` (1 source) is ``bench.script_cost``'s floor of the
@@ -131,10 +133,13 @@ def _baseline(pairs: int) -> Callable[[redis.Redis], None]:
 
 
 def _pairs(
-    version: Scripts, sources: int, pairs: int, real: Scripts | None = None
+    version: Scripts, sources: int, pairs: int, real: Scripts | None = None, live: bool = False
 ) -> Callable[[redis.Redis], None]:
     """Pairs of ``version``, after a warm-up by ``real`` (the version itself by default):
-    first sight of every source, the spec set stored, the full sources marked."""
+    first sight of every source, the spec set stored, the full sources marked. Each
+    ACQUIRE followed by its RELEASE, one lease live at a time; with ``live``, ``BATCH``
+    ACQUIREs, then their RELEASEs, as a source at ``max_concurrency = BATCH`` holds its
+    leases under load (``bench.script_cost``'s split run)."""
 
     def drive(client: redis.Redis) -> None:
         acquire = client.script_load(version.acquire)
@@ -150,10 +155,21 @@ def _pairs(
             _check([client.evalsha(warm_acquire, *scope.acquire(lease))], sources, "acquire")
             _check([client.evalsha(warm_release, *scope.release(lease))], None, "release")
         for start in range(0, pairs, BATCH):
+            ids = [f"{i:012x}bench" for i in range(start, min(start + BATCH, pairs))]
+            if live:
+                pipe = client.pipeline(transaction=False)
+                for lease in ids:
+                    pipe.evalsha(acquire, *scope.acquire(lease))
+                _check(pipe.execute(), sources, "acquire")
+                pipe = client.pipeline(transaction=False)
+                for lease in ids:
+                    pipe.evalsha(release, *scope.release(lease))
+                _check(pipe.execute(), None, "release")
+                continue
             pipe = client.pipeline(transaction=False)
-            for i in range(start, min(start + BATCH, pairs)):
-                pipe.evalsha(acquire, *scope.acquire(f"{i:012x}bench"))
-                pipe.evalsha(release, *scope.release(f"{i:012x}bench"))
+            for lease in ids:
+                pipe.evalsha(acquire, *scope.acquire(lease))
+                pipe.evalsha(release, *scope.release(lease))
             replies = pipe.execute()
             _check(replies[0::2], sources, "acquire")
             _check(replies[1::2], None, "release")
@@ -187,6 +203,15 @@ def measure(
             # around them costs is the current row less this one.
             per_pair = count(server, lambda p: _pairs(CALLS, 1, p, real=versions[0]), pairs)
             rows.append({"case": case, "version": CALLS.label, "instructions": per_pair})
+            for version in versions:
+                per_pair = count(server, lambda p, v=version: _pairs(v, 1, p, live=True), pairs)
+                rows.append(
+                    {
+                        "case": f"1 source, {BATCH} leases live",
+                        "version": version.label,
+                        "instructions": per_pair,
+                    }
+                )
     for row in rows:
         row["x INCR+DECR"] = row["instructions"] / baseline
     return rows

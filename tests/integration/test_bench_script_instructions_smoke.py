@@ -45,6 +45,7 @@ def test_a_tiny_run_counts_every_case() -> None:
         ("INCR + DECR", "baseline"),
         ("1 source", "current"),
         ("1 source", "its commands alone, no logic"),
+        ("1 source, 50 leases live", "current"),
         ("2 sources, 1st full", "current"),
         ("3 sources, 2 full", "current"),
     ]
