@@ -443,6 +443,7 @@ class DelayLine:
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._cut = False
 
     def start(self) -> None:
         self._thread.start()
@@ -455,9 +456,15 @@ class DelayLine:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One replica connection: to the primary at once, from the primary after the lag."""
         try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+            up_reader, up_writer = await self._upstream()
         except OSError:
             writer.close()
+            return
+        if self._cut:
+            # Accepted before the cut, connected after it: cut as well, or the stream
+            # would flow on past it.
+            writer.transport.abort()
+            up_writer.transport.abort()
             return
         self._writers += (writer, up_writer)
         held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
@@ -467,6 +474,9 @@ class DelayLine:
             loop.create_task(self._hold(up_reader, held)),
             loop.create_task(self._release(held, writer)),
         )
+
+    async def _upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.target_port)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(65536):
@@ -496,16 +506,18 @@ class DelayLine:
 
     def cut(self) -> None:
         """Drop what is held, close every connection and stop accepting new ones."""
-        asyncio.run_coroutine_threadsafe(self._cut(), self._loop).result(timeout=_STOP_S)
+        asyncio.run_coroutine_threadsafe(self._cut_all(), self._loop).result(timeout=_STOP_S)
 
-    async def _cut(self) -> None:
+    async def _cut_all(self) -> None:
+        self._cut = True  # a connection still being made to the primary is cut when it is
+        if self._server is not None:
+            self._server.close()  # first: nothing accepted while the rest is cut
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for writer in self._writers:
             writer.transport.abort()
         if self._server is not None:
-            self._server.close()
             await self._server.wait_closed()
         await asyncio.sleep(0)  # one turn: the aborted transports close their sockets
 
