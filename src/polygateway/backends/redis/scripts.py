@@ -743,9 +743,11 @@ if #ARGV >= 16 and (#ARGV - 15) % 2 == 1 then
   end
 end
 
--- Dead leases (expiry <= now) go first: the lease is live exactly when it is still there.
--- ACQUIRE's SKIPLIST member, at -inf, stays.
+-- The lease zsets' member that is no lease (see ACQUIRE); a hand-off adds it too.
 local SKIPLIST = '@skiplist'
+
+-- Dead leases (expiry <= now) go first: the lease is live exactly when it is still there.
+-- The sweep starts above -inf, where SKIPLIST stays.
 redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)
 if redis.call('ZREM', lk, lease_id) == 0 then
   return 0
