@@ -191,6 +191,25 @@ async def test_a_spec_set_redis_lost_is_sent_again(
     assert await admin.exists(key)
 
 
+async def test_a_stored_spec_set_is_only_read_by_later_calls(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
+) -> None:
+    """The set is written once, with its lifetime: a later call that walks past a full
+    source reads it and neither writes to it nor sets its expiry again."""
+    holder, p = fleet(), fleet()
+    await hold(holder, A)
+    first = (await p.acquire(SCOPE, [A, B], ttl_s=60.0)).lease
+    assert first is not None
+    assert first.source == "b"
+    await released(p, first, SUCCESS)
+    (key,) = await admin.keys(f"pgw:{{{SCOPE}}}:specs:*")
+    stored = await admin.hgetall(key)
+    await admin.expire(key, 1000)
+    assert await granted_at(p, [A, B]) == "b"
+    assert 0 < await admin.ttl(key) <= 1000
+    assert await admin.hgetall(key) == stored
+
+
 async def test_a_release_does_not_make_a_verdict_key_anew(
     fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
