@@ -889,9 +889,10 @@ local function wake(cap, expires_at)
   if handoff then
     handoff = math.min(handoff, 1)
   end
-  -- Live leases (swept above), SKIPLIST not counted.
-  local left = cap and handoff and redis.call('ZCOUNT', lk, '(-inf', '+inf')
-  local held = left and left < cap
+  -- Room for the permit to be held: the live leases (swept above; SKIPLIST not counted)
+  -- below the limit. A placeholder put below for a process that turns out gone is taken
+  -- back at once, so the room stays what it is here.
+  local held = cap and handoff and redis.call('ZCOUNT', lk, '(-inf', '+inf') < cap
 
   -- With tenant registrations in the class: the tenant whose turn it is, fleet-wide,
   -- then its least recently woken live process. Returns the process and the tenant, or
@@ -996,7 +997,6 @@ local function wake(cap, expires_at)
           end
           redis.call('EXPIRE', lk, life)
         end
-        left = left + 1
       end
       local heard = head == me
       local message = ARGV[13]
@@ -1028,9 +1028,7 @@ local function wake(cap, expires_at)
       -- Nobody listens on its channel: the process is gone (or not yet listening).
       redis.call('ZREM', wk, head)
       redis.call('ZREM', wuk, head)
-      if redis.call('ZREM', lk, 'handoff:' .. head) == 1 then
-        left = left - 1
-      end
+      redis.call('ZREM', lk, 'handoff:' .. head)
       forget_tenants(reg, head)
     end
   end
