@@ -95,14 +95,58 @@ async def test_a_refusal_registers_the_process_under_each_class_it_waits_in(
     assert await admin.zcard(registry("batch")) == 0, "it no longer waits in batch"
     assert await admin.zcard(until("batch")) == 0
     assert await admin.zcard(registry("interactive")) == 1
-    room.enter(priority_class="batch")
+    batch = room.enter(priority_class="batch")
     await refused(p)
     assert await admin.zcard(registry("batch")) == 1
+    room.leave(batch)
     await holder.release(leases[0], SUCCESS)
-    assert (await p.acquire(SCOPE, [SOURCE], ttl_s=60.0)).lease is not None
-    for priority_class in SHARES:  # a grant unregisters it everywhere
+    granted = await p.acquire(SCOPE, [SOURCE], ttl_s=60.0, priority_class="interactive")
+    assert granted.lease is not None
+    for priority_class in SHARES:  # the grant of its last call unregisters it everywhere
         assert await admin.zcard(registry(priority_class)) == 0
         assert await admin.zcard(until(priority_class)) == 0
+
+
+async def test_a_grant_keeps_the_process_registered_where_its_other_calls_wait(
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis, clock: FakeClock
+) -> None:
+    """Kept, at the back, in each class where a call waits besides the one granted.
+
+    Unregistered there until the next refusal, the process would miss the
+    turns of its class given in between (research-wiki/designs/
+    priority-fairness.md, "On Redis").
+    """
+    holder, p, q = fleet(), fleet(), fleet()
+    room_of(holder)  # its releases wake the fleet
+    room = room_of(p, "interactive", "interactive", "batch")
+    room_of(q, "interactive", "batch")
+    await listening(admin, 3)
+    leases = await hold(holder, SOURCE.max_concurrency)
+    await refused(p)
+    clock.advance(1.0)
+    await refused(q)
+    p_id, q_id = await admin.zrange(registry("interactive"), 0, -1)
+    clock.advance(1.0)
+    await holder.release(leases[0], SUCCESS)  # interactive's turn (the larger share): P's
+    await woken(room, 1)
+    granted = await p.acquire(SCOPE, [SOURCE], ttl_s=60.0, priority_class="interactive")
+    assert granted.lease is not None
+    assert await admin.zrange(registry("interactive"), 0, -1) == [q_id, p_id], "to the back"
+    assert await admin.zrange(registry("batch"), 0, -1) == [q_id, p_id]
+    assert await admin.zcard(until("interactive")) == 2
+    room.leave(room.head(), granted=True)  # type: ignore[arg-type]
+    # Batch's turn goes to Q, then interactive's passes Q over (its batch turn is pending):
+    # P is woken, one call left in each class.
+    clock.advance(1.0)
+    await holder.release(leases[1], SUCCESS)
+    await holder.release(leases[2], SUCCESS)
+    await woken(room, 2)
+    assert await admin.zrange(registry("batch"), 0, -1) == [p_id, q_id], "Q woken last"
+    clock.advance(0.1)  # within the hand-off
+    granted = await p.acquire(SCOPE, [SOURCE], ttl_s=60.0, priority_class="interactive")
+    assert granted.lease is not None
+    assert await admin.zrange(registry("interactive"), 0, -1) == [q_id], "its last call there"
+    assert await admin.zrange(registry("batch"), 0, -1) == [q_id, p_id], "to the back"
 
 
 async def wake_order(
@@ -340,10 +384,12 @@ async def test_two_processes_one_class_each_are_served_in_proportion_to_the_shar
                 tasks += [asyncio.create_task(one(chat_b, "interactive")) for _ in range(70)]
                 window = await wakeups.served_window(served, tasks, 10, 90)
         assert sim.stats("a").max_concurrent <= 2
-    # 3:1 is 60:20; turns per process would give 40:40 (and do: see the design page). A
-    # few turns go to batch when two interactive turns come before B's claim of the
-    # first (a process holds one placeholder per source): 55:25 is typical here.
-    assert window["interactive"] >= 1.5 * window["batch"], window
+    # 3:1 is 60:20, and is what this run gives; turns per process would give 40:40 (and
+    # do: see the design page). Unregistered at each grant until its next call's refusal
+    # (a round trip later), B lost the turns released meanwhile to batch: 45:35 on a busy
+    # machine. A turn can still go to batch when two interactive turns come before B's
+    # claim of the first (a process holds one placeholder per source).
+    assert window["interactive"] >= 2.5 * window["batch"], window
 
 
 async def test_the_class_registries_and_passes_expire_like_the_rest_of_the_scope(

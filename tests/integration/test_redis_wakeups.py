@@ -226,6 +226,38 @@ async def test_a_grant_unregisters_and_a_call_that_never_waits_registers_nothing
     assert await waiting_ids(admin) == []
 
 
+async def test_a_grant_with_calls_still_waiting_keeps_the_process_registered_at_the_back(
+    fleet: Callable[..., RedisBackend], admin: aioredis.Redis
+) -> None:
+    """Two calls of W wait: the grant of one keeps W registered, behind O, never out of turn.
+
+    Unregistered until its next call's refusal, W would miss any release in
+    between: under load those turns went to the processes that happened to be
+    registered (research-wiki/designs/fleet-wakeups.md, "The mechanism").
+    """
+    holder, w, o = fleet(), fleet(), fleet()
+    w_room = queued(w)
+    w_room.enter()  # a second call of W waits behind the one that asks
+    o_room = queued(o)
+    await listening(admin, 2)
+    leases = await hold(holder, 2, 2)
+    await refused(w, 2)
+    await refused(o, 2)
+    w_id, o_id = await waiting_ids(admin)
+    await holder.release(leases[0], SUCCESS)
+    await woken(w_room, 1)
+    granted = await w.acquire(SCOPE, [spec(2)], ttl_s=60.0)
+    assert granted.lease is not None
+    assert await waiting_ids(admin) == [o_id, w_id], "kept, behind O"
+    w_room.leave(w_room.head(), granted=True)  # type: ignore[arg-type]
+    await holder.release(leases[1], SUCCESS)
+    await woken(o_room, 1)
+    assert (await o.acquire(SCOPE, [spec(2)], ttl_s=60.0)).lease is not None
+    assert await waiting_ids(admin) == [w_id], "O's only call was granted: O is off"
+    await w.release(granted.lease, SUCCESS)  # W's own turn: its next call is told
+    await woken(w_room, 2)
+
+
 async def test_a_releasing_process_leaves_the_turn_to_the_one_woken(
     fleet: Callable[..., RedisBackend], admin: aioredis.Redis
 ) -> None:
@@ -265,7 +297,7 @@ async def test_a_refusal_by_time_alone_registers_nothing(
     """A refusal that only time ends (rpm here) does not register: no release would help it.
 
     The head's own timer wakes it at the reopen time
-    (research-wiki/designs/fleet-wakeups.md, "Registry").
+    (research-wiki/designs/fleet-wakeups.md, "The mechanism").
     """
     waiter = fleet()
     room_for(waiter, SCOPE)

@@ -397,32 +397,53 @@ async def test_a_stream_read_to_its_end_whose_release_is_cancelled_is_still_serv
     assert recorder.call_outcomes() == ["served"]
 
 
-async def test_a_call_asking_counts_in_its_classs_waiting_classes() -> None:
-    """While its acquire is in flight, the call's class is one the process waits in.
+class _Watching(MemoryBackend):
+    """Notes, as each acquire begins, what the scope's room wants (``seen``)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(now=clock)
+        self.seen: list[dict[str, int]] = []
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(dict(room_for(self, "chat").wanting()))
+        return await super().acquire(*args, **kwargs)
+
+
+async def test_a_call_asking_counts_in_what_its_class_wants() -> None:
+    """While its acquire is in flight, the call counts in its class's calls wanting a permit.
 
     A fleet's backend registers the process under these classes when it
     refuses the acquire, so a call that asked at once is heard of too.
     """
-    seen: list[list[str]] = []
-
-    class Watching(MemoryBackend):
-        async def acquire(self, *args: Any, **kwargs: Any) -> Any:
-            seen.append(room_for(self, "chat").waiting_classes())
-            return await super().acquire(*args, **kwargs)
-
     clock = FakeClock()
-    chat = closing(
-        ChatClient(
-            _classes("primary"),
-            backend=Watching(now=clock),
-            transport=FakeTransport([], clock=clock, default=chat_completion()),
-            now=clock,
-            rng=random.Random(5),
-        )
-    )
+    backend = _Watching(clock)
+    chat = _on(_classes("primary"), clock, backend)
     await chat.complete(MESSAGES, priority_class="interactive")
-    assert seen == [["interactive"]]
-    assert room_for(chat.backend, "chat").waiting_classes() == []
+    assert backend.seen == [{"interactive": 1}]
+    assert room_for(backend, "chat").wanting() == {}
+
+
+async def test_a_head_asking_from_the_queue_counts_once_in_its_class() -> None:
+    """Queued and asking, a call is one call wanting a permit, not two.
+
+    A fleet's backend keeps the process registered where calls are left
+    besides the one asking: counted twice, a process whose last call was
+    granted would stay registered, woken for permits nobody here wants.
+    """
+    clock = FakeClock()
+    backend = _Watching(clock)
+    chat = _on(_classes("primary", max_concurrency=1), clock, backend)
+    held = await backend.acquire("chat", [chat._mw._order.sources[0][1]], ttl_s=600.0)
+    assert held.lease is not None
+    backend.seen.clear()
+    task = asyncio.create_task(chat.complete(MESSAGES, priority_class="interactive"))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert backend.seen == [{"interactive": 1}], "asked at once, refused"
+    assert room_for(backend, "chat").wanting() == {"interactive": 1}, "queued"
+    await backend.release(held.lease, AttemptOutcome("success"))  # its head asks again
+    await task
+    assert backend.seen == [{"interactive": 1}, {"interactive": 1}]
 
 
 def _on(settings: GatewaySettings, clock: FakeClock, backend: MemoryBackend) -> ChatClient:
@@ -444,9 +465,10 @@ def _reserved() -> GatewaySettings:
     return GatewaySettings.model_validate(settings)
 
 
-async def test_a_call_of_a_class_with_reserved_permits_names_its_class_and_its_cost() -> None:
-    """Only such a call passes ``priority_class`` (a fleet's backend counts its permits);
-    it reserves its tokens as any call does."""
+async def test_a_call_of_a_scope_with_classes_names_its_class_and_its_cost() -> None:
+    """Such a call passes ``priority_class`` (a fleet's backend counts the permits of a class
+    with a floor and keeps the process registered where calls are left), a call of a scope
+    without classes does not; each reserves its tokens."""
     asked: list[dict[str, Any]] = []
 
     class Recording(MemoryBackend):
@@ -458,10 +480,12 @@ async def test_a_call_of_a_class_with_reserved_permits_names_its_class_and_its_c
     chat = _on(_reserved(), clock, Recording(now=clock))
     await chat.complete(MESSAGES, priority_class="interactive")
     await chat.complete(MESSAGES, priority_class="batch")
-    reserved, plain = asked
+    await _on(gateway_settings("primary"), clock, Recording(now=clock)).complete(MESSAGES)
+    reserved, other, plain = asked
     assert reserved["priority_class"] == "interactive"
+    assert other["priority_class"] == "batch"
     assert "priority_class" not in plain
-    assert reserved["cost_tokens"] == plain["cost_tokens"] > 0
+    assert reserved["cost_tokens"] == other["cost_tokens"] == plain["cost_tokens"] > 0
 
 
 async def test_two_calls_asking_at_once_count_twice_in_their_class() -> None:
@@ -488,4 +512,4 @@ async def test_two_calls_asking_at_once_count_twice_in_their_class() -> None:
     await asyncio.gather(*calls)
     room = room_for(chat.backend, "chat")
     assert room.slot("interactive").asking == 0
-    assert room.waiting_classes() == []
+    assert room.wanting() == {}

@@ -399,12 +399,13 @@ class TestAFleetsTurn:
         room.notify()
         assert room.head().priority_class == "interactive"  # type: ignore[union-attr]
 
-    def test_waiting_classes_are_those_with_calls_waiting_or_asking(self) -> None:
+    def test_wanting_counts_the_calls_waiting_or_asking_per_class(self) -> None:
         room = WaitingRoom({"interactive": 3.0, "batch": 1.0})
-        assert room.waiting_classes() == []
+        assert room.wanting() == {}
+        room.enter(priority_class="batch")
         room.enter(priority_class="batch")
         room.slot("interactive").asking += 1
-        assert room.waiting_classes() == ["interactive", "batch"]
+        assert room.wanting() == {"interactive": 1, "batch": 2}
 
 
 class TestAFleetsTenantTurn:

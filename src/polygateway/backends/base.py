@@ -181,8 +181,8 @@ class ReleaseListener(Protocol):
     """Set by a backend that keeps the reserved floors fleet-wide: the room then leaves
     the floor to the backend's wake-ups instead of applying its own per-process one."""
 
-    def waiting_classes(self) -> Collection[str]:
-        """The classes with calls of this process waiting or asking for a permit."""
+    def wanting(self) -> Mapping[str, int]:
+        """Per class, how many calls of this process wait or ask for a permit (each once)."""
         ...
 
     named_tenants: bool

@@ -646,14 +646,18 @@ class Call:
         candidates = mw._candidates(self._tried)
         ttl_s = mw._lease_ttl(self.deadline, candidates, streaming=self.streaming)
         slot = mw._slots[self.priority_class]
+        # A call outside the queue counts as asking in its class: a fleet's backend
+        # registers the process under the classes with calls waiting or asking.
+        outside = int(waiter is None)
         room.asking += 1
-        slot.asking += 1  # a fleet's backend registers the process under its class
+        slot.asking += outside
         specs = [spec for _, spec in candidates]
         try:
-            if slot.reserved:
-                # A class with a floor names itself: a fleet's backend counts its permits.
-                # Other calls keep the protocol's older form, so backends without the
-                # keyword serve every scope without floors.
+            if self.priority_class:
+                # A call of a scope with classes names its class: a fleet's backend counts
+                # the permits of a class with a floor, and keeps the process registered
+                # where calls are left once this one is granted. A scope without classes
+                # keeps the protocol's older form, so backends without the keyword serve it.
                 result = await mw._backend.acquire(
                     mw._scope,
                     specs,
@@ -672,7 +676,7 @@ class Call:
             raise
         finally:
             room.asking -= 1
-            slot.asking -= 1
+            slot.asking -= outside
         self._last = result
         lease = result.lease
         if lease is None:

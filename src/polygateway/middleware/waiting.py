@@ -118,7 +118,9 @@ class ClassState:
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
         self.in_use = 0  # permits its calls hold in this process (``hold``, ``unhold``)
-        self.asking = 0  # its calls' acquires in flight (the loop keeps it, as the room's)
+        # Its calls asking from outside the queue (asked at once: not counted in ``waiting``);
+        # the loop keeps it. A call that is head asks too, counted in ``waiting`` alone.
+        self.asking = 0
 
 
 class WaitingRoom:
@@ -207,9 +209,15 @@ class WaitingRoom:
         """Whether a new call may ask the backend without queueing: nobody waits, room to ask."""
         return not self._count and self.asking < MAX_ASKING - 1
 
-    def waiting_classes(self) -> list[str]:
-        """The classes with calls waiting or asking (a fleet's backend registers the process)."""
-        return [name for name, c in self._classes.items() if c.waiting or c.asking]
+    def wanting(self) -> dict[str, int]:
+        """Per class with calls waiting or asking, how many (each call once).
+
+        A fleet's backend registers the process under these classes, and a
+        grant keeps it registered where calls are left besides the one granted.
+        """
+        return {
+            name: c.waiting + c.asking for name, c in self._classes.items() if c.waiting or c.asking
+        }
 
     def waiting_tenants(self) -> dict[str, list[str]] | None:
         """Per class with calls waiting, its tenants with calls waiting, in turn order.

@@ -206,7 +206,8 @@ _EMPTY = bulk("")
 _AIMD_DECREASE = bulk("1")
 _NO_AIMD_DECREASE = bulk("0")
 _STATE_TTL_ARG = bulk(str(_STATE_TTL_S))
-_ONE_CLASS = bulk("1")  # ACQUIRE's class flags without classes: the one class waits
+_NO_CLASS = ("",)
+"""A scope without classes: one class, ``""``, for the registry and its flags."""
 _WAITING_TTL_ARG = bulk(str(_WAITING_TTL_S))
 _RELEASE_TAIL = bulks(
     (repr(AIMD_COOLOFF_S), repr(AIMD_FACTOR), str(_PROGRESS_TTL_S), str(_STATE_TTL_S))
@@ -724,14 +725,18 @@ class RedisBackend:
             flows = room.waiting_tenants()
             if classes is None:
                 keys += (scope_keys.waiting, scope_keys.waiting_until)
-                argv += (self._proc_arg, _WAITING_TTL_ARG)
+                argv += (self._proc_arg, _WAITING_TTL_ARG, _flags(_NO_CLASS, room, ""))
                 if flows is not None:
                     # Its tenants too (a call here named one): registered per tenant.
                     keys += self._tenant_keys_of(scope, None)
-                    argv += (_ONE_CLASS, _tenant_lists(("",), flows))
+                    argv.append(_tenant_lists(_NO_CLASS, flows))
             else:
                 keys += classes.registry
-                argv += (self._proc_arg, _WAITING_TTL_ARG, classes.flags(room))
+                argv += (
+                    self._proc_arg,
+                    _WAITING_TTL_ARG,
+                    _flags(classes.names, room, priority_class),
+                )
                 if flows is not None:
                     keys += self._tenant_keys_of(scope, classes.names)
                     argv.append(_tenant_lists(classes.names, flows))
@@ -1084,10 +1089,24 @@ class _Classes:
         index = self.names.index(lease_class) + 1 if lease_class in self.held else 0
         return bulk(" ".join(map(str, (index, *self.reserved))))
 
-    def flags(self, room: ReleaseListener) -> Arg:
-        """ACQUIRE's class argument: per class "1" when this process waits (or asks) in it."""
-        waiting = room.waiting_classes()
-        return bulk("".join("1" if name in waiting else "0" for name in self.names))
+
+def _flags(names: Sequence[str], room: ReleaseListener, priority_class: str) -> Arg:
+    """ACQUIRE's class flags: per class in order, what the process's calls want there.
+
+    "0": no call waits or asks; "1": some do, none once this call is granted;
+    "2": some are left even then. The calling call counts in its own class
+    (``priority_class``) whether the room counts it or not: it asks there.
+    """
+    wanting = room.wanting()
+    flags = []
+    for name in names:
+        n = wanting.get(name, 0)
+        if name == priority_class:
+            n = max(n, 1) - 1
+            flags.append("2" if n else "1")
+        else:
+            flags.append("2" if n else "0")
+    return bulk("".join(flags))
 
 
 def _tenant_lists(names: Sequence[str], flows: Mapping[str, Collection[str]]) -> Arg:

@@ -56,7 +56,8 @@ Conventions shared by every script:
   ``pgw:{scope}:waiting`` (process id -> when it was registered or last woken,
   least recently woken first) and zset ``pgw:{scope}:waiting_until`` (process
   id -> expiry, swept like leases). ACQUIRE registers a process it refuses for
-  want of a release and unregisters one it grants; RELEASE, when it frees a
+  want of a release and unregisters one it grants (unless calls of the process are
+  left waiting: then it moves it to the back); RELEASE, when it frees a
   permit, wakes the least recently woken live process on its channel
   ``pgw:wake:<process id>`` (message: the scope) and holds the permit for it
   for a moment: a placeholder member ``handoff:<process id>`` in the source's
@@ -184,15 +185,16 @@ ACQUIRE = """
 -- ARGV[17] the candidates' order, two bytes (big-endian) each: their indices in the set
 -- ARGV[18] "" or the set itself, stored under the digest first: "<len>:<name><len>:
 --          <spec>" per index from 0, one after another (lengths in bytes)
--- Optional, last (the two arguments, or the three, or the four, or none):
+-- Optional, last (the three arguments, or the four, or none):
 -- KEYS[6]  pgw:{scope}:waiting          zset: process id -> registered / last woken
 -- KEYS[7]  pgw:{scope}:waiting_until    zset: process id -> registration expiry
 -- ARGV[19] the caller's process id      ARGV[20] registration TTL in seconds
+-- ARGV[21] the class flags, one character per class (one, m = 1, without classes):
+--          "0" when no call of the caller's process waits or asks in the class, "1"
+--          when some do but none will once this call is granted, "2" when some will.
 -- With priority classes (m of them), the registry is one such pair per class
--- (KEYS[4+2j], KEYS[5+2j]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>)
--- and ARGV[21] is m characters, the j-th "1" when the caller's process has calls
--- waiting (or asking) in class j, else "0".
--- With tenants (the caller's room named one; m = 1 and flags "1" without classes):
+-- (KEYS[4+2j], KEYS[5+2j]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>).
+-- With tenants (the caller's room named one; m = 1 without classes):
 -- ARGV[22] lists per class j, in order, the tenants the process waits with there, as
 -- "<len>:<list>" with list "<len>:<tenant>" after one another (lengths in bytes), and
 -- after the registries come per class three keys, KEYS[2m+3j+3 .. 2m+3j+5]:
@@ -200,8 +202,9 @@ ACQUIRE = """
 -- tenants' index), pgw:{scope}:flows_of[:<class>] (hash: process id -> its tenant list)
 -- and pgw:{scope}:tenants[:<class>] (zset: tenant -> place in the fleet's turn, lowest
 -- first). A refusal registers (tenant, process) for each tenant listed, a tenant new to
--- the turn at its back, and forgets the process's tenants no longer listed; a grant, or
--- a class it no longer waits in, forgets them all.
+-- the turn at its back, and forgets the process's tenants no longer listed; a grant that
+-- unregisters the process from a class, or a class it no longer waits in, forgets them
+-- all (a grant that keeps it leaves them as they are).
 -- With reserved floors (the call's class reserves permits: research-wiki/designs/
 -- priority-fairness.md, "On Redis"): one key more, the very last, KEYS[#KEYS]
 -- pgw:{scope}:held:<class> (zset: lease id -> expiry, the class's permits held
@@ -220,7 +223,8 @@ ACQUIRE = """
 -- and the pacer passed, which only a RELEASE at the source can change, as it alone
 -- moves the AIMD limit and frees a lease before its expiry; RELEASE clears the mark
 -- (its offset is the source state's ``verdict``), a different spec set reads none.
--- With a process id: a grant unregisters the process (from every class); a
+-- With a process id: a grant unregisters the process from each class, but where its
+-- flag is "2": there it stays registered, moved to the back (score now); a
 -- refusal in which some candidate waits for a release (concurrency, probe_in_flight)
 -- registers it in each class it waits in (a new member's score is now, an existing one
 -- keeps its score), extends those registrations by the TTL, and unregisters it from the
@@ -253,27 +257,25 @@ local proc, promised
 -- Per class: its two registry keys, whether proc waits in it, and with tenants its three
 -- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there.
 local classes = {}
-if tail >= 2 then
+if tail >= 3 then
   proc = ARGV[19]
   promised = 'handoff:' .. proc
-  if tail >= 3 then
-    local flags = ARGV[21]
-    for j = 1, #flags do
-      classes[j] = {KEYS[4 + 2 * j], KEYS[5 + 2 * j], string.sub(flags, j, j) == '1'}
+  local flags = ARGV[21]
+  for j = 1, #flags do
+    local flag = string.sub(flags, j, j)
+    classes[j] = {KEYS[4 + 2 * j], KEYS[5 + 2 * j], flag ~= '0'}
+    classes[j][8] = flag == '2'
+  end
+  if tail == 4 then
+    local lists, at = ARGV[22], 1
+    for j, c in ipairs(classes) do
+      local base = 3 + 2 * #flags + 3 * j
+      local colon = string.find(lists, ':', at, true)
+      local len = num(string.sub(lists, at, colon - 1))
+      c[4], c[5], c[6] = KEYS[base], KEYS[base + 1], KEYS[base + 2]
+      c[7] = string.sub(lists, colon + 1, colon + len)
+      at = colon + len + 1
     end
-    if tail == 4 then
-      local lists, at = ARGV[22], 1
-      for j, c in ipairs(classes) do
-        local base = 3 + 2 * #flags + 3 * j
-        local colon = string.find(lists, ':', at, true)
-        local len = num(string.sub(lists, at, colon - 1))
-        c[4], c[5], c[6] = KEYS[base], KEYS[base + 1], KEYS[base + 2]
-        c[7] = string.sub(lists, colon + 1, colon + len)
-        at = colon + len + 1
-      end
-    end
-  else
-    classes[1] = {KEYS[6], KEYS[7], true}
   end
 end
 -- The call's class's held-permits zset (reserved floors), after every other key.
@@ -595,10 +597,16 @@ for j = 1, count do
       end
       if proc then
         for _, k in ipairs(classes) do
-          redis.call('ZREM', k[1], proc)
-          redis.call('ZREM', k[2], proc)
-          if k[4] then
-            drop_flows(k[4], k[5], proc)
+          if k[8] then
+            -- Calls of the process are left here: it stays registered, at the back, where
+            -- its next call's refusal would put it, with no moment out of the turn between.
+            redis.call('ZADD', k[1], 'XX', now_s, proc)
+          else
+            redis.call('ZREM', k[1], proc)
+            redis.call('ZREM', k[2], proc)
+            if k[4] then
+              drop_flows(k[4], k[5], proc)
+            end
           end
         end
       end
