@@ -453,6 +453,15 @@ class TestReservedFloors:
         room.declare({"interactive": 3.0}, {})
         assert room.floors == {"batch": 1}, "a class declared again without reserve leaves"
 
+    def test_a_class_the_room_was_not_told_of_reserves_nothing(self) -> None:
+        """A class made at first use (``slot``) has no floor: it goes by stride like any
+        other, never before a declared class for want of permits (a tie goes to the
+        class declared first)."""
+        room = WaitingRoom({"a": 1.0})
+        wa = room.enter(priority_class="a")
+        room.enter(priority_class="b")
+        assert room.head() is wa
+
     def test_a_release_that_takes_a_class_below_its_floor_makes_its_call_head(self) -> None:
         """Class a (reserved 1) at its floor, b ahead by share; a's permit is released: a's
         waiting call is head at once and woken (the release's own wake-up reads the head)."""
