@@ -100,8 +100,11 @@ class _CountingBackend(RedisBackend):
         *,
         cost_tokens: int = 0,
         ttl_s: float,
+        priority_class: str = "",
     ) -> AcquireResult:
-        result = await super().acquire(scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s)
+        result = await super().acquire(
+            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
+        )
         record = _CALL.get()
         if record is not None:
             record["acquires"] = record.get("acquires", 0) + 1

@@ -7,12 +7,16 @@ checked here on records made up for the purpose.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not installed
 from bench.fleet_classes import _first_full, _round_trips_per_waiting_s, render_section
+from bench.fleet_worker import _CountingBackend
 from bench.report import replace_section
+
+from polygateway.backends.redis import RedisBackend
 
 
 def test_first_full_is_when_every_permit_is_held_after_the_moment() -> None:
@@ -100,3 +104,10 @@ def test_a_full_bench_run_keeps_the_classes_section_of_the_page() -> None:
     assert section.strip() in kept
     template = (Path(__file__).resolve().parents[2] / "bench" / "template.md").read_text()
     assert "<!-- begin:fleet-classes" in template, "the template has a place for it"
+
+
+def test_the_workers_counting_backend_takes_every_argument_of_acquire() -> None:
+    """The fleet workers wrap the backend to count acquires: a call of a scope with classes
+    names its class, and a wrapper that did not take it crashed every worker."""
+    wrapped = inspect.signature(RedisBackend.acquire).parameters
+    assert inspect.signature(_CountingBackend.acquire).parameters.keys() == wrapped.keys()
