@@ -254,8 +254,9 @@ local digest, order = ARGV[16], ARGV[17]
 local count = math.max(1, #order / 2)
 local tail = #ARGV - 18
 local proc, promised
--- Per class: its two registry keys, whether proc waits in it, and with tenants its three
--- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there.
+-- Per class: its two registry keys, whether proc waits in it, with tenants its three
+-- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there, and
+-- at [8] whether calls of proc are left there once this call is granted (flag "2").
 local classes = {}
 if tail >= 3 then
   proc = ARGV[19]
