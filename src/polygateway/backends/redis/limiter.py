@@ -1102,8 +1102,7 @@ def _flags(names: Sequence[str], room: ReleaseListener, priority_class: str) -> 
     for name in names:
         n = wanting.get(name, 0)
         if name == priority_class:
-            n = max(n, 1) - 1
-            flags.append("2" if n else "1")
+            flags.append("2" if n > 1 else "1")
         else:
             flags.append("2" if n else "0")
     return bulk("".join(flags))
