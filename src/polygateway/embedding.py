@@ -45,6 +45,7 @@ from polygateway.errors import (
     GovernanceBackendError,
     RequestRejected,
 )
+from polygateway.middleware.deadline import check_deadline_s
 from polygateway.middleware.lifecycle import GovernedClient
 from polygateway.models import (
     AttemptRecord,
@@ -392,7 +393,8 @@ class EmbeddingClient(GovernedClient):
 
         Raises:
             RequestRejected: a non-list, an empty string, a non-string item, a
-                bad parameter, a non-bool ``partial`` or an async ``on_progress`` (before any
+                bad parameter, a non-bool ``partial``, an async ``on_progress`` or a
+                ``deadline_s`` that is not a finite, non-negative number (before any
                 request), or a source answered 400/413/422 to a batch (``.batch``,
                 ``.partial``; not raised with ``partial=True``).
             AllSourcesExhausted: the loop gave up on a batch (``.reason``,
@@ -410,6 +412,15 @@ class EmbeddingClient(GovernedClient):
                 f"partial must be True or False, not {type(partial).__name__}", scope=self._scope
             )
         _check_progress(on_progress, self._scope)
+        if deadline_s is not None and not check_deadline_s(deadline_s):
+            # The loop checks it too, but only per batch: by then a negative deadline
+            # would be every batch's deadline already passed, a string a TypeError.
+            raise RequestRejected(
+                "embed: deadline_s must be a finite, non-negative number of seconds, "
+                f"not {deadline_s!r:.60}",
+                scope=self._scope,
+                sources=self._mw.sources,
+            )
         flow = self._mw.check_flow(priority_class, tenant, "embed")
         self._life.check_open()
         spans = plan_batches(

@@ -1,0 +1,79 @@
+"""EmbeddingClient and OcrClient as a user coming from the openai SDK calls them: found faults.
+
+Each test pins a fault found in review: the call's own arguments are
+checked up front with a typed error, as ``ChatClient`` checks them, and an
+embedding answer the client cannot read is never asked for.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from _closing import closing
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.config import GatewaySettings
+from polygateway.embedding import EmbeddingClient
+from polygateway.errors import RequestRejected
+from polygateway.testing import FakeClock, FakeTransport, embedding_body
+from polygateway.transport.http import HttpRequest
+
+SCOPE = "embed"
+
+
+def echo(request: HttpRequest) -> dict[str, Any]:
+    """An upstream that embeds each input as its position in the batch and a constant."""
+    return embedding_body([[float(i), 1.0] for i, _ in enumerate(request.json["input"])])
+
+
+def embedder(*, batch: int = 2) -> tuple[EmbeddingClient, FakeTransport]:
+    """An EmbeddingClient of one OpenAI source on a FakeTransport, MemoryBackend and FakeClock."""
+    clock = FakeClock()
+    transport = FakeTransport(clock=clock, default=echo)
+    source = {
+        "name": "emb",
+        "protocol": "openai",
+        "base_url": "http://127.0.0.1:9/emb/v1",
+        "model": "text-embedding-3-small",
+        "max_batch_size": batch,
+    }
+    settings = GatewaySettings(
+        _env_file=None, scopes={SCOPE: {"kind": "embed", "sources": [source]}}
+    )
+    client = EmbeddingClient(
+        settings,
+        SCOPE,
+        backend=MemoryBackend(now=clock),
+        transport=transport,
+        now=clock,
+        sleep=clock.sleep,
+        rng=random.Random(7),
+    )
+    return closing(client), transport
+
+
+# --- deadline_s is checked up front, as the other clients check it ------------------
+
+
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("deadline_s", [-1.0, float("nan"), float("inf"), True, "5"])
+async def test_bad_deadline_is_rejected_before_any_batch(deadline_s: Any, partial: bool) -> None:
+    """A negative, NaN, infinite, bool or string deadline_s is a RequestRejected naming it.
+
+    Not a deadline every batch has already missed, not a TypeError, and never a
+    partial=True result with every vector None.
+    """
+    client, transport = embedder()
+    with pytest.raises(RequestRejected, match="deadline_s must be a finite, non-negative"):
+        await client.embed(["a", "b", "c"], deadline_s=deadline_s, partial=partial)
+    assert transport.requests == []
+
+
+async def test_zero_deadline_is_still_a_deadline() -> None:
+    """deadline_s=0 stays valid (the loop takes it): the batches fail on the deadline, unsent."""
+    client, transport = embedder()
+    result = await client.embed(["a", "b", "c"], deadline_s=0, partial=True)
+    assert result.failed_spans == ((0, 2), (2, 3))
+    assert transport.requests == []
