@@ -16,7 +16,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 __all__ = ["CONFIGS", "Client", "Target", "available", "missing_modules"]
 
@@ -345,7 +345,7 @@ class PolyGateway(Client):
     """PolyGateway's ``ChatClient`` / ``EmbeddingClient`` on one backend and one transport."""
 
     name = ""
-    modules = ("polygateway",)
+    modules: ClassVar[tuple[str, ...]] = ("polygateway",)
     governed = True
     backend: ClassVar[str] = "memory"
     transport: ClassVar[str] = "httpx"
@@ -360,7 +360,7 @@ class PolyGateway(Client):
         from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 
         self._target = target
-        kind = "embed" if target.scenario == "embed" else "chat"
+        kind: Literal["chat", "embed"] = "embed" if target.scenario == "embed" else "chat"
         sources = tuple(
             SourceConfig(
                 name=name,

@@ -163,8 +163,10 @@ def _waited(record: Json) -> bool:
 
 def _waiting_s(records: list[Json]) -> float:
     """Seconds in which the process had at least one call waiting (union of the waits)."""
-    spans = sorted(
-        (r["started"], r.get("acquired", r["ended"])) for r in records if r.get("denied", 0)
+    spans: list[tuple[float, float]] = sorted(
+        (r["started"], r["acquired"] if "acquired" in r else r["ended"])
+        for r in records
+        if r.get("denied", 0)
     )
     total, end = 0.0, float("-inf")
     for start, stop in spans:

@@ -117,7 +117,8 @@ def _granted(records: list[Json]) -> list[Json]:
 
 def _attempt_s(records: list[Json]) -> float:
     """The median upstream attempt of served calls: grant to end."""
-    return statistics.median(r["ended"] - r["acquired"] for r in _granted(records))
+    attempts: list[float] = [r["ended"] - r["acquired"] for r in _granted(records)]
+    return statistics.median(attempts)
 
 
 def _round_trips_per_waiting_s(records: list[Json]) -> float | None:
@@ -221,7 +222,7 @@ async def _shares(sizes: Sizes, redis_url: str, workdir: Path) -> Json:
 
 def _first_full(records: list[Json], since: float, permits: int) -> float | None:
     """Seconds after ``since`` until ``permits`` of these calls held a permit at once."""
-    events = sorted(
+    events: list[tuple[float, int]] = sorted(
         [(r["acquired"], 1) for r in records] + [(r["ended"], -1) for r in records],
         key=lambda e: (e[0], e[1]),
     )

@@ -144,8 +144,9 @@ async def _one_call(
     client: ChatClient, deadline_s: float | None = None, flow: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """One governed chat call (``flow``: its class and tenant), recorded whatever its end."""
+    flow = flow or {}
     started = time.monotonic()
-    record: dict[str, Any] = {"started": started, **(flow or {})}
+    record: dict[str, Any] = {"started": started, **flow}
     backend = client.backend
     if isinstance(backend, _CountingBackend):
         # Calls already queued: this one waits its turn behind them, whatever it is granted.
@@ -153,7 +154,11 @@ async def _one_call(
     token = _CALL.set(record)
     try:
         response = await client.complete(
-            MESSAGES, max_tokens=8, deadline_s=deadline_s, **(flow or {})
+            MESSAGES,
+            max_tokens=8,
+            deadline_s=deadline_s,
+            priority_class=flow.get("priority_class"),
+            tenant=flow.get("tenant"),
         )
     except GatewayError as exc:
         record.update(
@@ -284,7 +289,9 @@ async def _serve(config: dict[str, Any]) -> None:
             )
         elif op == "run":
             start_at = command.get("start_at", time.monotonic())
-            flow = {k: command[k] for k in ("priority_class", "tenant") if k in command}
+            flow: dict[str, str] = {
+                k: command[k] for k in ("priority_class", "tenant") if k in command
+            }
             answer["records"] = await _run(
                 client,
                 start_at,

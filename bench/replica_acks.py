@@ -83,7 +83,7 @@ def _servers(directory: Path) -> Iterator[int]:
         while True:  # acknowledging: its offset heard (a WAIT may count it at 0 before)
             try:
                 primary.set("replica-check", 1)
-                acknowledged = primary.execute_command("WAIT", 1, 100) == 1
+                acknowledged = primary.wait(1, 100) == 1
                 heard = primary.info("replication").get("slave0", {}).get("offset")
                 if acknowledged and heard:
                     break

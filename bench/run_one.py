@@ -159,7 +159,10 @@ def _summary(latencies: list[float], errors: list[str]) -> dict[str, Any]:
 async def _measure(client: Client, args: argparse.Namespace, target: Target) -> dict[str, Any]:
     """Warm up, then measure the scenario; returns the figures."""
     n, concurrency, scenario = args.n, args.concurrency, args.scenario
-    counter = RedisCounter(target.redis_url) if getattr(client, "backend", "") == "redis" else None
+    counter = None
+    if getattr(client, "backend", "") == "redis" and target.redis_url is not None:
+        # Without a URL, ``client.start`` refuses the configuration with the reason.
+        counter = RedisCounter(target.redis_url)
     if counter is not None:
         counter.flush()
     await client.start(target)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -191,12 +192,14 @@ def measure(
     server: str, versions: Sequence[Scripts], *, pairs: int, sources: int
 ) -> list[dict[str, Any]]:
     baseline = count(server, _baseline, pairs)
-    rows = [{"case": "INCR + DECR", "version": "baseline", "instructions": baseline}]
+    rows: list[dict[str, Any]] = [
+        {"case": "INCR + DECR", "version": "baseline", "instructions": baseline}
+    ]
     cases = [("1 source", 1), ("2 sources, 1st full", 2)]
     cases.append((f"{sources} sources, {sources - 1} full", sources))
     for case, n in cases:
         for version in versions:
-            per_pair = count(server, lambda p, v=version, n=n: _pairs(v, n, p), pairs)
+            per_pair = count(server, functools.partial(_pairs, version, n), pairs)
             rows.append({"case": case, "version": version.label, "instructions": per_pair})
         if n == 1:
             # The commands alone, on the state the current scripts keep: what the logic
@@ -204,7 +207,7 @@ def measure(
             per_pair = count(server, lambda p: _pairs(CALLS, 1, p, real=versions[0]), pairs)
             rows.append({"case": case, "version": CALLS.label, "instructions": per_pair})
             for version in versions:
-                per_pair = count(server, lambda p, v=version: _pairs(v, 1, p, live=True), pairs)
+                per_pair = count(server, functools.partial(_pairs, version, 1, live=True), pairs)
                 rows.append(
                     {
                         "case": f"1 source, {BATCH} leases live",
