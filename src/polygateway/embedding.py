@@ -275,16 +275,25 @@ def _check_texts(texts: object, scope: str) -> list[str]:
     return items
 
 
-def _check_params(params: Mapping[str, Any], scope: str) -> None:
-    """Refuse unknown or mistyped parameters, and those whose answer this client cannot read."""
-    check_embedding_params(params, scope)
-    fmt = params.get("encoding_format")
+def _check_format(fmt: object, where: str, scope: str) -> None:
+    """Refuse an ``encoding_format`` other than float: any other answer is unreadable here."""
     # Not a set lookup: a caller's list or dict here must be refused, not crash on hashing.
     if fmt is not None and not (isinstance(fmt, str) and fmt == "float"):
         raise RequestRejected(
-            f"encoding_format={fmt!r:.80} is not supported: vectors are read as float arrays",
+            f"{where}={fmt!r:.80} is not supported: vectors are read as float arrays",
             scope=scope,
         )
+
+
+def _check_params(params: Mapping[str, Any], scope: str) -> None:
+    """Refuse unknown or mistyped parameters, and those whose answer this client cannot read."""
+    # The format first: the table's hint for a value it does not list is extra_body,
+    # where the answer would be as unreadable (and every batch retried as malformed).
+    _check_format(params.get("encoding_format"), "encoding_format", scope)
+    check_embedding_params(params, scope)
+    extra = params.get("extra_body")
+    if extra:
+        _check_format(extra.get("encoding_format"), "extra_body encoding_format", scope)
 
 
 class EmbeddingClient(GovernedClient):

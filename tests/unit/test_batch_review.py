@@ -77,3 +77,39 @@ async def test_zero_deadline_is_still_a_deadline() -> None:
     result = await client.embed(["a", "b", "c"], deadline_s=0, partial=True)
     assert result.failed_spans == ((0, 2), (2, 3))
     assert transport.requests == []
+
+
+# --- Vectors are asked for as floats, however the format is set -----------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"extra_body": {"encoding_format": "base64"}},
+        {"extra_body": {"encoding_format": ["float"]}},
+        {"encoding_format": "b64"},
+        {"encoding_format": "base64"},
+    ],
+)
+async def test_non_float_encoding_format_anywhere_is_rejected_before_any_request(
+    params: dict[str, Any],
+) -> None:
+    """encoding_format other than float, in extra_body too, is refused up front, naming it.
+
+    A base64 answer cannot be read as floats: sent, every batch came back
+    "malformed", was retried on every source and counted against its breaker.
+    The refusal does not point at extra_body, which would not help either.
+    """
+    client, transport = embedder()
+    with pytest.raises(RequestRejected, match="encoding_format") as caught:
+        await client.embed(["a", "b", "c"], **params)
+    assert "extra_body={" not in str(caught.value)
+    assert transport.requests == []
+
+
+async def test_float_encoding_format_in_extra_body_is_sent() -> None:
+    """extra_body={"encoding_format": "float"} asks for what the client reads: it goes out."""
+    client, transport = embedder()
+    result = await client.embed(["a", "b", "c"], extra_body={"encoding_format": "float"})
+    assert result.vectors == [[0.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
+    assert [r.json["encoding_format"] for r in transport.requests] == ["float", "float"]
