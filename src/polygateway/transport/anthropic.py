@@ -587,11 +587,12 @@ class MessagesStreamReader:
     are numbered among themselves (a ``ToolCallDelta.index`` is the n-th
     ``tool_use`` block, as OpenAI numbers tool calls), not among all blocks.
     Events that carry nothing for the caller (``ping``, ``message_stop``, a
-    thinking delta, event types added to the API later) read as an empty chunk,
-    which the chat client does not deliver.
+    thinking delta, the input of a server tool Anthropic runs itself, event
+    types added to the API later) read as an empty chunk, which the chat
+    client does not deliver.
     """
 
-    __slots__ = ("_cache_read", "_cache_write", "_input", "_tools")
+    __slots__ = ("_cache_read", "_cache_write", "_input", "_others", "_tools")
 
     def __init__(self) -> None:
         self._input = 0
@@ -599,6 +600,8 @@ class MessagesStreamReader:
         self._cache_read = 0
         self._tools: dict[int, int] = {}
         """Content block index -> the tool call's own index."""
+        self._others: set[int] = set()
+        """Indexes of the other blocks started: a ``server_tool_use`` one streams its input too."""
 
     def read(self, event: Any, source: str = "") -> ChatChunk:
         """The chunk of one event; an ``error`` event raises its classified failure."""
@@ -633,7 +636,10 @@ class MessagesStreamReader:
             index = _block_index(event, "content_block_delta")
             call = self._tools.get(index)
             if call is None:
-                raise malformed_body(f"input_json_delta for block {index}, not a tool_use block")
+                if index in self._others:
+                    # A server tool's input (web search, code execution): Anthropic runs it.
+                    return ChatChunk("", (), None, source, None)
+                raise malformed_body(f"input_json_delta for block {index}, not a started block")
             partial = req_str(delta.get("partial_json"), "content_block_delta.delta.partial_json")
             return ChatChunk("", (ToolCallDelta(call, arguments=partial),), None, source, None)
         return ChatChunk("", (), None, source, None)
@@ -651,6 +657,9 @@ class MessagesStreamReader:
                 arguments="",
             )
             return ChatChunk("", (delta,), None, source, None)
+        started = event.get("index")
+        if type(started) is int:
+            self._others.add(started)
         text = opt_str(block.get("text"), "content_block.text") if kind == "text" else None
         return ChatChunk(text or "", (), None, source, None)
 

@@ -1,0 +1,140 @@
+"""Provider wire shapes checked against the providers' own documentation and SDKs.
+
+Each test pins one shape a real provider sends (or is documented to send)
+that the wire adapters must read without losing or misreading anything.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from _closing import closing
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.models import Usage
+from polygateway.testing import (
+    BoundedSleep,
+    FakeClock,
+    FakeTransport,
+    StreamScript,
+    gateway_settings,
+)
+from polygateway.transport.anthropic import MessagesStreamReader
+
+MESSAGES = [{"role": "user", "content": "What is new in quantum computing?"}]
+
+
+def _anthropic_chat(clock: FakeClock, script: Any) -> tuple[ChatClient, MemoryBackend]:
+    """A chat client with one Anthropic source over a FakeTransport on a fake clock."""
+    settings = gateway_settings({"name": "claude", "protocol": "anthropic"})
+    backend = MemoryBackend(now=clock)
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=FakeTransport(script, clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(3),
+        )
+    )
+    return chat, backend
+
+
+# The streaming example of Anthropic's web search tool page (server tools stream their
+# input as input_json_delta on a server_tool_use block), completed into a whole answer.
+WEB_SEARCH_STREAM: list[dict[str, Any]] = [
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_abc123",
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": "claude-test",
+            "stop_reason": None,
+            "usage": {"input_tokens": 20, "output_tokens": 1},
+        },
+    },
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "Let me search. "},
+    },
+    {"type": "content_block_stop", "index": 0},
+    {
+        "type": "content_block_start",
+        "index": 1,
+        "content_block": {"type": "server_tool_use", "id": "srvtoolu_xyz789", "name": "web_search"},
+    },
+    {
+        "type": "content_block_delta",
+        "index": 1,
+        "delta": {
+            "type": "input_json_delta",
+            "partial_json": '{"query":"latest quantum computing breakthroughs 2025"}',
+        },
+    },
+    {"type": "content_block_stop", "index": 1},
+    {
+        "type": "content_block_start",
+        "index": 2,
+        "content_block": {
+            "type": "web_search_tool_result",
+            "tool_use_id": "srvtoolu_xyz789",
+            "content": [
+                {
+                    "type": "web_search_result",
+                    "title": "Quantum Computing Breakthroughs in 2025",
+                    "url": "https://example.com",
+                }
+            ],
+        },
+    },
+    {"type": "content_block_stop", "index": 2},
+    {"type": "content_block_start", "index": 3, "content_block": {"type": "text", "text": ""}},
+    {
+        "type": "content_block_delta",
+        "index": 3,
+        "delta": {"type": "text_delta", "text": "Error-corrected qubits."},
+    },
+    {"type": "content_block_stop", "index": 3},
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {"output_tokens": 40, "server_tool_use": {"web_search_requests": 1}},
+    },
+    {"type": "message_stop"},
+]
+
+
+class TestAnthropicServerTools:
+    """Server tools (web search, web fetch, code execution) run at Anthropic, inside the stream."""
+
+    def test_reader_skips_the_input_of_a_server_tool_use_block(self) -> None:
+        """A server_tool_use block's input_json_delta is no client tool call and no fault."""
+        reader = MessagesStreamReader()
+        chunks = [reader.read(event, "claude") for event in WEB_SEARCH_STREAM]
+        assert "".join(c.text for c in chunks) == "Let me search. Error-corrected qubits."
+        assert [d for c in chunks for d in c.tool_calls] == []
+        assert chunks[-2].finish_reason == "stop"
+        assert chunks[-2].usage == Usage(20, 40, 60)
+
+    async def test_stream_with_a_server_tool_delivers_the_whole_answer(self) -> None:
+        """A streamed answer that used web search reaches the caller whole, as one success."""
+        clock = FakeClock()
+        chat, backend = _anthropic_chat(clock, [StreamScript(WEB_SEARCH_STREAM, done=False)])
+        async with chat.stream(
+            MESSAGES, extra_body={"tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+        ) as stream:
+            chunks = [c async for c in stream]
+            final = await stream.response()
+        assert "".join(c.text for c in chunks) == "Let me search. Error-corrected qubits."
+        assert final.text == "Let me search. Error-corrected qubits."
+        assert final.tool_calls == ()
+        assert final.finish_reason == "stop"
+        assert [a.outcome for a in final.attempts] == ["success"]
+        assert (await backend.snapshot("chat")).in_flight == 0
