@@ -277,7 +277,7 @@ _GATEWAY_KEYS = (
 
 def settings_summary(settings: GatewaySettings) -> dict[str, Any]:
     """The settings as they may be shown: URLs masked, each API key reduced to set / not set."""
-    dumped = settings.model_dump(mode="json")  # masks redis_url, base_url, proxy, headers
+    dumped = settings.model_dump(mode="json")  # masks redis_url, base_url, proxy, headers, query
     gateway = {key: dumped[key] for key in _GATEWAY_KEYS}
     scopes: dict[str, Any] = {}
     for name, scope in settings.scopes.items():

@@ -69,7 +69,7 @@ def setting_rows(
     ``file_layer`` is the settings file flattened as ``GatewaySettings.load``
     reads it (empty without a file); ``path`` names it.
     """
-    dumped = settings.model_dump(mode="json")  # URLs, proxy and headers masked
+    dumped = settings.model_dump(mode="json")  # URLs, proxy, headers and query masked
     file_shown = path or "file"
 
     def origin(field: str, in_file: bool) -> str:

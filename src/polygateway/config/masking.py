@@ -27,6 +27,7 @@ __all__ = [
     "is_secret_header",
     "looks_secret",
     "mask_headers",
+    "mask_query",
     "mask_url",
     "scrub",
     "secrets_in",
@@ -84,6 +85,15 @@ def is_secret_header(name: str) -> bool:
 def mask_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Headers as they may be printed: credential-looking values replaced by ``***``."""
     return {k: (_MASK if is_secret_header(k) else v) for k, v in headers.items()}
+
+
+def mask_query(params: Mapping[str, str]) -> dict[str, str]:
+    """Query parameters as they may be printed: credential-looking values replaced by ``***``.
+
+    The same rule as a query in a URL (``mask_url``): ``query = {key = ...}``
+    is as secret as ``?key=...`` written in ``base_url``.
+    """
+    return {k: (_MASK if looks_secret(k, SECRET_QUERY_PARTS) else v) for k, v in params.items()}
 
 
 def secrets_in(headers: Mapping[str, str]) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from polygateway.config.masking import mask_headers, mask_url
+from polygateway.config.masking import mask_headers, mask_query, mask_url
 
 __all__ = [
     "NAME_RE",
@@ -255,6 +255,11 @@ class SourceConfig(BaseModel):
         """Dumps are for display and logs: credential-looking headers are masked."""
         return mask_headers(headers)
 
+    @field_serializer("query")
+    def _dump_query(self, query: dict[str, str]) -> dict[str, str]:
+        """Dumps are for display and logs: credential-looking query values are masked."""
+        return mask_query(query)
+
     @field_serializer("base_url", "proxy")
     def _dump_url(self, url: str) -> str:
         """Dumps are for display and logs: URL credentials are masked."""
@@ -265,6 +270,8 @@ class SourceConfig(BaseModel):
         for name, value in super().__repr_args__():
             if name == "headers":
                 yield name, mask_headers(value)
+            elif name == "query":
+                yield name, mask_query(value)
             elif name in ("base_url", "proxy") and value:
                 yield name, mask_url(value)
             else:
