@@ -46,6 +46,11 @@ def load_error(path: Path) -> ConfigError:
     return info.value
 
 
+def problem(error: ConfigError) -> str:
+    """The message of ``error`` without its ``[field ... in FILE]`` tail (paths name tests)."""
+    return str(error).partition(" [")[0]
+
+
 # --- secrets never printed ---------------------------------------------------------------
 
 
@@ -71,3 +76,61 @@ def test_check_config_report_masks_a_credential_query_parameter(tmp_path: Path) 
     report = "\n".join(report_lines(rows))
     assert QUERY_KEY not in report
     assert "key=***, api-version=v1" in report
+
+
+# --- numbers: finite only ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value"),
+    [
+        ("source", "timeout_s", "inf"),
+        ("source", "weight", "inf"),
+        ("source", "rpm", "inf"),
+        ("source", "tpm", "nan"),
+        ("source", "connect_timeout_s", "nan"),
+        ("gateway", "close_grace_s", "inf"),
+        ("gateway", "lease_grace_s", "inf"),
+        ("gateway", "redis_socket_timeout_s", "inf"),
+        ("gateway", "redis_replica_ack_timeout_s", "inf"),
+        ("gateway", "backoff_base_s", "nan"),
+    ],
+)
+def test_a_non_finite_number_is_refused_naming_its_key(
+    tmp_path: Path, table: str, key: str, value: str
+) -> None:
+    """``inf`` or ``nan`` (valid TOML) is refused at load as not finite, naming the key."""
+    line = f"{key} = {value}\n"
+    if table == "gateway":
+        path = tmp_path / "polygateway.toml"
+        path.write_text(f"[gateway]\n{line}{ONE_SOURCE}", encoding="utf-8")
+        field = key
+    else:
+        path = settings_file(tmp_path, line)
+        field = f"scopes.chat.sources[0].{key}"
+    error = load_error(path)
+    assert error.field == field
+    assert "finite" in problem(error)
+
+
+def test_an_infinite_share_of_a_priority_class_is_refused(tmp_path: Path) -> None:
+    """A priority class's ``share = inf`` is refused, naming the class's key."""
+    path = tmp_path / "polygateway.toml"
+    path.write_text(
+        ONE_SOURCE.replace('kind = "chat"', 'kind = "chat"\ndefault_priority_class = "bulk"')
+        + "[scopes.chat.priority_classes.bulk]\nshare = inf\n",
+        encoding="utf-8",
+    )
+    error = load_error(path)
+    assert error.field == "scopes.chat.priority_classes.bulk.share"
+    assert "finite" in problem(error)
+
+
+def test_an_infinite_value_from_the_environment_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POLYGATEWAY_CLOSE_GRACE_S=inf`` is refused, naming that variable."""
+    monkeypatch.setenv("POLYGATEWAY_CLOSE_GRACE_S", "inf")
+    error = load_error(settings_file(tmp_path))
+    assert (error.field, error.env) == ("close_grace_s", "POLYGATEWAY_CLOSE_GRACE_S")
+    assert "finite" in problem(error)

@@ -54,6 +54,10 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HEADER_NAME_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
+_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+"""Unknown keys refused, and inf and nan: TOML spells them, yet no limit or timeout means them."""
+
+
 def config_problem(message: str, *, at: str = "") -> PydanticCustomError:
     """A validation problem; ``at`` extends the error's location (e.g. ``[1].protocol``)."""
     return PydanticCustomError("polygateway_config", message, {"at": at} if at else None)
@@ -113,7 +117,7 @@ def key_is_sendable(value: str) -> bool:
 class SourceConfig(BaseModel):
     """One upstream endpoint: where it is, how to talk to it, and the limits it must be held to."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _MODEL_CONFIG
 
     name: str
     protocol: SourceProtocol
@@ -287,7 +291,7 @@ class PriorityClassConfig(BaseModel):
     (research-wiki/designs/priority-fairness.md).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _MODEL_CONFIG
 
     share: PositiveFloat
     reserved: int = 0
@@ -306,7 +310,7 @@ class PriorityClassConfig(BaseModel):
 class ScopeConfig(BaseModel):
     """A named pool of interchangeable sources for one capability, with its 429 policy."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _MODEL_CONFIG
 
     kind: ScopeKind
     # Resolved from `kind` before validation when not given (True for chat, False for

@@ -229,6 +229,8 @@ class GatewaySettings(BaseSettings):
         env_file_encoding="utf-8",
         extra="forbid",
         frozen=True,
+        # TOML and the environment spell inf and nan; no timeout, grace or back-off means them.
+        allow_inf_nan=False,
     )
 
     backend: Literal["memory", "redis"] = "memory"
