@@ -19,8 +19,10 @@ from polygateway.embedding import EmbeddingClient
 from polygateway.errors import RequestRejected
 from polygateway.testing import FakeClock, FakeTransport, embedding_body
 from polygateway.transport.http import HttpRequest
+from polygateway.transport.params import ChatCheck
 
 SCOPE = "embed"
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def echo(request: HttpRequest) -> dict[str, Any]:
@@ -113,3 +115,47 @@ async def test_float_encoding_format_in_extra_body_is_sent() -> None:
     result = await client.embed(["a", "b", "c"], extra_body={"encoding_format": "float"})
     assert result.vectors == [[0.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
     assert [r.json["encoding_format"] for r in transport.requests] == ["float", "float"]
+
+
+# --- Integer parameters below the API's minimum are refused, not sent ----------------------
+
+
+class TestIntegerMinimums:
+    """A count the API bounds below (dimensions, n, max_tokens, ...) is checked up front."""
+
+    @pytest.mark.parametrize("dimensions", [0, -3])
+    async def test_non_positive_dimensions_is_rejected_before_any_request(
+        self, dimensions: int
+    ) -> None:
+        """dimensions=0 or negative is a 400 at the provider: refused here, naming it."""
+        client, transport = embedder()
+        with pytest.raises(RequestRejected, match="dimensions must be an integer >= 1"):
+            await client.embed(["a", "b", "c"], dimensions=dimensions, partial=True)
+        assert transport.requests == []
+
+    async def test_positive_dimensions_is_sent(self) -> None:
+        """dimensions=1, the smallest the API takes, still goes out as given."""
+        client, transport = embedder()
+        await client.embed(["a"], dimensions=1)
+        assert [r.json["dimensions"] for r in transport.requests] == [1]
+
+    @pytest.mark.parametrize(
+        ("params", "needle"),
+        [
+            ({"n": 0}, "n must be an integer >= 1"),
+            ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+            ({"max_completion_tokens": -5}, "max_completion_tokens must be an integer >= 1"),
+            ({"top_logprobs": -1}, "top_logprobs must be an integer >= 0"),
+        ],
+    )
+    def test_chat_count_below_its_minimum_is_rejected(
+        self, params: dict[str, Any], needle: str
+    ) -> None:
+        """A chat count the API refuses below its minimum is a RequestRejected naming it."""
+        with pytest.raises(RequestRejected, match=needle):
+            ChatCheck(["openai"]).complete(MESSAGES, params, "chat")
+
+    def test_chat_counts_at_their_minimum_pass(self) -> None:
+        """The smallest value each count takes is accepted: the bound is not off by one."""
+        params = {"n": 1, "max_tokens": 1, "max_completion_tokens": 1, "top_logprobs": 0}
+        assert ChatCheck(["openai"]).complete(MESSAGES, params, "chat") == MESSAGES

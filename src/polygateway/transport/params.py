@@ -42,7 +42,8 @@ Cost: the chat hot path is held to 1.3x raw aiohttp CPU per call
 (research-wiki/BENCHMARKS.md: 175 us per call, 1.23x). A
 ``{"role", "content": str}`` message of a plain role is checked with a
 length, two lookups and two type tests; each parameter with one lookup and
-one type test. With timeit (CPython 3.11.7, the machine BENCHMARKS.md describes),
+one type test, a count with a minimum (``max_tokens``) with one comparison
+more. With timeit (CPython 3.11.7, the machine BENCHMARKS.md describes),
 ``ChatCheck.complete`` of one or two such messages with ``max_tokens`` and
 ``temperature`` takes 0.40 / 0.49 us (0.22 / 0.32 us without parameters); a
 three-message tool-call turn with content parts, which takes the full
@@ -75,7 +76,8 @@ class Param:
     ``types`` are matched exactly first (the fast path) and then by
     ``isinstance``, except that a ``bool`` is never an integer or a number
     (JSON tells them apart). ``choices`` bounds a string value; ``items``
-    the type of a list's elements.
+    the type of a list's elements; ``minimum`` a number (a count the API
+    refuses below it, such as ``n=0``, is a 400 not worth a permit).
     """
 
     types: tuple[type, ...]
@@ -83,11 +85,13 @@ class Param:
     """The expected value in words, for the error: ``an integer``."""
     choices: tuple[str, ...] = ()
     items: type | None = None
+    minimum: int | None = None
     plain: bool = field(init=False, repr=False)
     """Whether a value of an exact type in ``types`` is all there is to check (the fast path)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "plain", not self.choices and self.items is None)
+        plain = not self.choices and self.items is None and self.minimum is None
+        object.__setattr__(self, "plain", plain)
 
     def accepts(self, value: object) -> bool:
         """Whether ``value`` is a value of this parameter."""
@@ -99,16 +103,22 @@ class Param:
             return False
         if self.items is not None and isinstance(value, list | tuple):
             return all(isinstance(item, self.items) for item in value)
+        if self.minimum is not None and isinstance(value, int | float):
+            return value >= self.minimum
         return True
 
     def expected(self) -> str:
-        """What the value should be, in words, naming the allowed strings."""
+        """What the value should be, in words, naming the allowed strings or the minimum."""
+        if self.minimum is not None:
+            return f"{self.what} >= {self.minimum}"
         if not self.choices:
             return self.what
         return f"{self.what} {', '.join(self.choices)}"
 
 
 _INT: Final = Param((int,), "an integer")
+_COUNT: Final = Param((int,), "an integer", minimum=0)
+_POSITIVE: Final = Param((int,), "an integer", minimum=1)
 _NUMBER: Final = Param((float, int), "a number")
 _BOOL: Final = Param((bool,), "a boolean")
 _STR: Final = Param((str,), "a string")
@@ -135,12 +145,12 @@ OPENAI_CHAT_PARAMS: Final[Mapping[str, Param]] = {
     "functions": _LIST,
     "logit_bias": _OBJECT,
     "logprobs": _BOOL,
-    "max_completion_tokens": _INT,
-    "max_tokens": _INT,
+    "max_completion_tokens": _POSITIVE,
+    "max_tokens": _POSITIVE,
     "metadata": _OBJECT,
     "modalities": _STRINGS,
     "moderation": _OBJECT,
-    "n": _INT,
+    "n": _POSITIVE,
     "parallel_tool_calls": _BOOL,
     "prediction": _OBJECT,
     "presence_penalty": _NUMBER,
@@ -158,7 +168,7 @@ OPENAI_CHAT_PARAMS: Final[Mapping[str, Param]] = {
     "temperature": _NUMBER,
     "tool_choice": _object_or_one_of("none", "auto", "required"),
     "tools": _LIST,
-    "top_logprobs": _INT,
+    "top_logprobs": _COUNT,
     "top_p": _NUMBER,
     "user": _STR,
     "verbosity": _one_of("low", "medium", "high"),
@@ -191,7 +201,7 @@ the OpenAI table's.
 """
 
 OPENAI_EMBEDDING_PARAMS: Final[Mapping[str, Param]] = {
-    "dimensions": _INT,
+    "dimensions": _POSITIVE,
     "encoding_format": _one_of("float", "base64"),
     "user": _STR,
     "extra_body": _OBJECT,
@@ -264,6 +274,9 @@ def _check_params(
             raise _unknown(name, table, refused, scope)
         if value is None or (param.plain and type(value) in param.types):
             continue
+        floor = param.minimum
+        if floor is not None and type(value) is int and value >= floor:
+            continue  # a count in range (max_tokens is on the hot path)
         if not param.accepts(value):
             # A value newer than the table still reaches the provider through extra_body.
             hint = " (another value goes in extra_body={...})" if param.choices else ""
