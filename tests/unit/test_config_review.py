@@ -134,3 +134,32 @@ def test_an_infinite_value_from_the_environment_names_the_variable(
     error = load_error(settings_file(tmp_path))
     assert (error.field, error.env) == ("close_grace_s", "POLYGATEWAY_CLOSE_GRACE_S")
     assert "finite" in problem(error)
+
+
+# --- overrides that are not JSON ---------------------------------------------------------------
+
+
+def test_scopes_override_that_is_not_json_names_the_variable_not_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Broken JSON in POLYGATEWAY_SCOPES names that variable and the field, not the file."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES", '{"chat": {')
+    error = load_error(settings_file(tmp_path))
+    assert (error.field, error.env, error.path) == ("scopes", "POLYGATEWAY_SCOPES", None)
+    assert "polygateway.toml" not in str(error)
+
+
+def test_a_list_override_in_dotenv_that_is_not_json_names_the_dotenv_file(
+    tmp_path: Path,
+) -> None:
+    """Broken JSON for a list setting in .env names the variable and the .env file."""
+    (tmp_path / ".env").write_text("POLYGATEWAY_REDIS_SENTINELS=h:26379\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings.load(settings_file(tmp_path), env_file=".env")
+    error = info.value
+    assert (error.field, error.env, error.path) == (
+        "redis_sentinels",
+        "POLYGATEWAY_REDIS_SENTINELS",
+        ".env",
+    )
+    assert "JSON" in problem(error)

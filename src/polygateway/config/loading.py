@@ -7,6 +7,8 @@
 - ``config_error``: the one translation of pydantic's validation errors,
   naming where the bad value came from (``value_origin``: a variable of the
   environment or ``.env``, else the file).
+- ``override_error``: a variable pydantic-settings could not read (not JSON
+  where JSON is due), naming that variable rather than the file.
 - ``check_env_names``: a ``POLYGATEWAY_*`` variable that names no setting is
   refused with the closest setting's variable, as an unknown key in the file is.
 """
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr, ValidationError
-from pydantic_settings import BaseSettings, DotEnvSettingsSource
+from pydantic_settings import BaseSettings, DotEnvSettingsSource, SettingsError
 
 from polygateway.config.masking import SECRET_HEADER_PARTS, looks_secret
 from polygateway.config.models import (
@@ -38,6 +41,7 @@ __all__ = [
     "check_env_names",
     "config_error",
     "file_layer",
+    "override_error",
     "read_toml",
     "resolve_api_keys",
     "value_origin",
@@ -234,6 +238,37 @@ def config_error(
     if origin is not None and first_loc:
         shown, env = origin(str(first_loc[0]))
     return ConfigError(message, field=field, path=shown, scope=first_scope, env=env)
+
+
+# pydantic-settings says which field and source failed in its message alone.
+_SETTINGS_ERROR_RE = re.compile(
+    r'parsing value for field "(?P<field>\w+)" from source "(?P<source>\w+)"'
+)
+
+
+def override_error(
+    exc: SettingsError, path: str | None, env_file: Any, *, settings_cls: type[BaseSettings]
+) -> ConfigError:
+    """A variable pydantic-settings could not read (not JSON where JSON is due), as ``ConfigError``.
+
+    Names the field and the variable, and the ``.env`` file when the variable
+    was read there: the settings file holds nothing wrong. The value is not
+    repeated (``POLYGATEWAY_SCOPES`` may carry keys).
+    """
+    found = _SETTINGS_ERROR_RE.search(str(exc))
+    if found is None:
+        return ConfigError(f"cannot read a POLYGATEWAY_* override: {exc}", path=path)
+    field = found["field"]
+    from_env = found["source"] == "EnvSettingsSource"
+    names = os.environ if from_env else _read_dotenv(env_file, settings_cls)
+    shown = None if from_env else _env_file_shown(env_file)
+    return ConfigError(
+        "cannot read a POLYGATEWAY_* override: the value is not valid JSON (a list or table "
+        "setting is written as JSON in a variable)",
+        field=field,
+        path=shown,
+        env=_setting_variable(names, field) or f"{ENV_PREFIX}{field.upper()}",
+    )
 
 
 def resolve_api_keys(

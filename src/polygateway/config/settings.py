@@ -39,6 +39,7 @@ from polygateway.config.loading import (
     check_env_names,
     config_error,
     file_layer,
+    override_error,
     read_toml,
     resolve_api_keys,
     value_origin,
@@ -270,7 +271,7 @@ class GatewaySettings(BaseSettings):
             # `from None`: pydantic's own message repeats input values, which may be secrets.
             raise config_error(exc, path, origin) from None
         except SettingsError as exc:
-            raise ConfigError(f"cannot read a POLYGATEWAY_* override: {exc}", path=path) from None
+            raise override_error(exc, path, env_file, settings_cls=GatewaySettings) from None
         key_names = {
             source.api_key_env
             for scope in self.scopes.values()
