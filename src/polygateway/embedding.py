@@ -207,7 +207,16 @@ class _Outcomes:
             batches_failed=self._batches_failed,
         )
         try:
-            self._on_progress(progress)
+            returned: object = self._on_progress(progress)
+            if inspect.isawaitable(returned):
+                # An async callback that looked plain (a lambda returning a coroutine): it
+                # would never run. Closed, so no "never awaited" warning hides the fault.
+                if inspect.iscoroutine(returned):
+                    returned.close()
+                raise TypeError(
+                    "on_progress returned an awaitable: it must be a plain function "
+                    "(hand async work to a task or a queue)"
+                )
         except Exception:
             # The callback is the caller's code (a progress bar, a log line): its bug must
             # not throw away the vectors of a long job. Once with the traceback, then quietly.
@@ -227,7 +236,12 @@ def _check_progress(on_progress: object, scope: str) -> None:
     """Refuse an ``on_progress`` that is not a plain callable: an async one would never run."""
     if on_progress is None:
         return
-    if not callable(on_progress) or inspect.iscoroutinefunction(on_progress):
+    if (
+        not callable(on_progress)
+        or inspect.iscoroutinefunction(on_progress)
+        # An object whose __call__ is async is as async as an async def (3.11 does not say so).
+        or inspect.iscoroutinefunction(type(on_progress).__call__)
+    ):
         raise RequestRejected(
             "on_progress must be a plain (not async) function taking an EmbeddingProgress",
             scope=scope,

@@ -7,7 +7,10 @@ embedding answer the client cannot read is never asked for.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import random
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.config import GatewaySettings
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import RequestRejected
+from polygateway.models import EmbeddingProgress
 from polygateway.testing import FakeClock, FakeTransport, embedding_body
 from polygateway.transport.http import HttpRequest
 from polygateway.transport.params import ChatCheck
@@ -159,3 +163,44 @@ class TestIntegerMinimums:
         """The smallest value each count takes is accepted: the bound is not off by one."""
         params = {"n": 1, "max_tokens": 1, "max_completion_tokens": 1, "top_logprobs": 0}
         assert ChatCheck(["openai"]).complete(MESSAGES, params, "chat") == MESSAGES
+
+
+# --- An async on_progress is refused or caught, never silently dropped ----------------------
+
+
+class TestAsyncProgressCallback:
+    """on_progress must be a plain function; async ones that look plain are still caught."""
+
+    async def test_object_with_async_call_is_rejected_before_any_request(self) -> None:
+        """An instance whose __call__ is async is refused up front, like an async def."""
+
+        class Bar:
+            async def __call__(self, progress: EmbeddingProgress) -> None:
+                """A progress bar written as a coroutine: it would never run."""
+
+        client, transport = embedder()
+        with pytest.raises(RequestRejected, match="on_progress must be a plain"):
+            await client.embed(["a", "b", "c"], on_progress=Bar())  # type: ignore[arg-type]
+        assert transport.requests == []
+
+    async def test_coroutine_returned_by_on_progress_is_closed_and_logged(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A lambda handing back a coroutine: each is closed, one warning says so, vectors kept."""
+        made: list[Coroutine[Any, Any, None]] = []
+
+        async def report(progress: EmbeddingProgress) -> None:
+            """Never awaited by the client."""
+
+        def hand_back(progress: EmbeddingProgress) -> Coroutine[Any, Any, None]:
+            made.append(report(progress))
+            return made[-1]
+
+        client, _ = embedder()
+        with caplog.at_level(logging.WARNING, logger="polygateway.embedding"):
+            result = await client.embed(["a", "b", "c"], on_progress=hand_back)  # type: ignore[arg-type]
+        assert result.vectors == [[0.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
+        assert [inspect.getcoroutinestate(c) for c in made] == [inspect.CORO_CLOSED] * 2
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1
+        assert "on_progress" in warnings[0].getMessage()
