@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
 import pytest
 
+from polygateway.cli import EXIT_CONFIG, main, positive_float
 from polygateway.cli.settings_report import report_lines, setting_rows
 from polygateway.config import GatewaySettings, SourceConfig
 from polygateway.errors import ConfigError
@@ -163,3 +165,23 @@ def test_a_list_override_in_dotenv_that_is_not_json_names_the_dotenv_file(
         ".env",
     )
     assert "JSON" in problem(error)
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "Infinity"])
+def test_a_non_finite_seconds_or_scale_argument_is_refused(text: str) -> None:
+    """``--interval inf`` would never refresh and ``demo --scale inf`` overflows: refused."""
+    with pytest.raises(argparse.ArgumentTypeError, match="finite"):
+        positive_float(text)
+
+
+def test_status_with_an_infinite_interval_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``status --interval inf`` exits 2 with argparse's usage error, before any settings."""
+    assert main(["status", "--interval", "inf", "--config", "absent.toml"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "argument --interval" in err
+    assert "absent.toml" not in err

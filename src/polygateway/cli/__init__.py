@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import traceback
@@ -290,13 +291,13 @@ def _lazy(name: str) -> Handler:
 
 
 def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
+    """An argparse type: a finite number > 0 (inf seconds never pass; an inf scale overflows)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
     return value
 
 
