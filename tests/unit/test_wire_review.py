@@ -13,7 +13,7 @@ from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.models import Usage
+from polygateway.models import ToolCall, Usage
 from polygateway.testing import (
     BoundedSleep,
     FakeClock,
@@ -28,7 +28,19 @@ MESSAGES = [{"role": "user", "content": "What is new in quantum computing?"}]
 
 def _anthropic_chat(clock: FakeClock, script: Any) -> tuple[ChatClient, MemoryBackend]:
     """A chat client with one Anthropic source over a FakeTransport on a fake clock."""
-    settings = gateway_settings({"name": "claude", "protocol": "anthropic"})
+    return _chat(clock, script, {"name": "claude", "protocol": "anthropic"})
+
+
+def _openai_chat(clock: FakeClock, script: Any) -> tuple[ChatClient, MemoryBackend]:
+    """A chat client with one OpenAI source over a FakeTransport on a fake clock."""
+    return _chat(clock, script, {"name": "gpt", "protocol": "openai"})
+
+
+def _chat(
+    clock: FakeClock, script: Any, source: dict[str, Any]
+) -> tuple[ChatClient, MemoryBackend]:
+    """A chat client with the one ``source`` over a FakeTransport on a fake clock."""
+    settings = gateway_settings(source)
     backend = MemoryBackend(now=clock)
     chat = closing(
         ChatClient(
@@ -137,4 +149,52 @@ class TestAnthropicServerTools:
         assert final.tool_calls == ()
         assert final.finish_reason == "stop"
         assert [a.outcome for a in final.attempts] == ["success"]
+        assert (await backend.snapshot("chat")).in_flight == 0
+
+
+# A completion of a GPT-5 model called with a custom (free-form) tool: the tool call carries
+# ``custom: {name, input}`` in place of ``function`` (openai-python's
+# ChatCompletionMessageCustomToolCall), and the input is plain text, not JSON.
+CUSTOM_TOOL_COMPLETION: dict[str, Any] = {
+    "id": "chatcmpl-custom",
+    "object": "chat.completion",
+    "model": "gpt-5",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "tool_calls": [
+                    {
+                        "id": "call_abc",
+                        "type": "custom",
+                        "custom": {"name": "code_exec", "input": "print('hello world')"},
+                    }
+                ],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ],
+    "usage": {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52},
+}
+
+
+class TestOpenAICustomToolCalls:
+    """Custom tools answer with ``custom: {name, input}`` tool calls, not ``function`` ones."""
+
+    async def test_complete_reads_a_custom_tool_call(self) -> None:
+        """A custom tool call is read as the call it is, in one successful attempt."""
+        clock = FakeClock()
+        chat, backend = _openai_chat(clock, [CUSTOM_TOOL_COMPLETION])
+        tools = [{"type": "custom", "custom": {"name": "code_exec"}}]
+        response = await chat.complete(MESSAGES, tools=tools)
+        assert response.tool_calls == (
+            ToolCall(
+                id="call_abc", name="code_exec", arguments="print('hello world')", type="custom"
+            ),
+        )
+        assert response.finish_reason == "tool_calls"
+        assert [a.outcome for a in response.attempts] == ["success"]
         assert (await backend.snapshot("chat")).in_flight == 0

@@ -341,19 +341,12 @@ def _walk_choice(raw_choice: Any, i: int) -> Choice:
     message = req_obj(choice.get("message"), f"choices[{i}].message")
     where = "message" if i == 0 else f"choices[{i}].message"
     text = _content_text(message.get("content"), f"{where}.content")
-    calls = []
-    for j, raw_call in enumerate(req_list(message.get("tool_calls") or [], f"{where}.tool_calls")):
-        what = f"{where}.tool_calls[{j}]"
-        call = req_obj(raw_call, what)
-        function = req_obj(call.get("function"), f"{what}.function")
-        calls.append(
-            ToolCall(
-                id=opt_str(call.get("id"), f"{what}.id") or "",
-                name=req_str(function.get("name"), f"{what}.function.name"),
-                arguments=_arguments(function.get("arguments"), f"{what}.function.arguments"),
-                type=opt_str(call.get("type"), f"{what}.type") or "function",
-            )
+    calls = [
+        _tool_call(raw_call, f"{where}.tool_calls[{j}]")
+        for j, raw_call in enumerate(
+            req_list(message.get("tool_calls") or [], f"{where}.tool_calls")
         )
+    ]
     index = choice.get("index")
     if type(index) is not int:
         # Never read before n > 1 was: a server that numbers its choices oddly is not faulted.
@@ -363,6 +356,34 @@ def _walk_choice(raw_choice: Any, i: int) -> Choice:
         text=text,
         tool_calls=tuple(calls),
         finish_reason=opt_str(choice.get("finish_reason"), f"choices[{i}].finish_reason"),
+    )
+
+
+def _tool_call(raw_call: Any, what: str) -> ToolCall:
+    """One tool call of a completion: a function's, or a custom tool's.
+
+    A custom (free-form) tool's call carries ``custom: {name, input}`` in place
+    of ``function``, its input plain text rather than JSON; it is read with
+    ``type="custom"`` and the input as its ``arguments``, so the caller can
+    answer it and send it back as it came.
+    """
+    call = req_obj(raw_call, what)
+    kind = opt_str(call.get("type"), f"{what}.type") or "function"
+    call_id = opt_str(call.get("id"), f"{what}.id") or ""
+    if kind == "custom":
+        custom = req_obj(call.get("custom"), f"{what}.custom")
+        return ToolCall(
+            id=call_id,
+            name=req_str(custom.get("name"), f"{what}.custom.name"),
+            arguments=opt_str(custom.get("input"), f"{what}.custom.input") or "",
+            type=kind,
+        )
+    function = req_obj(call.get("function"), f"{what}.function")
+    return ToolCall(
+        id=call_id,
+        name=req_str(function.get("name"), f"{what}.function.name"),
+        arguments=_arguments(function.get("arguments"), f"{what}.function.arguments"),
+        type=kind,
     )
 
 
