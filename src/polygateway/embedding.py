@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, overload
@@ -72,6 +73,9 @@ _TASKS_PER_PERMIT: Final = 2
 """Batch tasks alive at once per permit of the scope: enough to keep every permit busy."""
 
 _log = logging.getLogger("polygateway.embedding")
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate code point: never a character on its own."""
 
 ProgressCallback = Callable[[EmbeddingProgress], None]
 """``on_progress``: a plain function; typed to return ``None`` so an ``async def`` is refused."""
@@ -286,6 +290,13 @@ def _check_texts(texts: object, scope: str) -> list[str]:
         if not text:
             # Providers refuse empty input with a 400; no request is worth sending for it.
             raise RequestRejected(f"texts[{index}] is an empty string", scope=scope)
+        if not text.isascii() and _SURROGATE.search(text) is not None:
+            # Left by a decode with errors="surrogateescape": UTF-8 cannot encode it, so its
+            # batch could never be sent. Refused here, before the other batches are paid for.
+            raise RequestRejected(
+                f"texts[{index}] holds a lone surrogate, which UTF-8 JSON cannot carry",
+                scope=scope,
+            )
     return items
 
 
@@ -416,10 +427,11 @@ class EmbeddingClient(GovernedClient):
 
         Raises:
             RequestRejected: a non-list, an empty string, a non-string item, a
-                bad parameter, a non-bool ``partial``, an async ``on_progress`` or a
-                ``deadline_s`` that is not a finite, non-negative number (before any
-                request), or a source answered 400/413/422 to a batch (``.batch``,
-                ``.partial``; not raised with ``partial=True``).
+                text with a lone surrogate, a bad parameter, a non-bool ``partial``,
+                an async ``on_progress`` or a ``deadline_s`` that is not a finite,
+                non-negative number (before any request), or a source answered
+                400/413/422 to a batch (``.batch``, ``.partial``; not raised with
+                ``partial=True``).
             AllSourcesExhausted: the loop gave up on a batch (``.reason``,
                 ``.batch``, ``.partial``; not raised with ``partial=True``).
             GovernanceBackendError: the shared state failed (fail closed): every

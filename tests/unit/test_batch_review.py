@@ -204,3 +204,28 @@ class TestAsyncProgressCallback:
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1
         assert "on_progress" in warnings[0].getMessage()
+
+
+# --- A text JSON cannot carry is refused up front, by its index ------------------------------
+
+
+class TestUnencodableText:
+    """A lone surrogate (a bad decode upstream of the caller) cannot go out as UTF-8 JSON."""
+
+    @pytest.mark.parametrize("partial", [False, True])
+    async def test_lone_surrogate_is_rejected_before_any_batch(self, partial: bool) -> None:
+        """texts[2] with a lone surrogate: RequestRejected naming it, no batch sent at all.
+
+        Not the other batches sent and paid for and then the call failed by one
+        batch refused at the transport, naming only its span.
+        """
+        client, transport = embedder()
+        with pytest.raises(RequestRejected, match=r"texts\[2\] holds a lone surrogate"):
+            await client.embed(["a", "b", "c\udc80d"], partial=partial)
+        assert transport.requests == []
+
+    async def test_non_ascii_text_is_sent(self) -> None:
+        """Any real character, astral ones included, is a text like any other."""
+        client, transport = embedder()
+        await client.embed(["é", "日本", "\U0001f600"])
+        assert [r.json["input"] for r in transport.requests] == [["é", "日本"], ["\U0001f600"]]
