@@ -185,3 +185,29 @@ def test_status_with_an_infinite_interval_is_a_usage_error(
     err = capsys.readouterr().err
     assert "argument --interval" in err
     assert "absent.toml" not in err
+
+
+# --- verify: a boolean or a CA bundle that exists ------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["false", "true", "False", "no"])
+def test_a_quoted_boolean_for_verify_is_refused(tmp_path: Path, text: str) -> None:
+    """``verify = "false"`` would be read as a CA bundle path: refused, saying to unquote it."""
+    error = load_error(settings_file(tmp_path, f'verify = "{text}"\n'))
+    assert error.field == "scopes.chat.sources[0].verify"
+    assert "without quotes" in problem(error)
+
+
+def test_a_verify_path_that_names_no_file_is_refused(tmp_path: Path) -> None:
+    """A CA bundle that is not there fails every call (a raw FileNotFoundError): refused at load."""
+    error = load_error(settings_file(tmp_path, 'verify = "certs/missing-ca.pem"\n'))
+    assert error.field == "scopes.chat.sources[0].verify"
+    assert "certs/missing-ca.pem" in problem(error)
+    assert "no file" in problem(error)
+
+
+def test_a_verify_path_to_an_existing_bundle_is_kept(tmp_path: Path) -> None:
+    """A CA bundle path that names a file loads as written."""
+    (tmp_path / "ca.pem").write_text("not parsed at load\n", encoding="utf-8")
+    settings = GatewaySettings.load(settings_file(tmp_path, 'verify = "ca.pem"\n'), env_file=None)
+    assert settings.scope("chat").sources[0].verify == "ca.pem"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
@@ -52,6 +53,8 @@ _PROTOCOLS_BY_KIND: dict[str, tuple[str, ...]] = {
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HEADER_NAME_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+# A `verify` string that means a boolean, not a CA bundle's path.
+_BOOLEAN_WORDS = frozenset({"true", "false", "yes", "no", "on", "off", "0", "1"})
 
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -230,10 +233,23 @@ class SourceConfig(BaseModel):
     @field_validator("verify", mode="before")
     @classmethod
     def _check_verify(cls, value: object) -> object:
-        """One clear message instead of one error per member of ``bool | str``."""
+        """A boolean, or a CA bundle file that exists; one clear message per mistake.
+
+        A string is a path handed to ``ssl`` on the first call: ``"false"`` or a
+        missing file would fail every call with a raw ``FileNotFoundError``.
+        """
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
+            raise config_problem(
+                f"verify = {value!r} reads as a CA bundle path: write true or false without quotes"
+            )
         if isinstance(value, str) and value:
+            if not Path(value).is_file():
+                raise config_problem(
+                    f"verify names no file: {value!r} is not a CA bundle here (relative paths "
+                    "are read from the current directory)"
+                )
             return value
         raise config_problem("verify must be true, false or the path of a CA bundle")
 
