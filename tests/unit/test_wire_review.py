@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
@@ -21,7 +22,7 @@ from polygateway.testing import (
     StreamScript,
     gateway_settings,
 )
-from polygateway.transport.anthropic import MessagesStreamReader
+from polygateway.transport.anthropic import MessagesStreamReader, messages_request
 
 MESSAGES = [{"role": "user", "content": "What is new in quantum computing?"}]
 
@@ -198,3 +199,58 @@ class TestOpenAICustomToolCalls:
         assert response.finish_reason == "tool_calls"
         assert [a.outcome for a in response.attempts] == ["success"]
         assert (await backend.snapshot("chat")).in_flight == 0
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def _messages_body(**params: Any) -> dict[str, Any]:
+    """The Messages API body an Anthropic source is sent for ``params``."""
+    source = gateway_settings({"name": "claude", "protocol": "anthropic"}).scopes["chat"].sources[0]
+    body: dict[str, Any] = messages_request(
+        source, MESSAGES, params, stream=False, timeout_s=30.0
+    ).json
+    return body
+
+
+class TestAnthropicParallelToolCalls:
+    """``parallel_tool_calls`` in Anthropic's words: ``tool_choice.disable_parallel_tool_use``.
+
+    The Messages API refuses a top-level field it does not know (400 "Extra
+    inputs are not permitted"), so the OpenAI name must never be sent as is.
+    """
+
+    @pytest.mark.parametrize(
+        ("tool_choice", "expected"),
+        [
+            (None, {"type": "auto", "disable_parallel_tool_use": True}),
+            ("auto", {"type": "auto", "disable_parallel_tool_use": True}),
+            ("required", {"type": "any", "disable_parallel_tool_use": True}),
+            (
+                {"type": "function", "function": {"name": "get_weather"}},
+                {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            ),
+            ("none", {"type": "none"}),
+        ],
+    )
+    def test_parallel_tool_calls_false_disables_parallel_tool_use(
+        self, tool_choice: Any, expected: dict[str, Any]
+    ) -> None:
+        """False asks for one tool call at most; tool_choice none takes no such flag."""
+        body = _messages_body(
+            tools=[WEATHER_TOOL], tool_choice=tool_choice, parallel_tool_calls=False
+        )
+        assert "parallel_tool_calls" not in body
+        assert body["tool_choice"] == expected
+
+    def test_parallel_tool_calls_true_or_without_tools_is_not_sent(self) -> None:
+        """True is the Messages API's default, and without tools there is nothing to limit."""
+        allowed = _messages_body(tools=[WEATHER_TOOL], parallel_tool_calls=True)
+        assert "parallel_tool_calls" not in allowed
+        assert "tool_choice" not in allowed
+        toolless = _messages_body(parallel_tool_calls=False)
+        assert "parallel_tool_calls" not in toolless
+        assert "tool_choice" not in toolless

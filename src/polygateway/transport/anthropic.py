@@ -14,6 +14,7 @@ follows the public Messages API reference (``anthropic-version: 2023-06-01``):
 - an assistant's ``tool_calls`` become ``tool_use`` blocks and ``role: "tool"``
   messages a user turn of ``tool_result`` blocks; consecutive turns of one
   role are merged, since the API wants user and assistant turns to alternate;
+- ``parallel_tool_calls=False`` becomes ``tool_choice.disable_parallel_tool_use``;
 - ``max_tokens`` is required by the API: ``DEFAULT_MAX_TOKENS`` when unset;
 - stop reasons are mapped to OpenAI's words (``end_turn`` -> ``stop``, ...),
   usage to prompt (input, cache writes, cache reads) and completion tokens.
@@ -108,6 +109,7 @@ _MAPPED = frozenset(
         "stop",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
         "user",
         "extra_body",
     }
@@ -338,6 +340,19 @@ def _tool_choice(choice: Any, source: str) -> dict[str, Any]:
     return dict(choice)
 
 
+def _disable_parallel_tool_use(body: dict[str, Any]) -> None:
+    """``parallel_tool_calls=False`` in Anthropic's words: a flag on ``tool_choice``.
+
+    The Messages API has no top-level field of that name (it refuses an
+    unknown one); its ``auto``, ``any`` and ``tool`` choices take
+    ``disable_parallel_tool_use``, ``none`` does not (no call to limit). A flag
+    the caller's own Anthropic-shaped choice sets is kept.
+    """
+    choice = body.get("tool_choice") or {"type": "auto"}
+    if choice.get("type") != "none":
+        body["tool_choice"] = {"disable_parallel_tool_use": True, **choice}
+
+
 def _stop_sequences(stop: Any, source: str) -> list[str]:
     """``stop`` (a string or a list of strings) as ``stop_sequences``."""
     if isinstance(stop, str):
@@ -363,7 +378,9 @@ def messages_request(
 
     ``params`` use the OpenAI names: ``max_tokens`` (or
     ``max_completion_tokens``; ``DEFAULT_MAX_TOKENS`` when neither is set),
-    ``stop``, ``tools``, ``tool_choice`` and ``user`` are translated,
+    ``stop``, ``tools``, ``tool_choice``, ``parallel_tool_calls`` (false: at
+    most one tool call, ``_disable_parallel_tool_use``; true is the API's
+    default) and ``user`` are translated,
     ``stream_options`` is dropped (every Anthropic stream reports usage),
     every other parameter (temperature, top_p, top_k, ...) passes through as
     given, and the fields of ``extra_body`` are merged into the top level
@@ -396,6 +413,8 @@ def messages_request(
         body["tools"] = [_tool(tool, f"tools[{i}]", name) for i, tool in enumerate(tools)]
     if (choice := params.get("tool_choice")) is not None:
         body["tool_choice"] = _tool_choice(choice, name)
+    if params.get("parallel_tool_calls") is False and body.get("tools"):
+        _disable_parallel_tool_use(body)
     if (user := params.get("user")) is not None:
         metadata = body.get("metadata")
         body["metadata"] = {**(metadata if isinstance(metadata, Mapping) else {}), "user_id": user}
