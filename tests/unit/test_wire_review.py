@@ -20,9 +20,12 @@ from polygateway.testing import (
     FakeClock,
     FakeTransport,
     StreamScript,
+    WithHeaders,
+    chat_completion,
     gateway_settings,
 )
 from polygateway.transport.anthropic import MessagesStreamReader, messages_request
+from polygateway.transport.hints import ServerHint, read_hint
 
 MESSAGES = [{"role": "user", "content": "What is new in quantum computing?"}]
 
@@ -254,3 +257,22 @@ class TestAnthropicParallelToolCalls:
         toolless = _messages_body(parallel_tool_calls=False)
         assert "parallel_tool_calls" not in toolless
         assert "tool_choice" not in toolless
+
+
+class TestUnreadableLimitHeaders:
+    """A limit header no number can hold is ignored, as any unreadable one is, never a crash."""
+
+    @pytest.mark.parametrize("digits", [400, 5000])
+    def test_a_remaining_count_too_long_to_read_is_ignored(self, digits: int) -> None:
+        """Past a float's range, or past Python's int-from-text limit: the header is skipped."""
+        headers = {"x-ratelimit-remaining-requests": "9" * digits, "retry-after": "2"}
+        assert read_hint(headers, 0.0) == ServerHint(retry_after_s=2.0)
+
+    async def test_an_answer_with_such_a_header_is_still_served(self) -> None:
+        """The answer the header came with reaches the caller."""
+        clock = FakeClock()
+        answer = WithHeaders({"x-ratelimit-remaining-tokens": "9" * 400}, chat_completion("hi"))
+        chat, _ = _openai_chat(clock, [answer])
+        response = await chat.complete(MESSAGES)
+        assert response.text == "hi"
+        assert [a.outcome for a in response.attempts] == ["success"]

@@ -53,6 +53,8 @@ _log = logging.getLogger("polygateway.transport")
 
 _DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 _INTEGER = re.compile(r"\+?\d+")
+_COUNT_DIGITS = 18
+"""The most significant digits of a remaining count; a 64-bit integer holds 18 in full."""
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|h|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
@@ -136,9 +138,14 @@ def parse_reset_time(value: str, now_wall: float) -> float | None:
 
 
 def parse_remaining(value: str) -> int | None:
-    """A count of requests or tokens left: a non-negative integer, else ``None``."""
+    """A count of requests or tokens left: a non-negative integer, else ``None``.
+
+    A count of more than ``_COUNT_DIGITS`` significant digits is none a
+    provider means, and is unreadable: read as it is, it would overflow a
+    float, or (past 4,300 digits) make ``int`` itself raise.
+    """
     text = value.strip()
-    if not _INTEGER.fullmatch(text):
+    if not _INTEGER.fullmatch(text) or len(text.lstrip("+0")) > _COUNT_DIGITS:
         return None
     return int(text)
 
