@@ -211,3 +211,59 @@ def test_a_verify_path_to_an_existing_bundle_is_kept(tmp_path: Path) -> None:
     (tmp_path / "ca.pem").write_text("not parsed at load\n", encoding="utf-8")
     settings = GatewaySettings.load(settings_file(tmp_path, 'verify = "ca.pem"\n'), env_file=None)
     assert settings.scope("chat").sources[0].verify == "ca.pem"
+
+
+# --- numbers of the wrong type ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ("max_concurrency = true", "max_concurrency"),
+        ("priority = false", "priority"),
+        ("rpm = true", "rpm"),
+        ('max_concurrency = "8"', "max_concurrency"),
+        ('timeout_s = "30"', "timeout_s"),
+    ],
+)
+def test_a_source_number_given_as_a_boolean_or_a_string_is_refused(
+    tmp_path: Path, line: str, key: str
+) -> None:
+    """``max_concurrency = true`` is not 1 and ``"8"`` is not 8: TOML types them, so refused."""
+    error = load_error(settings_file(tmp_path, line + "\n"))
+    assert error.field == f"scopes.chat.sources[0].{key}"
+    assert "must be a number" in problem(error)
+
+
+def test_a_gateway_number_given_as_a_boolean_is_refused(tmp_path: Path) -> None:
+    """``max_attempts = true`` in [gateway] is refused, not read as 1 attempt."""
+    path = tmp_path / "polygateway.toml"
+    path.write_text("[gateway]\nmax_attempts = true\n" + ONE_SOURCE, encoding="utf-8")
+    error = load_error(path)
+    assert error.field == "max_attempts"
+    assert "must be a number" in problem(error)
+
+
+def test_a_share_given_as_a_boolean_is_refused(tmp_path: Path) -> None:
+    """A priority class's ``share = true`` is refused, not read as a share of 1."""
+    path = tmp_path / "polygateway.toml"
+    path.write_text(
+        ONE_SOURCE.replace('kind = "chat"', 'kind = "chat"\ndefault_priority_class = "bulk"')
+        + "[scopes.chat.priority_classes.bulk]\nshare = true\n",
+        encoding="utf-8",
+    )
+    error = load_error(path)
+    assert error.field == "scopes.chat.priority_classes.bulk.share"
+    assert "must be a number" in problem(error)
+
+
+def test_whole_floats_and_gateway_numbers_from_the_environment_still_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_batch_size = 64.0`` is 64, and POLYGATEWAY_MAX_ATTEMPTS=2 (a string) is 2."""
+    monkeypatch.setenv("POLYGATEWAY_MAX_ATTEMPTS", "2")
+    settings = GatewaySettings.load(
+        settings_file(tmp_path, "max_batch_size = 64.0\n"), env_file=None
+    )
+    assert settings.max_attempts == 2
+    assert settings.scope("chat").sources[0].max_batch_size == 64

@@ -37,6 +37,7 @@ __all__ = [
     "SourceProtocol",
     "config_problem",
     "key_is_sendable",
+    "typed_number",
 ]
 
 SourceProtocol = Literal["openai", "anthropic", "monkey_ocr", "vision_ocr"]
@@ -64,6 +65,20 @@ _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 def config_problem(message: str, *, at: str = "") -> PydanticCustomError:
     """A validation problem; ``at`` extends the error's location (e.g. ``[1].protocol``)."""
     return PydanticCustomError("polygateway_config", message, {"at": at} if at else None)
+
+
+def typed_number(value: object, *, text: bool = False) -> object:
+    """``value`` unless it is a boolean (or, unless ``text``, a string) where a number is due.
+
+    pydantic would read ``true`` as 1 and ``"8"`` as 8 without a word. TOML and
+    JSON type their numbers, so a string is refused too, except where the
+    value may come from a flat environment variable (``text=True``).
+    """
+    if isinstance(value, bool):
+        raise config_problem(f"must be a number, not {str(value).lower()}")
+    if isinstance(value, str) and not text:
+        raise config_problem("must be a number, not a quoted string: write it without quotes")
+    return value
 
 
 _ENDPOINT_PATHS = ("/chat/completions", "/embeddings", "/messages", "/ocr/text", "/parse")
@@ -147,6 +162,28 @@ class SourceConfig(BaseModel):
     max_batch_size: PositiveInt = 64
     max_batch_tokens: PositiveInt = 8000
     max_upload_bytes: PositiveInt = 20_000_000
+
+    @field_validator(
+        "max_concurrency",
+        "rpm",
+        "rpm_burst",
+        "tpm",
+        "tpm_burst",
+        "timeout_s",
+        "ttft_timeout_s",
+        "stream_idle_timeout_s",
+        "connect_timeout_s",
+        "priority",
+        "weight",
+        "max_batch_size",
+        "max_batch_tokens",
+        "max_upload_bytes",
+        mode="before",
+    )
+    @classmethod
+    def _check_numbers(cls, value: object) -> object:
+        """Numbers typed as numbers (``typed_number``)."""
+        return typed_number(value)
 
     @field_validator("name")
     @classmethod
@@ -311,6 +348,12 @@ class PriorityClassConfig(BaseModel):
 
     share: PositiveFloat
     reserved: int = 0
+
+    @field_validator("share", mode="before")
+    @classmethod
+    def _check_share(cls, value: object) -> object:
+        """A share typed as a number (``typed_number``)."""
+        return typed_number(value)
 
     @field_validator("reserved", mode="before")
     @classmethod

@@ -45,7 +45,7 @@ from polygateway.config.loading import (
     value_origin,
 )
 from polygateway.config.masking import mask_url
-from polygateway.config.models import NAME_RE, ScopeConfig, config_problem
+from polygateway.config.models import NAME_RE, ScopeConfig, config_problem, typed_number
 from polygateway.errors import ConfigError
 
 __all__ = [
@@ -334,6 +334,27 @@ class GatewaySettings(BaseSettings):
             return cls(_env_file=env_file)
         finally:
             _LOADING.reset(token)
+
+    @field_validator(
+        "redis_socket_timeout_s",
+        "redis_replica_acks",
+        "redis_replica_ack_timeout_s",
+        "stall_window_s",
+        "max_attempts",
+        "poll_interval_s",
+        "backoff_base_s",
+        "backoff_cap_s",
+        "breaker_failures",
+        "breaker_cooldown_s",
+        "breaker_cooldown_max_s",
+        "lease_grace_s",
+        "close_grace_s",
+        mode="before",
+    )
+    @classmethod
+    def _check_numbers(cls, value: object) -> object:
+        """Not ``true`` for 1; strings stay, since environment variables are text."""
+        return typed_number(value, text=True)
 
     @field_validator("stall_window_s")
     @classmethod
