@@ -32,7 +32,8 @@ conventions' multimodal operation; ``polygateway.operation`` keeps the
 client's own name. ``gen_ai.response.model`` and
 ``gen_ai.response.finish_reasons`` come from the attempt's record (the
 answer's ``model`` and each choice's finish reason); a call's span takes
-those of the attempt that served it. Never recorded: prompts, completions,
+those of the attempt that served it, and neither a failed attempt's span nor
+the span of a call not served names them. Never recorded: prompts, completions,
 error messages (a provider's error body may quote the prompt) or anything
 of a source's key.
 """
@@ -529,8 +530,9 @@ class OpenTelemetryEmitter:
         served_by = None
         if record.source is not None:
             attrs["polygateway.source"] = record.source
-            # The serving attempt is the call's last.
-            if last is not None and last.source == record.source:
+            # The serving attempt is the call's last; a call not served (a stream cut or
+            # left after its first chunks) has none, so its span names no answer.
+            if not failed and last is not None and last.source == record.source:
                 served_by = last
         _answer_attributes(attrs, served_by, record.prompt_tokens, record.completion_tokens)
         if failed:
@@ -570,7 +572,9 @@ class OpenTelemetryEmitter:
             }
             if record.status_code is not None:
                 attrs["http.response.status_code"] = record.status_code
-            _answer_attributes(attrs, record, record.prompt_tokens, record.completion_tokens)
+            # What a failed attempt read of its answer (a cut stream's model) is no answer.
+            answer = record if record.outcome == "success" else None
+            _answer_attributes(attrs, answer, record.prompt_tokens, record.completion_tokens)
             if record.ttft_s is not None:
                 attrs["polygateway.ttft_s"] = record.ttft_s
             if record.outcome != "success":
