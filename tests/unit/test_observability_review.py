@@ -1,5 +1,5 @@
-"""Observability edges found in review: what spans say of the answer of a failed attempt
-or of a call that was not served."""
+"""Observability edges found in review: what spans say of the answer of a failed attempt or
+of a call that was not served, and which attempt a call with live spans tried last."""
 
 from __future__ import annotations
 
@@ -14,14 +14,18 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from polygateway import OpenTelemetryEmitter
+from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import StreamInterrupted
+from polygateway.middleware.telemetry import AttemptStart, ClientInfo
+from polygateway.models import AttemptRecord, CallRecord
 from polygateway.testing import (
     FakeClock,
     FakeTransport,
     Recorder,
     StreamScript,
     chat_chunk_events,
+    gateway_settings,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -102,3 +106,66 @@ async def test_a_stream_closed_early_names_no_answer_on_its_cancelled_spans(span
     assert [attrs(s)["polygateway.outcome"] for s in finished] == ["cancelled", "cancelled"]
     for span in finished:
         assert not [key for key in ANSWER if key in attrs(span)], span.name
+
+
+# --- live spans: the attempt a call tried last -------------------------------------------------
+
+
+def live_emitter(spans: Spans) -> OpenTelemetryEmitter:
+    """A propagating emitter that knows the failover pair's sources (``big-1``, ``claude-x``)."""
+    emitter = OpenTelemetryEmitter(tracer_provider=spans.provider, propagate=True)
+    settings = gateway_settings(
+        {"name": "primary", "model": "big-1"},
+        {"name": "backup", "protocol": "anthropic", "model": "claude-x"},
+    )
+    sources = settings.scopes["chat"].sources
+    emitter.bind(ClientInfo("chat", "chat", sources, MemoryBackend(), lambda: 0))
+    return emitter
+
+
+def begin(emitter: OpenTelemetryEmitter, source: str, n: int) -> None:
+    """The attempt ``n`` of call ``c1`` begins at ``source``: its live span starts."""
+    hook = emitter.attempt_headers
+    assert hook is not None
+    assert hook(AttemptStart("c1", "chat", "chat.complete", source, n, 0.0))
+
+
+def attempt(source: str, n: int, outcome: str = "transient", **fields: Any) -> AttemptRecord:
+    status = 200 if outcome == "success" else 503
+    return AttemptRecord("c1", "chat", source, n, outcome, status, 0.5, **fields)
+
+
+def call(source: str | None, outcome: Any = "served") -> CallRecord:
+    return CallRecord("c1", "chat", "chat.complete", outcome, 2, source, 2.0, 0.0, 0.0)
+
+
+def test_a_failed_live_call_is_named_for_its_last_attempt_not_one_kept_aside(
+    spans: Spans,
+) -> None:
+    """Attempt 1 had no live span (an SDK installed mid-call), attempt 2 had: named for 2."""
+    emitter = live_emitter(spans)
+    emitter.emit_attempt(attempt("primary", 1))
+    begin(emitter, "backup", 2)
+    emitter.emit_attempt(attempt("backup", 2))
+    emitter.emit_call(call(None, "retry_exhausted"))
+    [call_span] = [s for s in spans.finished() if s.parent is None]
+    assert call_span.name == "chat claude-x"
+    assert attrs(call_span)["gen_ai.request.model"] == "claude-x"
+
+
+def test_a_live_call_served_by_an_attempt_without_a_live_span_names_its_answer(
+    spans: Spans,
+) -> None:
+    """Attempt 1 had a live span, the serving attempt 2 none (its hook failed): 2's answer shows."""
+    emitter = live_emitter(spans)
+    begin(emitter, "primary", 1)
+    emitter.emit_attempt(attempt("primary", 1))
+    served = attempt(
+        "backup", 2, "success", response_model="claude-x-2026", finish_reasons=("stop",)
+    )
+    emitter.emit_attempt(served)
+    emitter.emit_call(call("backup"))
+    [call_span] = [s for s in spans.finished() if s.parent is None]
+    assert call_span.name == "chat claude-x"
+    assert attrs(call_span)["gen_ai.response.model"] == "claude-x-2026"
+    assert attrs(call_span)["gen_ai.response.finish_reasons"] == ("stop",)

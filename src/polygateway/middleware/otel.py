@@ -208,6 +208,21 @@ class _Live:
         self.span.end(end_time=end_ns)
 
 
+def _latest(pending: _Pending | None, live: _Live | None) -> AttemptRecord | None:
+    """The call's last attempt: of those kept without a live span and the live ones, the latest.
+
+    A call's attempts run one after the other, so each list ends with its own
+    latest; which list holds the call's last depends on which attempts had a
+    live span (a hook that failed, an SDK installed mid-call), so their
+    numbers decide.
+    """
+    kept = pending.attempts[-1][0] if pending is not None and pending.attempts else None
+    ended = live.last if live is not None else None
+    if kept is None or (ended is not None and ended.attempt > kept.attempt):
+        return ended
+    return kept
+
+
 class OpenTelemetryEmitter:
     """A CLIENT span per call with one child per attempt, GenAI metrics, and live gauges.
 
@@ -448,10 +463,9 @@ class OpenTelemetryEmitter:
         operation = self._operation(record.operation)
         # The span names the source that served, else the last one tried.
         name = record.source
-        if name is None and pending is not None and pending.attempts:
-            name = pending.attempts[-1][0].source
-        if name is None and live is not None and live.last is not None:
-            name = live.last.source
+        if name is None:
+            last = _latest(pending, live)
+            name = None if last is None else last.source
         shape = self._shape(record.scope, name, operation)
         failed = record.outcome != "served"
         if live is not None:
@@ -505,11 +519,9 @@ class OpenTelemetryEmitter:
         end_ns = time.time_ns()  # the edge: spans are dated by the wall clock
         span = live.span
         if span.is_recording():
-            last = live.last
+            last = _latest(pending, live)
             if pending is not None:
                 self._attempt_spans(pending.attempts, live.context, operation)
-                if last is None and pending.attempts:
-                    last = pending.attempts[-1][0]
             span.update_name(shape.name)
             span.set_attributes(shape.metric)
             self._call_attributes(span, record, last, failed)
