@@ -267,3 +267,24 @@ def test_whole_floats_and_gateway_numbers_from_the_environment_still_load(
     )
     assert settings.max_attempts == 2
     assert settings.scope("chat").sources[0].max_batch_size == 64
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pw-redis-SECRET@10.0.0.5:99999/2",
+        "redis://:pw-redis-SECRET@10.0.0.5:6380/two",
+        "redis://:pw-redis-SECRET@10.0.0.5:6380/2?no_such_option=1",
+    ],
+)
+def test_check_config_refuses_a_redis_url_the_backend_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    """check-config exits 2 for a redis_url every run would refuse, never showing its password."""
+    path = tmp_path / "polygateway.toml"
+    path.write_text(f'[gateway]\nbackend = "redis"\nredis_url = "{url}"\n{ONE_SOURCE}')
+    assert main(["check-config", "--config", str(path), "--no-env-file"]) == EXIT_CONFIG
+    captured = capsys.readouterr()
+    assert "field 'redis_url'" in captured.err
+    assert str(path) in captured.err
+    assert "pw-redis-SECRET" not in captured.out + captured.err

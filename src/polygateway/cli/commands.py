@@ -24,7 +24,8 @@ from polygateway.cli import EXIT_INTERRUPTED, jobs, render
 from polygateway.cli.render import CliError
 from polygateway.cli.settings_report import origins_json, report_lines, setting_rows
 from polygateway.config import GatewaySettings
-from polygateway.config.loading import file_layer, read_toml
+from polygateway.config.loading import file_layer, read_toml, value_origin
+from polygateway.config.masking import scrub, url_secrets
 from polygateway.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ def check_config(args: argparse.Namespace) -> int:
         field, _ = missing[0]
         problems = "; ".join(problem for _, problem in missing)
         raise ConfigError(problems, field=field, path=str(args.config))
+    if settings.backend == "redis":
+        _check_redis_url(settings, args)
     summary = render.settings_summary(settings)
     n_sources = sum(len(scope["sources"]) for scope in summary["scopes"].values())
     verdict = f"ok: {args.config} is valid ({len(summary['scopes'])} scopes, {n_sources} sources)"
@@ -113,6 +116,30 @@ def check_config(args: argparse.Namespace) -> int:
         print("no scopes configured")
     print(verdict)
     return 0
+
+
+def _check_redis_url(settings: GatewaySettings, args: argparse.Namespace) -> None:
+    """Refuse a ``redis_url`` the backend refuses (port, database, options), as every run would.
+
+    The settings check its scheme only (they cannot import the backend); without
+    this, ``check-config`` would call "ok" a URL every command then refuses.
+    """
+    from polygateway.backends.redis.endpoint import Endpoint
+
+    url = settings.get_redis_url()
+    try:
+        Endpoint.from_url(url, connect_timeout_s=settings.redis_socket_timeout_s)
+    except ValueError as exc:
+        env_file = None if args.no_env_file else args.env_file
+        path, env = value_origin(
+            "redis_url", str(args.config), env_file, settings_cls=GatewaySettings
+        )
+        raise ConfigError(
+            f"invalid redis url {settings.redis_url_masked}: {scrub(str(exc), url_secrets(url))}",
+            field="redis_url",
+            path=path,
+            env=env,
+        ) from None
 
 
 # -- status ------------------------------------------------------------------------------
