@@ -14,7 +14,8 @@ from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.models import ToolCall, Usage
+from polygateway.errors import StreamInterrupted
+from polygateway.models import ChatChunk, ToolCall, Usage
 from polygateway.testing import (
     BoundedSleep,
     FakeClock,
@@ -276,3 +277,55 @@ class TestUnreadableLimitHeaders:
         response = await chat.complete(MESSAGES)
         assert response.text == "hi"
         assert [a.outcome for a in response.attempts] == ["success"]
+
+
+def _openai_chunk(content: str, finish_reason: str | None) -> dict[str, Any]:
+    """An OpenAI-compatible chunk of ``content`` with the given ``finish_reason``."""
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "model": "mistral:latest",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish_reason}],
+    }
+
+
+async def _read_stream(chat: ChatClient, into: list[ChatChunk]) -> None:
+    """Stream ``MESSAGES`` from ``chat``, appending each chunk to ``into`` as it comes."""
+    async with chat.stream(MESSAGES) as stream:
+        async for chunk in stream:
+            into.append(chunk)
+
+
+class TestEmptyFinishReason:
+    """An empty ``finish_reason`` (older Ollama sends ``""`` on every chunk) is no finish reason."""
+
+    async def test_stream_cut_after_empty_finish_reasons_is_interrupted(self) -> None:
+        """A stream cut before its real finish is a failure, not a whole answer."""
+        clock = FakeClock()
+        events = [_openai_chunk("Hello", ""), _openai_chunk(" there", "")]
+        chat, backend = _openai_chat(clock, [StreamScript(events, done=False)])
+        chunks: list[ChatChunk] = []
+        with pytest.raises(StreamInterrupted):
+            await _read_stream(chat, chunks)
+        assert [c.text for c in chunks] == ["Hello", " there"]
+        assert [c.finish_reason for c in chunks] == [None, None]
+        assert (await backend.snapshot("chat")).in_flight == 0
+
+    async def test_stream_ends_on_its_real_finish_reason(self) -> None:
+        """The chunk with a real reason finishes the answer, whatever came before."""
+        clock = FakeClock()
+        events = [_openai_chunk("Hello", ""), _openai_chunk("", "stop")]
+        chat, _ = _openai_chat(clock, [StreamScript(events)])
+        async with chat.stream(MESSAGES) as stream:
+            chunks = [c async for c in stream]
+            final = await stream.response()
+        assert [c.finish_reason for c in chunks] == [None, "stop"]
+        assert final.finish_reason == "stop"
+
+    async def test_completion_with_an_empty_finish_reason_has_none(self) -> None:
+        """complete() reads an empty reason as a stream's response() does: as none."""
+        clock = FakeClock()
+        chat, _ = _openai_chat(clock, [chat_completion("hi", finish_reason="")])
+        response = await chat.complete(MESSAGES)
+        assert response.finish_reason is None
+        assert response.choices[0].finish_reason is None

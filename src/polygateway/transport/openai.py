@@ -279,7 +279,8 @@ def parse_chat_response(body: Any) -> ParsedChat:
     here. Every check is exact (``type(x) is dict``), so whatever it accepts
     the generic walk (``_walk_chat_response``) reads to the same result;
     anything else, odd or wrong or ``n > 1``, goes to the walk, which accepts
-    the variations or names the fault. A speed trick kept for the target
+    the variations or names the fault. An empty ``finish_reason`` is none, as
+    in a streamed chunk (``parse_chat_chunk``). A speed trick kept for the target
     "memory backend on aiohttp, c1: <= 1.3x raw aiohttp" (research-wiki/designs/speed-tricks.md).
     """
     if type(body) is not dict or body.get("error") is not None:
@@ -307,6 +308,7 @@ def parse_chat_response(body: Any) -> ParsedChat:
     if usage is None:
         return _walk_chat_response(body)
     text = content or ""
+    finish = finish or None
     return ParsedChat(text, finish, (), usage, body, (Choice(index, text, (), finish),))
 
 
@@ -355,7 +357,7 @@ def _walk_choice(raw_choice: Any, i: int) -> Choice:
         index=index,
         text=text,
         tool_calls=tuple(calls),
-        finish_reason=opt_str(choice.get("finish_reason"), f"choices[{i}].finish_reason"),
+        finish_reason=opt_str(choice.get("finish_reason"), f"choices[{i}].finish_reason") or None,
     )
 
 
@@ -393,7 +395,10 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     ``source`` is set on the chunk as it is built: copying every chunk
     afterwards to add it (``dataclasses.replace``) was a per-chunk cost.
     The usage-only chunk that ``include_usage`` adds has empty ``choices``.
-    An in-band error event is a transient failure.
+    An empty ``finish_reason`` (older Ollama sends ``""`` on every chunk) is
+    none, as ``chunk_has_content`` reads it: taken for a finish, it would make
+    a stream cut after it look whole. An in-band error event is a transient
+    failure.
 
     The common chunk (a text delta, no tool calls) is read directly here,
     with exact checks as in ``parse_chat_response``, inline because it runs
@@ -423,7 +428,7 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     ):
         return _walk_chat_chunk(event, source)
     # Every field, in order (text, tool_calls, finish_reason, source, usage): one per chunk.
-    return ChatChunk(content or "", (), finish, source, usage)
+    return ChatChunk(content or "", (), finish or None, source, usage)
 
 
 def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
@@ -459,7 +464,7 @@ def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
     return ChatChunk(
         text=_content_text(delta.get("content"), "delta.content"),
         tool_calls=tuple(deltas),
-        finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason"),
+        finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason") or None,
         source=source,
         usage=usage,
     )
