@@ -288,3 +288,32 @@ def test_check_config_refuses_a_redis_url_the_backend_cannot_use(
     assert "field 'redis_url'" in captured.err
     assert str(path) in captured.err
     assert "pw-redis-SECRET" not in captured.out + captured.err
+
+
+# --- proxy: a URL every call can use ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("proxy", "says"),
+    [
+        ("http://", "no host"),
+        ("http://:pw-proxy-SECRET@proxy.internal:99999", "port"),
+        ("http://u:pw-proxy-SECRET@proxy.internal:port", "port"),
+        ("http://proxy internal:3128", "whitespace"),
+    ],
+)
+def test_a_malformed_proxy_is_refused_without_its_password(
+    tmp_path: Path, proxy: str, says: str
+) -> None:
+    """A proxy no call can use (each would fail as a connect error) is refused at load."""
+    error = load_error(settings_file(tmp_path, f'proxy = "{proxy}"\n'))
+    assert error.field == "scopes.chat.sources[0].proxy"
+    assert says in problem(error)
+    assert "pw-proxy-SECRET" not in str(error)
+
+
+def test_a_usable_proxy_is_kept(tmp_path: Path) -> None:
+    """A proxy with a host, a port and credentials loads as written."""
+    proxy = "http://u:pw@proxy.internal:3128"
+    path = settings_file(tmp_path, f'proxy = "{proxy}"\n')
+    assert GatewaySettings.load(path, env_file=None).scope("chat").sources[0].proxy == proxy

@@ -293,9 +293,27 @@ class SourceConfig(BaseModel):
     @field_validator("proxy")
     @classmethod
     def _check_proxy(cls, value: str) -> str:
-        """An empty proxy means none; otherwise it must be a URL the HTTP clients understand."""
-        if value and not value.startswith(("http://", "https://", "socks5://", "socks5h://")):
+        """An empty proxy means none; otherwise a URL with a host and a port in 1-65535.
+
+        A proxy no connection can use would fail every call as a connect error
+        (charged, tripping the breaker): refused here, once. Messages never
+        repeat the URL (it may hold a password).
+        """
+        if not value:
+            return value
+        if not value.startswith(("http://", "https://", "socks5://", "socks5h://")):
             raise config_problem("proxy must be empty or start with http://, https:// or socks5://")
+        if any(char.isspace() for char in value):
+            raise config_problem("proxy must not contain spaces or other whitespace")
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError:
+            raise config_problem("proxy has a port outside 1-65535 or a malformed host") from None
+        if not parts.hostname:
+            raise config_problem("proxy has no host (http://[USER:PASSWORD@]HOST:PORT)")
+        if port == 0:
+            raise config_problem("proxy has a port outside 1-65535")
         return value
 
     @model_validator(mode="after")
