@@ -317,3 +317,37 @@ def test_a_usable_proxy_is_kept(tmp_path: Path) -> None:
     proxy = "http://u:pw@proxy.internal:3128"
     path = settings_file(tmp_path, f'proxy = "{proxy}"\n')
     assert GatewaySettings.load(path, env_file=None).scope("chat").sources[0].proxy == proxy
+
+
+# --- Sentinels: host:port, never a URL with credentials -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sentinel",
+    ["redis://:pw-sentinel-SECRET@s1.internal", "redis://:pw-sentinel-SECRET@s1.internal:26379"],
+)
+def test_a_sentinel_written_as_a_url_is_refused_without_its_password(sentinel: str) -> None:
+    """A Sentinel given as a URL with a password is refused, and the password is not repeated."""
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings(
+            _env_file=None,
+            redis_mode="sentinel",
+            redis_sentinels=[sentinel],
+            redis_sentinel_master="mymaster",
+        )
+    assert info.value.field == "redis_sentinels"
+    assert "redis_sentinel_password" in problem(info.value)
+    assert "pw-sentinel-SECRET" not in str(info.value)
+    assert "pw-sentinel-SECRET" not in repr(info.value)
+
+
+def test_a_sentinel_host_with_a_space_is_refused() -> None:
+    """``"s1 internal:26379"`` names no host a connection can reach: refused at load."""
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings(
+            _env_file=None,
+            redis_mode="sentinel",
+            redis_sentinels=["s1 internal:26379"],
+            redis_sentinel_master="mymaster",
+        )
+    assert info.value.field == "redis_sentinels"

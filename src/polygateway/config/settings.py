@@ -65,7 +65,18 @@ RedisMode = Literal["standalone", "cluster", "sentinel"]
 
 
 def sentinel_address(value: str) -> tuple[str, int]:
-    """A Sentinel's ``host:port`` (``[v6]:port``) as ``(host, port)``; else ``ValueError``."""
+    """A Sentinel's ``host:port`` (``[v6]:port``) as ``(host, port)``; else ``ValueError``.
+
+    A URL is refused without being repeated: its user part may be a password.
+    """
+    if "@" in value or "/" in value:
+        raise ValueError(
+            "a Sentinel is host:port, not a URL (the entry is not shown: it may hold a "
+            "password); the Sentinels' credentials go in redis_sentinel_password and "
+            "redis_sentinel_username"
+        )
+    if any(char.isspace() for char in value.strip()):
+        raise ValueError(f"a Sentinel's host:port has no spaces, unlike {value!r}")
     host, colon, port = value.strip().rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
