@@ -1,30 +1,46 @@
 """Observability edges found in review: what spans say of the answer of a failed attempt or
-of a call that was not served, and which attempt a call with live spans tried last."""
+of a call that was not served, which attempt a call with live spans tried last, and the
+OpenTelemetry gauges of a client built outside any event loop."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import random
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from _closing import closing
 from _failover_chat import failover_chat
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from polygateway import OpenTelemetryEmitter
+from polygateway.backends.base import (
+    AcquireResult,
+    AttemptOutcome,
+    Lease,
+    ReleaseListener,
+    ScopeSnapshot,
+    SourceSpec,
+)
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import StreamInterrupted
 from polygateway.middleware.telemetry import AttemptStart, ClientInfo
 from polygateway.models import AttemptRecord, CallRecord
 from polygateway.testing import (
+    BoundedSleep,
     FakeClock,
     FakeTransport,
     Recorder,
     StreamScript,
     chat_chunk_events,
+    chat_completion,
     gateway_settings,
 )
 
@@ -169,3 +185,91 @@ def test_a_live_call_served_by_an_attempt_without_a_live_span_names_its_answer(
     assert call_span.name == "chat claude-x"
     assert attrs(call_span)["gen_ai.response.model"] == "claude-x-2026"
     assert attrs(call_span)["gen_ai.response.finish_reasons"] == ("stop",)
+
+
+# --- the gauges of a client built outside any loop ---------------------------------------------
+
+
+class AsyncOnly:
+    """A backend with no synchronous read, as the Redis backend: its snapshot must be awaited."""
+
+    __slots__ = ("__weakref__", "inner")
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        self.inner = inner
+
+    async def acquire(
+        self,
+        scope: str,
+        candidates: Sequence[SourceSpec],
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+        priority_class: str = "",
+    ) -> AcquireResult:
+        return await self.inner.acquire(
+            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
+        )
+
+    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
+        await self.inner.release(lease, outcome)
+
+    async def renew(self, lease: Lease) -> bool:
+        return await self.inner.renew(lease)
+
+    async def progress_age_s(self, scope: str) -> float:
+        return await self.inner.progress_age_s(scope)
+
+    async def snapshot(self, scope: str) -> ScopeSnapshot:
+        await asyncio.sleep(0)  # suspends, as a network read does
+        return await self.inner.snapshot(scope)
+
+    def on_release(self, scope: str, listener: ReleaseListener) -> None:
+        self.inner.on_release(scope, listener)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def limits(reader: InMemoryMetricReader) -> dict[str, float]:
+    """The ``polygateway.source.limit`` points collected now, by source."""
+    data = reader.get_metrics_data()
+    points: list[Any] = [
+        point
+        for resource in (data.resource_metrics if data is not None else ())
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "polygateway.source.limit"
+        for point in metric.data.data_points
+    ]
+    return {str(point.attributes["polygateway.source"]): point.value for point in points}
+
+
+async def test_otel_gauges_of_a_client_built_outside_any_loop_read_it_after_its_first_call() -> (
+    None
+):
+    """Built in a thread without a loop, the client's loop is learnt from its first call."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    clock = FakeClock()
+
+    def build() -> ChatClient:
+        return closing(
+            ChatClient(
+                gateway_settings({"name": "primary", "max_concurrency": 4}),
+                backend=AsyncOnly(MemoryBackend(now=clock)),
+                transport=FakeTransport([chat_completion("ok")], clock=clock),
+                now=clock,
+                sleep=BoundedSleep(clock),
+                rng=random.Random(3),
+                emitter=OpenTelemetryEmitter(meter_provider=provider),
+            )
+        )
+
+    try:
+        chat = await asyncio.to_thread(build)
+        assert await asyncio.to_thread(limits, reader) == {}  # no loop known: nothing to read
+        await chat.complete(MESSAGES)
+        assert await asyncio.to_thread(limits, reader) == {"primary": 4}
+    finally:
+        provider.shutdown()

@@ -457,7 +457,12 @@ class OpenTelemetryEmitter:
             self._ttfc.record(record.ttft_s, shape.metric)
 
     def emit_call(self, record: CallRecord) -> None:
-        """The call's span, its attempts' spans beneath it, and the call's metrics."""
+        """The call's span, its attempts' spans beneath it, and the call's metrics.
+
+        Like ``PrometheusEmitter``'s, the gauges of a client built outside any
+        event loop learn its loop here, from its first call: without it a
+        backend that must be awaited (Redis) would never be read.
+        """
         pending = self._pending.pop(record.call_id, None) if self._pending else None
         live = self._live.pop(record.call_id, None) if self._live else None
         operation = self._operation(record.operation)
@@ -480,6 +485,8 @@ class OpenTelemetryEmitter:
         if record.completion_tokens:
             tokens = shape.output if not failed else {**shape.output, "error.type": record.outcome}
             self._token_usage.record(record.completion_tokens, tokens)
+        if self._reader.loopless:  # a client built outside a loop: its loop is this one
+            self._reader.adopt_loop(record.scope)
 
     def _call_span(
         self,
