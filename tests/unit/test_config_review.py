@@ -351,3 +351,25 @@ def test_a_sentinel_host_with_a_space_is_refused() -> None:
             redis_sentinel_master="mymaster",
         )
     assert info.value.field == "redis_sentinels"
+
+
+# --- override variables that set nothing ---------------------------------------------------
+
+
+def test_a_nested_variable_under_a_plain_setting_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POLYGATEWAY_MAX_ATTEMPTS__X=5`` sets nothing (not a table): refused, not ignored."""
+    monkeypatch.setenv("POLYGATEWAY_MAX_ATTEMPTS__X", "5")
+    error = load_error(settings_file(tmp_path))
+    assert error.env == "POLYGATEWAY_MAX_ATTEMPTS__X"
+    assert "POLYGATEWAY_MAX_ATTEMPTS" in problem(error)
+
+
+def test_a_nested_variable_under_scopes_still_sets_a_scope_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POLYGATEWAY_SCOPES__CHAT__EXEMPT_429=false`` still reaches the scope's key."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES__CHAT__EXEMPT_429", "false")
+    settings = GatewaySettings.load(settings_file(tmp_path), env_file=None)
+    assert settings.scope("chat").exempt_429 is False

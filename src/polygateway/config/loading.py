@@ -178,13 +178,17 @@ def check_env_names(
     env_file: Any,
     *,
     settings_cls: type[BaseSettings],
+    tables: Collection[str] = (),
 ) -> None:
     """Refuse a ``POLYGATEWAY_*`` variable (environment or ``.env``) that sets no setting.
 
     A misspelt override would otherwise be ignored without a word, and the
     default used instead. Variables an ``api_key_env`` names are keys, not settings.
+    Only the ``tables`` fields take nested keys (``POLYGATEWAY_SCOPES__CHAT__KIND``):
+    ``POLYGATEWAY_MAX_ATTEMPTS__X`` sets nothing, so it is refused too.
     """
     known = sorted(f"{ENV_PREFIX}{field.upper()}" for field in fields)
+    nestable = {f"{ENV_PREFIX}{field.upper()}" for field in tables}
     layers: tuple[tuple[str | None, Collection[str]], ...] = (
         (None, tuple(os.environ)),
         (_env_file_shown(env_file), tuple(_read_dotenv(env_file, settings_cls))),
@@ -194,8 +198,16 @@ def check_env_names(
             upper = name.upper()
             if not upper.startswith(ENV_PREFIX) or name in key_names:
                 continue
-            if upper.split("__", 1)[0] in known:
+            head, nested, _ = upper.partition("__")
+            if head in known and (not nested or head in nestable):
                 continue
+            if head in known:
+                raise ConfigError(
+                    f"unknown setting variable {name}: {head} is a single value, which takes "
+                    f"no __ keys; did you mean {head}?",
+                    path=shown,
+                    env=name,
+                )
             close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else f"the settings are {', '.join(known)}"
             raise ConfigError(f"unknown setting variable {name}: {hint}", path=shown, env=name)

@@ -289,7 +289,13 @@ class GatewaySettings(BaseSettings):
             for source in scope.sources
             if source.api_key_env is not None
         }
-        check_env_names(type(self).model_fields, key_names, env_file, settings_cls=GatewaySettings)
+        check_env_names(
+            type(self).model_fields,
+            key_names,
+            env_file,
+            settings_cls=GatewaySettings,
+            tables=("scopes",),
+        )
         self._check_stall_covers_ttft(origin("stall_window_s"))
         self._check_redis_topology(origin)
         self._check_replica_acks(origin)
