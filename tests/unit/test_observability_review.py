@@ -1,14 +1,16 @@
 """Observability edges found in review: what spans say of the answer of a failed attempt or
 of a call that was not served, which attempt a call with live spans tried last, and the
-OpenTelemetry gauges of a client built outside any event loop."""
+gauges of a client built outside any event loop or of a backend whose read fails on the loop."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import prometheus_client
 import pytest
 from _closing import closing
 from _failover_chat import failover_chat
@@ -18,6 +20,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from polygateway import OpenTelemetryEmitter
 from polygateway.backends.base import (
@@ -31,6 +36,7 @@ from polygateway.backends.base import (
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import StreamInterrupted
+from polygateway.middleware.gauges import LiveGauges
 from polygateway.middleware.telemetry import AttemptStart, ClientInfo
 from polygateway.models import AttemptRecord, CallRecord
 from polygateway.testing import (
@@ -42,6 +48,7 @@ from polygateway.testing import (
     chat_chunk_events,
     chat_completion,
     gateway_settings,
+    settle,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -191,12 +198,16 @@ def test_a_live_call_served_by_an_attempt_without_a_live_span_names_its_answer(
 
 
 class AsyncOnly:
-    """A backend with no synchronous read, as the Redis backend: its snapshot must be awaited."""
+    """A backend with no synchronous read, as the Redis backend: its snapshot must be awaited.
 
-    __slots__ = ("__weakref__", "inner")
+    ``error`` fails its snapshots.
+    """
+
+    __slots__ = ("__weakref__", "error", "inner")
 
     def __init__(self, inner: MemoryBackend) -> None:
         self.inner = inner
+        self.error: Exception | None = None
 
     async def acquire(
         self,
@@ -222,6 +233,8 @@ class AsyncOnly:
 
     async def snapshot(self, scope: str) -> ScopeSnapshot:
         await asyncio.sleep(0)  # suspends, as a network read does
+        if self.error is not None:
+            raise self.error
         return await self.inner.snapshot(scope)
 
     def on_release(self, scope: str, listener: ReleaseListener) -> None:
@@ -273,3 +286,43 @@ async def test_otel_gauges_of_a_client_built_outside_any_loop_read_it_after_its_
         assert await asyncio.to_thread(limits, reader) == {"primary": 4}
     finally:
         provider.shutdown()
+
+
+def limit_sample(registry: CollectorRegistry) -> float | None:
+    """``polygateway_source_limit`` of the chat scope's ``primary`` source, scraped now."""
+    text = generate_latest(registry).decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "polygateway_source_limit":
+                return sample.value
+    return None
+
+
+async def test_a_refresh_on_the_loop_failing_from_a_bug_withdraws_the_snapshot_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Scraped on the loop, a read that raises a bug is no stale reading, and is logged."""
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    gauges = LiveGauges(prometheus_client, now=clock)
+    registry.register(gauges)
+    backend = AsyncOnly(MemoryBackend(now=clock))
+    await backend.acquire("chat", [SourceSpec("primary", 4)], ttl_s=60.0)
+    settings = gateway_settings({"name": "primary", "max_concurrency": 4})
+    gauges.bind(ClientInfo("chat", "chat", settings.scope("chat").sources, backend, lambda: 0))
+    limit_sample(registry)  # starts the first refresh
+    await settle()
+    assert limit_sample(registry) == 4.0
+    await settle()
+    backend.error = RuntimeError("a bug in a backend")
+    with caplog.at_level(logging.DEBUG, logger="polygateway"):
+        limit_sample(registry)  # the latest snapshot; its refresh fails
+        await settle()
+        assert limit_sample(registry) is None
+        await settle()
+    assert any(
+        record.levelno == logging.WARNING
+        and record.getMessage()
+        == "live gauges of scope chat: refresh failed: RuntimeError('a bug in a backend')"
+        for record in caplog.records
+    ), caplog.messages

@@ -271,6 +271,9 @@ class LiveReader:
             except GatewayError as exc:
                 binding.latest = None  # stale state would read as live: show nothing instead
                 _log.debug("live gauges of scope %s: refresh failed: %r", scope, exc)
+            except Exception as exc:  # a bug: nobody awaits this refresh to hear of it
+                binding.latest = None
+                _log.warning("live gauges of scope %s: refresh failed: %r", scope, exc)
 
         coro = refresh()
         try:
