@@ -8,9 +8,6 @@ into observable gauges at every collection. Nothing runs
 between scrapes, and every value is the backend's, not a count this process
 kept. A memory backend describes this process; a Redis backend, the fleet.
 The exceptions are the scope's waiting room, which is per process: calls
-between scrapes, and every value is the backend's, not a count this process
-kept. A memory backend describes this process; a Redis backend, the fleet.
-The exceptions are the scope's waiting room, which is per process: calls
 waiting (in all, and per priority class) and permits in use per class
 (``ClientInfo.by_class``) are this process's on every backend.
 research-wiki/guides/observability.md lists the metrics and their units.
