@@ -373,3 +373,19 @@ def test_a_nested_variable_under_scopes_still_sets_a_scope_key(
     monkeypatch.setenv("POLYGATEWAY_SCOPES__CHAT__EXEMPT_429", "false")
     settings = GatewaySettings.load(settings_file(tmp_path), env_file=None)
     assert settings.scope("chat").exempt_429 is False
+
+
+# --- contradictory limits ---------------------------------------------------------------------
+
+
+def test_an_rpm_burst_below_one_request_is_refused(tmp_path: Path) -> None:
+    """``rpm_burst = 0.5`` could never hold the one token a request takes: refused at load."""
+    error = load_error(settings_file(tmp_path, "rpm = 60\nrpm_burst = 0.5\n"))
+    assert error.field == "scopes.chat.sources[0].rpm_burst"
+    assert "at least 1" in problem(error)
+
+
+def test_an_rpm_burst_of_one_request_is_accepted(tmp_path: Path) -> None:
+    """``rpm_burst = 1`` admits one request at a time: a strict pace, but a usable one."""
+    path = settings_file(tmp_path, "rpm = 60\nrpm_burst = 1\n")
+    assert GatewaySettings.load(path, env_file=None).scope("chat").sources[0].rpm_burst == 1

@@ -318,9 +318,19 @@ class SourceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_bursts(self) -> Self:
-        """A burst without its rate limits nothing: most likely the rate was forgotten."""
+        """A burst without its rate limits nothing: most likely the rate was forgotten.
+
+        An rpm burst below 1 could never hold the one token a request takes, so
+        the source would never run (a tpm take is capped at its burst instead).
+        """
         if self.rpm_burst is not None and self.rpm is None:
             raise config_problem("rpm_burst is set without rpm", at=".rpm_burst")
+        if self.rpm_burst is not None and self.rpm_burst < 1:
+            raise config_problem(
+                f"rpm_burst ({self.rpm_burst:g}) must be at least 1: a request takes one whole "
+                "token, which a smaller bucket never holds",
+                at=".rpm_burst",
+            )
         if self.tpm_burst is not None and self.tpm is None:
             raise config_problem("tpm_burst is set without tpm", at=".tpm_burst")
         return self
