@@ -389,3 +389,34 @@ def test_an_rpm_burst_of_one_request_is_accepted(tmp_path: Path) -> None:
     """``rpm_burst = 1`` admits one request at a time: a strict pace, but a usable one."""
     path = settings_file(tmp_path, "rpm = 60\nrpm_burst = 1\n")
     assert GatewaySettings.load(path, env_file=None).scope("chat").sources[0].rpm_burst == 1
+
+
+# --- a key pasted where a variable's name goes ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pasted",
+    ["a3f9c2e17b6d4e0f9a8b7c6d5e4f3a2b", "AIzaSyD4x9Kq2Lm7Np3Rs8Tu1Vw6Xy0Zb5Cd"],
+)
+def test_a_key_that_is_also_a_valid_variable_name_is_refused_without_echoing_it(
+    tmp_path: Path, pasted: str
+) -> None:
+    """An Azure-style hex key pasted into api_key_env is refused, and never shown."""
+    error = load_error(settings_file(tmp_path, f'api_key_env = "{pasted}"\n'))
+    assert error.field == "scopes.chat.sources[0].api_key_env"
+    assert pasted not in str(error)
+    assert pasted not in repr(error)
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "AZURE_OPENAI_KEY_2", "my_service_api_key_v2"])
+def test_an_ordinary_variable_name_is_still_looked_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Ordinary names, lower case or with a digit, are read from the environment as before."""
+    monkeypatch.setenv(name, "sk-some-key")
+    settings = GatewaySettings.load(
+        settings_file(tmp_path, f'api_key_env = "{name}"\n'), env_file=None
+    )
+    key = settings.scope("chat").sources[0].api_key
+    assert key is not None
+    assert key.get_secret_value() == "sk-some-key"

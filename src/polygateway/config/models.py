@@ -116,6 +116,21 @@ def check_base_url(value: str) -> str:
     return value
 
 
+def _looks_like_key(name: str) -> bool:
+    """Whether a valid variable name is more likely a pasted key (an Azure hex key, say).
+
+    Twenty characters or more, no ``_`` between words, lower case and several
+    digits mixed in: how keys are written, not how anyone names a variable.
+    Such a name would otherwise be echoed by "variable ... is not set".
+    """
+    return (
+        len(name) >= 20
+        and "_" not in name
+        and any(char.islower() for char in name)
+        and sum(char.isdigit() for char in name) >= 3
+    )
+
+
 UNSENDABLE_KEY = (
     "holds characters an HTTP header cannot carry (non-ASCII, such as a typographic quote, "
     "or control characters); the value is not shown"
@@ -206,7 +221,7 @@ class SourceConfig(BaseModel):
     @classmethod
     def _check_api_key_env(cls, value: str | None) -> str | None:
         """A variable name, not a key: the value is not echoed in case a key was pasted here."""
-        if value is not None and not _ENV_NAME_RE.match(value):
+        if value is not None and (not _ENV_NAME_RE.match(value) or _looks_like_key(value)):
             raise config_problem(
                 "api_key_env must be the NAME of an environment variable "
                 "(letters, digits and '_'), not the key itself"
