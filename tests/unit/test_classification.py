@@ -15,7 +15,7 @@ from _closing import closing
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.errors import RequestRejected
+from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.middleware.classify import FAILURE_TABLE, verdict_for
 from polygateway.testing import (
     BoundedSleep,
@@ -87,7 +87,7 @@ class TestTable:
         assert verdict.outcome.aimd_decrease is decrease
         assert verdict.charged is True
 
-    @pytest.mark.parametrize("status", [401, 403, 404])
+    @pytest.mark.parametrize("status", [401, 402, 403, 404])
     def test_auth_and_not_found_mean_the_source_is_misconfigured(self, status: int) -> None:
         """401/403/404: source_misconfigured (breaker trips long), charged, no AIMD step."""
         verdict = verdict_for(TransientError(status_code=status), exempt_429=True)
@@ -275,6 +275,89 @@ class TestThroughHttpx:
             a = await state_of_a(backend)
             assert a.breaker == "open"
             assert a.reopen_in_s == pytest.approx(300, abs=1.0)  # minus the back-off before b
+
+    async def test_429_insufficient_quota_means_the_source_is_misconfigured(self) -> None:
+        """OpenAI's out-of-credit 429 is no pace: a trips long, b serves at once, AIMD untouched.
+
+        Waiting does not help an account with no credit, so pacing it (and, with one
+        source, waiting out the stall budget) would only delay the failure.
+        """
+        body = {
+            "error": {
+                "message": "You exceeded your current quota, please check your plan and "
+                "billing details.",
+                "type": "insufficient_quota",
+                "param": None,
+                "code": "insufficient_quota",
+            }
+        }
+        clock = FakeClock()
+        answer: Handler = lambda request: httpx.Response(429, json=body)  # noqa: E731
+        chat, backend, calls = make_chat(clock, answer)
+        async with chat:
+            response = await chat.complete(MESSAGES)
+            assert response.source == "b"
+            assert response.attempts[0].outcome == "source_misconfigured"
+            assert response.attempts[0].status_code == 429
+            a = await state_of_a(backend)
+            assert a.breaker == "open"
+            assert a.paced_for_s is None
+            assert a.limit == 8
+            assert calls == ["a", "b"]
+
+    async def test_a_lone_source_out_of_credit_ends_the_call_at_once(self) -> None:
+        """One source, out of credit: retry_exhausted at once, not the stall budget's wait."""
+        body = {"error": {"message": "quota", "type": "insufficient_quota", "code": None}}
+        settings = gateway_settings({"name": "a"})
+        transport = HttpxTransport(
+            settings.scope("chat").sources,
+            max_connections=1,
+            mock_transport=httpx.MockTransport(lambda request: httpx.Response(429, json=body)),
+        )
+        clock = FakeClock()
+        chat = closing(
+            ChatClient(
+                settings,
+                backend=MemoryBackend(now=clock),
+                transport=transport,
+                now=clock,
+                sleep=BoundedSleep(clock),
+                rng=random.Random(9),
+            )
+        )
+        started = clock()
+        async with chat:
+            with pytest.raises(AllSourcesExhausted) as caught:
+                await chat.complete(MESSAGES)
+        assert caught.value.reason == "retry_exhausted"
+        assert [a.outcome for a in caught.value.attempts] == ["source_misconfigured"]
+        assert clock() - started < 1.0
+
+    async def test_429_of_a_rate_limit_error_body_still_paces(self) -> None:
+        """A 429 whose body names a rate limit (any other code) stays rate_limited."""
+        body = {"error": {"message": "Rate limit reached", "type": "requests", "code": None}}
+        clock = FakeClock()
+        answer: Handler = lambda request: httpx.Response(  # noqa: E731
+            429, headers={"Retry-After": "2"}, json=body
+        )
+        chat, backend, _ = make_chat(clock, answer)
+        async with chat:
+            response = await chat.complete(MESSAGES)
+            assert response.attempts[0].outcome == "rate_limited"
+            a = await state_of_a(backend)
+            assert a.breaker == "closed"
+            assert a.paced_for_s is not None
+
+    async def test_402_payment_required_means_the_source_is_misconfigured(self) -> None:
+        """402 (an account that cannot be billed): a trips long and b serves the call."""
+        clock = FakeClock()
+        chat, backend, calls = make_chat(clock, status(402))
+        async with chat:
+            response = await chat.complete(MESSAGES)
+            assert response.source == "b"
+            assert response.attempts[0].outcome == "source_misconfigured"
+            assert (await state_of_a(backend)).breaker == "open"
+            assert calls == ["a", "b"]
 
     @pytest.mark.parametrize("code", [400, 413, 422])
     async def test_rejected_request_raises_at_once(self, code: int) -> None:

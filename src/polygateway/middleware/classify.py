@@ -74,7 +74,8 @@ FAILURE_TABLE: Final[Mapping[FailureClass, FailureRule]] = {
     # 408/5xx/connect/reset/timeout/malformed: a breaker failure; a 503/529 that names
     # its back-off pauses the source too (RFC 9110 defines Retry-After for 503).
     "transient": FailureRule("transient", decrease="on_overload", paces=True),
-    # 401/403/404: this source is wrong (the breaker trips long); other sources are tried.
+    # 401/402/403/404, an out-of-credit 429: this source is wrong (the breaker trips
+    # long); other sources are tried.
     "source_misconfigured": FailureRule("source_misconfigured"),
     # 400/413/422: the request itself is wrong; no other source would take it.
     "request_rejected": FailureRule("request_rejected", raises=True),

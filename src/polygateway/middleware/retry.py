@@ -538,7 +538,7 @@ class Call:
         self.consecutive_429 = 0
         self.records: list[AttemptRecord] = []
         self._tried: set[str] = set()
-        self._refused: set[str] = set()  # sources that answered 401/403/404
+        self._refused: set[str] = set()  # sources that refused: 401/402/403/404, no credit
         self._started_at = self._pick_started_at = mw._now()  # the search for a permit began
         self._waited_s = 0.0  # in the queue and in back-offs
         self._ticket = mw._room.ticket()  # the call's place in the arrival order
@@ -814,7 +814,7 @@ class Call:
         if verdict.charged:
             self.fails += 1
             self.consecutive_429 = 0
-            # Every source refused this call's credentials or model (401/403/404) and
+            # Every source refused this call's credentials, account or model and
             # is tripped long: waiting out its cool-down cannot serve the call.
             if self.fails >= policy.max_attempts or self._refused.issuperset(mw._names):
                 raise await self.exhausted("retry_exhausted")

@@ -46,7 +46,7 @@ __all__ = [
 
 _RATE_LIMITED = frozenset({429})
 _TRANSIENT = frozenset({408, 500, 502, 503, 504, 529})
-_MISCONFIGURED = frozenset({401, 403, 404})
+_MISCONFIGURED = frozenset({401, 402, 403, 404})
 _REJECTED = frozenset({400, 413, 422})
 
 
@@ -63,6 +63,7 @@ def classify_status(status_code: int | None) -> FailureClass:
     if status_code in _TRANSIENT:
         return "transient"
     if status_code in _MISCONFIGURED:
+        # 402: the account cannot be billed; another source's account may be.
         return "source_misconfigured"
     if status_code in _REJECTED or 400 <= status_code < 500:
         return "request_rejected"
@@ -232,13 +233,40 @@ def status_error(
     """
     detail = excerpt(body, secrets)
     message = f"HTTP {status_code} from {source}" + (f": {detail}" if detail else "")
+    spent = status_code in _RATE_LIMITED and quota_spent(body)
     return TransientError(
         message,
         status_code=status_code,
+        failure="source_misconfigured" if spent else None,
         retry_after_s=retry_after_from_headers(
             headers, now_wall, rate_limited=status_code in _RATE_LIMITED
         ),
     )
+
+
+_QUOTA_SPENT: Final = "insufficient_quota"
+
+
+def quota_spent(body: bytes | str) -> bool:
+    """Whether a 429's body says the account is out of credit, not over a rate.
+
+    OpenAI answers both with 429; the error object's ``code`` (or ``type``)
+    ``insufficient_quota`` tells the account's credit or monthly spend is used
+    up. No pause fixes that, so the source is misconfigured until someone
+    pays: the breaker trips long and another source serves, where pacing would
+    hold the call for the whole stall budget when no other source is left.
+    """
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    if _QUOTA_SPENT not in text:
+        return False  # the common 429, read no further
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return False
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        return False
+    return _QUOTA_SPENT in (error.get("code"), error.get("type"))
 
 
 def network_error(
