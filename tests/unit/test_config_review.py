@@ -420,3 +420,59 @@ def test_an_ordinary_variable_name_is_still_looked_up(
     key = settings.scope("chat").sources[0].api_key
     assert key is not None
     assert key.get_secret_value() == "sk-some-key"
+
+
+# --- where a bad value inside a scope came from ----------------------------------------------
+
+
+def test_a_bad_value_in_a_file_scope_names_the_file_beside_a_scopes_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """POLYGATEWAY_SCOPES adding another scope does not take the blame for the file's bad rpm."""
+    monkeypatch.setenv(
+        "POLYGATEWAY_SCOPES",
+        '{"embed": {"kind": "embed", "sources": [{"name": "e", "protocol": "openai", '
+        '"base_url": "http://127.0.0.1:8001/v1"}]}}',
+    )
+    path = settings_file(tmp_path, "rpm = -1\n")
+    error = load_error(path)
+    assert error.field == "scopes.chat.sources[0].rpm"
+    assert (error.env, error.path) == (None, str(path))
+
+
+def test_a_bad_value_the_scopes_override_sets_still_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad value inside POLYGATEWAY_SCOPES's own scope table names that variable."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES", '{"chat": {"exempt_429": "sometimes"}}')
+    error = load_error(settings_file(tmp_path))
+    assert error.field == "scopes.chat.exempt_429"
+    assert (error.env, error.path) == ("POLYGATEWAY_SCOPES", None)
+
+
+def test_a_bad_source_in_a_replaced_sources_list_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sources list in POLYGATEWAY_SCOPES replaces the file's: its errors are the variable's."""
+    monkeypatch.setenv(
+        "POLYGATEWAY_SCOPES",
+        '{"chat": {"sources": [{"name": "a", "protocol": "openai", '
+        '"base_url": "http://127.0.0.1:8001/v1", "rpm": -1}]}}',
+    )
+    error = load_error(settings_file(tmp_path))
+    assert error.field == "scopes.chat.sources[0].rpm"
+    assert (error.env, error.path) == ("POLYGATEWAY_SCOPES", None)
+
+
+def test_a_key_missing_from_a_scope_the_override_adds_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scope only POLYGATEWAY_SCOPES defines, without its kind, is that variable's mistake."""
+    monkeypatch.setenv(
+        "POLYGATEWAY_SCOPES",
+        '{"embed": {"sources": [{"name": "e", "protocol": "openai", '
+        '"base_url": "http://127.0.0.1:8001/v1"}]}}',
+    )
+    error = load_error(settings_file(tmp_path))
+    assert error.field == "scopes.embed.kind"
+    assert (error.env, error.path) == ("POLYGATEWAY_SCOPES", None)

@@ -19,12 +19,17 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr, ValidationError
-from pydantic_settings import BaseSettings, DotEnvSettingsSource, SettingsError
+from pydantic_settings import (
+    BaseSettings,
+    DotEnvSettingsSource,
+    EnvSettingsSource,
+    SettingsError,
+)
 
 from polygateway.config.masking import SECRET_HEADER_PARTS, looks_secret
 from polygateway.config.models import (
@@ -154,8 +159,13 @@ def value_origin(
     *,
     settings_cls: type[BaseSettings],
     given: Collection[str] = (),
+    within: Sequence[int | str] = (),
 ) -> Origin:
     """Where top-level ``field``'s value came from, by precedence: code, environment, .env, file.
+
+    ``within`` is a location inside a table such as ``scopes`` (``("chat",
+    "sources", 0, "rpm")``): tables are merged key by key, so a variable only
+    answers for the keys it sets (a list it sets, it replaces whole).
 
     Returns ``(path, env)`` for ``ConfigError``: ``(None, NAME)`` for the
     process environment, ``(".env path", NAME)`` for the dotenv file, else
@@ -164,12 +174,28 @@ def value_origin(
     if field in given:
         return None, None
     name = _setting_variable(os.environ, field)
-    if name is not None:
+    if name is not None and (
+        not within or _reaches(EnvSettingsSource(settings_cls)().get(field), within)
+    ):
         return None, name
     name = _setting_variable(_read_dotenv(env_file, settings_cls), field)
-    if name is not None:
+    if name is not None and (
+        not within
+        or _reaches(DotEnvSettingsSource(settings_cls, env_file=env_file)().get(field), within)
+    ):
         return _env_file_shown(env_file), name
     return path, None
+
+
+def _reaches(value: object, within: Sequence[int | str]) -> bool:
+    """Whether a variable's table sets the key at ``within`` (a list on the way is set whole)."""
+    for key in within:
+        if isinstance(value, list):
+            return True
+        if not isinstance(value, dict) or key not in value:
+            return False
+        value = value[key]
+    return True
 
 
 def check_env_names(
@@ -214,12 +240,14 @@ def check_env_names(
 
 
 def config_error(
-    exc: ValidationError, path: str | None, origin: Callable[[str], Origin] | None = None
+    exc: ValidationError,
+    path: str | None,
+    origin: Callable[[str, Sequence[int | str]], Origin] | None = None,
 ) -> ConfigError:
     """The one translation of pydantic's errors: first location as the field, every error listed.
 
-    ``origin`` tells where a top-level field's value came from; without it the
-    file (``path``) is named.
+    ``origin`` tells where the value at a location came from (a top-level
+    field, and the place inside it); without it the file (``path``) is named.
     """
     problems: list[tuple[str, str]] = []
     first_scope: str | None = None
@@ -245,10 +273,13 @@ def config_error(
         message = f"{len(problems)} invalid settings: {listed}"
     else:
         message = f"invalid setting: {message}"
-    first_loc = exc.errors(include_url=False, include_input=False)[0]["loc"]
+    first = exc.errors(include_url=False, include_input=False)[0]
+    first_loc = first["loc"]
     shown, env = path, None
     if origin is not None and first_loc:
-        shown, env = origin(str(first_loc[0]))
+        # A missing key is set by no one: the layer that wrote its table is to blame.
+        within = first_loc[1:-1] if first["type"] == "missing" else first_loc[1:]
+        shown, env = origin(str(first_loc[0]), tuple(within))
     return ConfigError(message, field=field, path=shown, scope=first_scope, env=env)
 
 

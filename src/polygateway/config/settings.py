@@ -273,8 +273,10 @@ class GatewaySettings(BaseSettings):
         path = loading.path if loading is not None else None
         env_file = values.get("_env_file", type(self).model_config.get("env_file"))
 
-        def origin(field: str) -> Origin:
-            return value_origin(field, path, env_file, settings_cls=GatewaySettings, given=values)
+        def origin(field: str, within: Sequence[int | str] = ()) -> Origin:
+            return value_origin(
+                field, path, env_file, settings_cls=GatewaySettings, given=values, within=within
+            )
 
         try:
             super().__init__(**values)
