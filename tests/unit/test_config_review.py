@@ -476,3 +476,23 @@ def test_a_key_missing_from_a_scope_the_override_adds_names_the_variable(
     error = load_error(settings_file(tmp_path))
     assert error.field == "scopes.embed.kind"
     assert (error.env, error.path) == ("POLYGATEWAY_SCOPES", None)
+
+
+def test_check_config_report_credits_file_scopes_to_the_file_beside_a_scopes_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report credits a file scope's values to the file, an added scope's to the variable."""
+    monkeypatch.setenv(
+        "POLYGATEWAY_SCOPES",
+        '{"embed": {"kind": "embed", "sources": [{"name": "e", "protocol": "openai", '
+        '"base_url": "http://127.0.0.1:8001/v1"}]}}',
+    )
+    path = settings_file(tmp_path, "max_concurrency = 4\n")
+    settings = GatewaySettings.load(path, env_file=None)
+    raw = {"scopes": {"chat": {"sources": [{"max_concurrency": 4}]}}}
+    rows = setting_rows(settings, raw, str(path), None)
+    chat_rows = {row.key: row.origin for row in rows["scopes"]["chat"]["sources"][0][1]}
+    embed_rows = {row.key: row.origin for row in rows["scopes"]["embed"]["sources"][0][1]}
+    assert chat_rows["max_concurrency"] == str(path)
+    assert chat_rows["rpm"] == "default"
+    assert embed_rows["base_url"] == "env POLYGATEWAY_SCOPES"

@@ -83,8 +83,6 @@ def setting_rows(
         for field in type(settings).model_fields
         if field != "scopes"
     ]
-    scopes_where, scopes_env = value_origin("scopes", path, env_file, settings_cls=GatewaySettings)
-    scopes_origin = _variable_origin(scopes_where, scopes_env) if scopes_env else None
     raw_scopes = _table(file_layer.get("scopes"))
     scopes: dict[str, Any] = {}
     for name, scope in settings.scopes.items():
@@ -92,9 +90,13 @@ def setting_rows(
         listed = raw_scope.get("sources")
         raw_sources = [_table(raw) for raw in listed] if isinstance(listed, list) else []
 
-        def where(raw: Mapping[str, Any], key: str) -> str:
-            if scopes_origin is not None:
-                return scopes_origin
+        def where(raw: Mapping[str, Any], key: str, *within: int | str) -> str:
+            # POLYGATEWAY_SCOPES merges key by key: it answers only for what it sets.
+            env_where, env = value_origin(
+                "scopes", path, env_file, settings_cls=GatewaySettings, within=within
+            )
+            if env is not None:
+                return _variable_origin(env_where, env)
             return file_shown if key in raw else "default"
 
         shown_scope = dumped["scopes"][name]
@@ -104,7 +106,7 @@ def setting_rows(
         ):
             raw = raw_sources[index] if index < len(raw_sources) else {}
             rows = [
-                Row(key, _shown(value), where(raw, key))
+                Row(key, _shown(value), where(raw, key, name, "sources", index, key))
                 for key, value in shown.items()
                 if key not in ("name", "api_key", "api_key_env")
             ]
@@ -113,7 +115,13 @@ def setting_rows(
             sources.append((source.name, rows))
         scopes[name] = {
             "kind": scope.kind,
-            "rows": [Row("exempt_429", _shown(scope.exempt_429), where(raw_scope, "exempt_429"))],
+            "rows": [
+                Row(
+                    "exempt_429",
+                    _shown(scope.exempt_429),
+                    where(raw_scope, "exempt_429", name, "exempt_429"),
+                )
+            ],
             "sources": sources,
         }
     return {"gateway": gateway, "scopes": scopes}
