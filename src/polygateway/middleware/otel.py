@@ -189,7 +189,8 @@ class _Live:
 
     ``context`` holds the call's span, the parent of its attempts' spans;
     ``attempts`` are the attempt spans still open, by attempt number;
-    ``last`` is the latest attempt record, the serving one once the call is served.
+    ``last`` is the record of the latest attempt that ended a live span (``_latest``
+    weighs it against the attempts kept without one).
     """
 
     __slots__ = ("attempts", "context", "last", "span")
