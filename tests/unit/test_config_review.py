@@ -496,3 +496,34 @@ def test_check_config_report_credits_file_scopes_to_the_file_beside_a_scopes_ove
     assert chat_rows["max_concurrency"] == str(path)
     assert chat_rows["rpm"] == "default"
     assert embed_rows["base_url"] == "env POLYGATEWAY_SCOPES"
+
+
+# --- files that are not UTF-8 --------------------------------------------------------------
+
+
+def test_a_settings_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """A Latin-1 byte in the settings file is a ConfigError naming the file, not a UnicodeError."""
+    path = tmp_path / "polygateway.toml"
+    path.write_bytes(b'[gateway]\nbackend = "memory"\n# caf\xe9\n')
+    error = load_error(path)
+    assert error.path == str(path)
+    assert "UTF-8" in problem(error)
+
+
+def test_a_dotenv_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """A Latin-1 byte in .env is a ConfigError naming .env, not a UnicodeError."""
+    (tmp_path / ".env").write_bytes(b"POLYGATEWAY_MAX_ATTEMPTS=2\n# caf\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings.load(settings_file(tmp_path), env_file=".env")
+    assert info.value.path == ".env"
+    assert "UTF-8" in problem(info.value)
+
+
+def test_check_config_of_a_file_that_is_not_utf8_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """check-config reports a non-UTF-8 file as bad settings (2), not as a crash (1)."""
+    path = tmp_path / "polygateway.toml"
+    path.write_bytes(b"# caf\xe9\n")
+    assert main(["check-config", "--config", str(path), "--no-env-file"]) == EXIT_CONFIG
+    assert "UnicodeDecodeError" not in capsys.readouterr().err

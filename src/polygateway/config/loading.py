@@ -45,6 +45,7 @@ __all__ = [
     "Origin",
     "check_env_names",
     "config_error",
+    "dotenv_not_text",
     "file_layer",
     "override_error",
     "read_toml",
@@ -67,8 +68,20 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
         raise ConfigError("settings file not found", path=shown) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"settings file is not valid TOML: {exc}", path=shown) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"settings file {_not_text(exc)}", path=shown) from None
     except OSError as exc:
         raise ConfigError(f"cannot read settings file: {exc.strerror}", path=shown) from exc
+
+
+def _not_text(exc: UnicodeDecodeError) -> str:
+    """Why a file could not be decoded (a Latin-1 ``é`` in a UTF-8 file, say); no content shown."""
+    return f"is not {exc.encoding.upper()} text (an undecodable byte at offset {exc.start})"
+
+
+def dotenv_not_text(exc: UnicodeDecodeError, env_file: Any) -> ConfigError:
+    """A ``.env`` file its encoding cannot decode, as a ``ConfigError`` naming the file."""
+    return ConfigError(f"dotenv file {_not_text(exc)}", path=_env_file_shown(env_file))
 
 
 def file_layer(raw: dict[str, Any], shown: str) -> dict[str, Any]:

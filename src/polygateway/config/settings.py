@@ -38,6 +38,7 @@ from polygateway.config.loading import (
     Origin,
     check_env_names,
     config_error,
+    dotenv_not_text,
     file_layer,
     override_error,
     read_toml,
@@ -285,6 +286,8 @@ class GatewaySettings(BaseSettings):
             raise config_error(exc, path, origin) from None
         except SettingsError as exc:
             raise override_error(exc, path, env_file, settings_cls=GatewaySettings) from None
+        except UnicodeDecodeError as exc:
+            raise dotenv_not_text(exc, env_file) from None
         key_names = {
             source.api_key_env
             for scope in self.scopes.values()
