@@ -1,6 +1,7 @@
 """Observability edges found in review: what spans say of the answer of a failed attempt or
 of a call that was not served, which attempt a call with live spans tried last, and the
-gauges of a client built outside any event loop or of a backend whose read fails on the loop."""
+gauges of a client built outside any event loop, of a backend whose read fails on the loop, and
+of a backend a client binds again on a new loop."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import StreamInterrupted
 from polygateway.middleware.gauges import LiveGauges
-from polygateway.middleware.telemetry import AttemptStart, ClientInfo
+from polygateway.middleware.telemetry import AttemptStart, ClientInfo, PrometheusEmitter
 from polygateway.models import AttemptRecord, CallRecord
 from polygateway.testing import (
     BoundedSleep,
@@ -326,3 +327,59 @@ async def test_a_refresh_on_the_loop_failing_from_a_bug_withdraws_the_snapshot_a
         == "live gauges of scope chat: refresh failed: RuntimeError('a bug in a backend')"
         for record in caplog.records
     ), caplog.messages
+
+
+async def test_a_backend_bound_again_on_a_new_loop_is_read_through_that_loop() -> None:
+    """A client of an earlier ``asyncio.run`` is gone; one on this loop shares its backend."""
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    emitter = PrometheusEmitter(registry)
+    backend = AsyncOnly(MemoryBackend(now=clock))
+
+    def build() -> ChatClient:
+        return ChatClient(
+            gateway_settings({"name": "primary", "max_concurrency": 4}),
+            backend=backend,
+            transport=FakeTransport([chat_completion("ok")], clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(3),
+            emitter=emitter,
+        )
+
+    async def earlier_run() -> None:
+        async with build() as chat:
+            await chat.complete(MESSAGES)
+
+    await asyncio.to_thread(asyncio.run, earlier_run())
+    chat = closing(build())
+    await chat.complete(MESSAGES)
+    assert await asyncio.to_thread(limit_sample, registry) == 4.0
+
+
+async def test_a_backend_bound_again_outside_any_loop_is_read_through_its_first_call_s() -> None:
+    """The earlier run's loop is gone; a client built in a thread learns this loop when called."""
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    emitter = PrometheusEmitter(registry)
+    backend = AsyncOnly(MemoryBackend(now=clock))
+
+    def build() -> ChatClient:
+        return ChatClient(
+            gateway_settings({"name": "primary", "max_concurrency": 4}),
+            backend=backend,
+            transport=FakeTransport([chat_completion("ok")], clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(3),
+            emitter=emitter,
+        )
+
+    async def earlier_run() -> None:
+        async with build() as chat:
+            await chat.complete(MESSAGES)
+
+    await asyncio.to_thread(asyncio.run, earlier_run())
+    chat = closing(await asyncio.to_thread(build))
+    await chat.complete(MESSAGES)
+    assert await asyncio.to_thread(limit_sample, registry) == 4.0

@@ -30,7 +30,9 @@ reads in one of these ways, by where it runs:
   taken, its age in ``polygateway_gauges_age_seconds``, and starts one
   refresh for the next scrape (nothing at all before the first one ends).
 - With the client's loop gone (``asyncio.run`` returned), a memory backend is
-  read directly (nothing else can be changing it); any other is skipped.
+  read directly (nothing else can be changing it); any other is skipped, until
+  a client of the backend built on a new loop (or outside one, then called on
+  it) gives the reads that loop.
 
 A read that fails or does not finish in time yields no sample of that scope
 but ``polygateway_backend_up{scope} 0``; ``collect`` never raises.
@@ -109,6 +111,11 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+def _alive(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether ``loop`` still runs, so a read can go through it."""
+    return loop is not None and loop.is_running() and not loop.is_closed()
+
+
 @dataclass(frozen=True, slots=True)
 class ScopeReading:
     """What one read tells of a bound scope: its waiting calls, and its backend's state.
@@ -160,7 +167,9 @@ class LiveReader:
             binding = scope.bindings.get(client.backend)
             if binding is None:
                 binding = scope.bindings[client.backend] = _Binding(loop)
-            elif binding.loop is None:
+            elif not _alive(binding.loop):
+                # A backend outlives its clients: one bound on a loop that is gone (an
+                # earlier ``asyncio.run``) is read through the loop of the client now.
                 binding.loop = loop
             if all(w is not client.waiting and w != client.waiting for w in binding.waiting):
                 binding.waiting.append(client.waiting)
@@ -169,14 +178,17 @@ class LiveReader:
             self.loopless = self.loopless or loop is None
 
     def adopt_loop(self, scope: str) -> None:
-        """Give the running loop to ``scope``'s bindings made outside one (from a call record)."""
+        """Give the running loop to ``scope``'s bindings made outside one (from a call record).
+
+        A binding whose loop is gone takes it too: its backend now serves this loop.
+        """
         loop = _running_loop()
         if loop is None:
             return
         with self._lock:
             found = self._scopes.get(scope)
             for binding in found.bindings.values() if found is not None else ():
-                if binding.loop is None:
+                if not _alive(binding.loop):
                     binding.loop = loop
             self.loopless = any(
                 b.loop is None for s in self._scopes.values() for b in s.bindings.values()
@@ -307,7 +319,10 @@ class LiveGauges:
         self.reader.bind(client)
 
     def adopt_loop(self, scope: str) -> None:
-        """Give the running loop to ``scope``'s bindings made outside one (from a call record)."""
+        """Give the running loop to ``scope``'s bindings made outside one (from a call record).
+
+        A binding whose loop is gone takes it too: its backend now serves this loop.
+        """
         self.reader.adopt_loop(scope)
 
     def describe(self) -> list[Any]:
