@@ -527,3 +527,34 @@ def test_check_config_of_a_file_that_is_not_utf8_exits_2(
     path.write_bytes(b"# caf\xe9\n")
     assert main(["check-config", "--config", str(path), "--no-env-file"]) == EXIT_CONFIG
     assert "UnicodeDecodeError" not in capsys.readouterr().err
+
+
+# --- --env-file --------------------------------------------------------------------------------
+
+
+def test_an_env_file_named_on_the_command_line_must_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--env-file prod.env`` that is not there exits 2, rather than reading nothing silently."""
+    path = settings_file(tmp_path)
+    assert main(["check-config", "--config", str(path), "--env-file", "prod.env"]) == EXIT_CONFIG
+    assert "prod.env" in capsys.readouterr().err
+
+
+def test_the_default_env_file_may_be_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --env-file, a missing .env is no error: it is optional."""
+    assert main(["check-config", "--config", str(settings_file(tmp_path))]) == 0
+    assert "is valid" in capsys.readouterr().out
+
+
+def test_env_file_and_no_env_file_together_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--env-file X --no-env-file`` contradict each other: a usage error, exit 2."""
+    (tmp_path / "x.env").write_text("", encoding="utf-8")
+    path = settings_file(tmp_path)
+    argv = ["check-config", "--config", str(path), "--env-file", "x.env", "--no-env-file"]
+    assert main(argv) == EXIT_CONFIG
+    assert "--no-env-file" in capsys.readouterr().err

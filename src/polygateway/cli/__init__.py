@@ -109,13 +109,16 @@ def _config_options() -> _Parser:
         metavar="FILE",
         help="settings file (TOML; default: polygateway.toml)",
     )
-    config.add_argument(
+    dotenv = config.add_mutually_exclusive_group()
+    # None: the optional .env of the current directory; a file named here must exist.
+    dotenv.add_argument(
         "--env-file",
-        default=".env",
+        default=None,
         metavar="FILE",
-        help="dotenv file read for POLYGATEWAY_* overrides and api_key_env (default: .env)",
+        help="dotenv file read for POLYGATEWAY_* overrides and api_key_env (default: .env, "
+        "if there is one)",
     )
-    config.add_argument(
+    dotenv.add_argument(
         "--no-env-file", action="store_true", help="read no dotenv file, only the environment"
     )
     return config

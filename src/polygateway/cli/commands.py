@@ -35,6 +35,7 @@ __all__ = [
     "MEMORY_STATUS_NOTE",
     "WATCH_AT_INTERVAL",
     "check_config",
+    "env_file_of",
     "load_settings",
     "max_concurrency_of",
     "missing_extras",
@@ -51,10 +52,25 @@ MEMORY_STATUS_NOTE = (
 )
 
 
+def env_file_of(args: argparse.Namespace) -> str | None:
+    """The dotenv file to read: none with ``--no-env-file``, else ``--env-file`` or ``.env``.
+
+    ``.env`` is optional; a file named with ``--env-file`` must exist, or its
+    overrides would be dropped without a word.
+    """
+    if args.no_env_file:
+        return None
+    if args.env_file is None:
+        return ".env"
+    if not Path(args.env_file).is_file():
+        raise ConfigError("dotenv file not found (--env-file)", path=args.env_file)
+    env_file: str = args.env_file
+    return env_file
+
+
 def load_settings(args: argparse.Namespace) -> GatewaySettings:
     """The settings named by ``--config`` (and ``--env-file``), validated."""
-    env_file = None if args.no_env_file else args.env_file
-    return GatewaySettings.load(args.config, env_file=env_file)
+    return GatewaySettings.load(args.config, env_file=env_file_of(args))
 
 
 def max_concurrency_of(settings: GatewaySettings, scope: str) -> dict[str, int]:
@@ -105,7 +121,7 @@ def check_config(args: argparse.Namespace) -> int:
     n_sources = sum(len(scope["sources"]) for scope in summary["scopes"].values())
     verdict = f"ok: {args.config} is valid ({len(summary['scopes'])} scopes, {n_sources} sources)"
     shown = str(args.config)
-    env_file = None if args.no_env_file else args.env_file
+    env_file = env_file_of(args)
     rows = setting_rows(settings, file_layer(read_toml(Path(shown), shown), shown), shown, env_file)
     if args.json:
         render.dump_json({"ok": True, "path": shown, **summary, "origins": origins_json(rows)})
@@ -130,9 +146,8 @@ def _check_redis_url(settings: GatewaySettings, args: argparse.Namespace) -> Non
     try:
         Endpoint.from_url(url, connect_timeout_s=settings.redis_socket_timeout_s)
     except ValueError as exc:
-        env_file = None if args.no_env_file else args.env_file
         path, env = value_origin(
-            "redis_url", str(args.config), env_file, settings_cls=GatewaySettings
+            "redis_url", str(args.config), env_file_of(args), settings_cls=GatewaySettings
         )
         raise ConfigError(
             f"invalid redis url {settings.redis_url_masked}: {scrub(str(exc), url_secrets(url))}",
