@@ -558,3 +558,15 @@ def test_env_file_and_no_env_file_together_are_a_usage_error(
     argv = ["check-config", "--config", str(path), "--env-file", "x.env", "--no-env-file"]
     assert main(argv) == EXIT_CONFIG
     assert "--no-env-file" in capsys.readouterr().err
+
+
+def test_embed_with_texts_and_a_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``embed --file t.txt hello`` would drop the file's texts silently: a usage error instead."""
+    (tmp_path / "t.txt").write_text("one\ntwo\n", encoding="utf-8")
+    argv = ["embed", "--config", "absent.toml", "--file", "t.txt", "hello"]
+    assert main(argv) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "--file" in err
+    assert "absent.toml" not in err

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from polygateway.backends.base import Backend, ScopeSnapshot
 from polygateway.backends.factory import shared_backend
-from polygateway.cli import EXIT_INTERRUPTED, jobs, render
+from polygateway.cli import EXIT_INTERRUPTED, UsageError, jobs, render
 from polygateway.cli.render import CliError
 from polygateway.cli.settings_report import origins_json, report_lines, setting_rows
 from polygateway.config import GatewaySettings
@@ -351,6 +351,9 @@ async def _chat(
 def run_embed(args: argparse.Namespace) -> int:
     """Embed texts through a configured scope (``cli/jobs.py``: progress, JSON lines)."""
     jobs.check_output_options(args, "embed")
+    if args.texts and args.file:
+        # Texts on the command line would win, and the file's be dropped without a word.
+        raise UsageError("give texts or --file FILE, not both", "", "polygateway embed")
     settings = load_settings(args)
     texts = _read_text_arg(args.texts, args.file)
     if not texts:
