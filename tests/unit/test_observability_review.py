@@ -383,3 +383,34 @@ async def test_a_backend_bound_again_outside_any_loop_is_read_through_its_first_
     chat = closing(await asyncio.to_thread(build))
     await chat.complete(MESSAGES)
     assert await asyncio.to_thread(limit_sample, registry) == 4.0
+
+
+# --- one emitter given twice -------------------------------------------------------------------
+
+
+async def test_an_emitter_given_as_emitter_and_among_emitters_gets_each_record_once(
+    spans: Spans,
+) -> None:
+    """Passed both ways, an emitter is one emitter: one record each, and every span ended."""
+    clock = FakeClock()
+    recorder = Recorder()
+    emitter = OpenTelemetryEmitter(tracer_provider=spans.provider, propagate=True)
+    chat = closing(
+        ChatClient(
+            gateway_settings("primary"),
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport([chat_completion("ok")], clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(3),
+            emitter=recorder,
+            emitters=[emitter, recorder, emitter],
+        )
+    )
+    await chat.complete(MESSAGES)
+    assert (recorder.outcomes(), recorder.call_outcomes()) == (["success"], ["served"])
+    finished = spans.finished()
+    assert [s.parent is None for s in finished] == [False, True]
+    [attempt, call] = finished
+    assert attempt.parent is not None
+    assert attempt.parent.span_id == call.context.span_id

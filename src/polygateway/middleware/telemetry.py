@@ -331,10 +331,15 @@ def _always() -> bool:
 def emitters_of(
     emitter: AttemptEmitter | None, emitters: Sequence[AttemptEmitter] | None
 ) -> Emitters | None:
-    """The emitters a client was given (``emitter=`` and ``emitters=``), or ``None`` for none."""
+    """The emitters a client was given (``emitter=`` and ``emitters=``), or ``None`` for none.
+
+    An emitter given twice is one emitter: it gets each record once (twice would
+    double its counts, and start a second span for an attempt that ends one).
+    """
     every = [*([] if emitter is None else [emitter]), *(emitters or ())]
-    every = [e for e in every if type(e) is not NullEmitter]
-    return Emitters(every) if every else None
+    # By identity, in order: two equal emitters are still two.
+    once = list({id(e): e for e in every if type(e) is not NullEmitter}.values())
+    return Emitters(once) if once else None
 
 
 class LoggingEmitter:
