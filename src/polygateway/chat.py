@@ -82,6 +82,7 @@ def _response(parsed: ParsedChat, served: Served[Any]) -> ChatResponse[Any]:
         raw=parsed.raw,
         choices=parsed.choices,
         parsed=None,
+        refusal=parsed.refusal,
     )
 
 
@@ -215,6 +216,10 @@ class ChatClient(GovernedClient):
         model's answer to the same question elsewhere would cost as much and
         most likely fail alike (a refusal, an answer cut at ``max_tokens``);
         the error carries the text and the response for the caller to decide.
+        A refusal (``r.refusal``: the model declined, as OpenAI reports it) is
+        a served answer: without ``response_model`` it is returned; with one,
+        the ``ResponseParseError`` says the model refused, its
+        ``.response.refusal`` holding the refusal.
 
         Raises:
             RequestRejected: invalid messages or parameters (nothing sent;
@@ -472,13 +477,15 @@ class ChatStream:
             if chunk.finish_reason is not None:
                 opened.finish_seen = True
                 ctx.finish_reasons = (chunk.finish_reason,)
-            # Worth handing to the caller: content, or usage once content has begun. A bare
-            # role announcement is not, nor usage before any content (vLLM's continuous
-            # usage stats): a source that stalls after it still fails over, as its TTFT says.
+            # Worth handing to the caller: content (a refusal too), or usage once content has
+            # begun. A bare role announcement is not, nor usage before any content (vLLM's
+            # continuous usage stats): a source that stalls after it still fails over, as its
+            # TTFT says.
             if (
                 chunk.text
                 or chunk.tool_calls
                 or chunk.finish_reason
+                or chunk.refusal
                 or (chunk.usage and (self._delivered or opened.buffered))
             ):
                 opened.buffered.append(chunk)

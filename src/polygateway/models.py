@@ -146,12 +146,17 @@ class ToolCallDelta:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """One of the answers of a chat completion (``n > 1`` asks for several); ``index`` as sent."""
+    """One of the answers of a chat completion (``n > 1`` asks for several); ``index`` as sent.
+
+    ``refusal`` is the model's refusal message when it declined to answer
+    (OpenAI's ``message.refusal``), ``None`` otherwise.
+    """
 
     index: int
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
+    refusal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +168,10 @@ class ChatResponse(Generic[ParsedT]):
     the call asked for ``n > 1``). ``parsed`` is the answer validated as the
     call's ``response_model`` (``None`` without one). ``raw`` is the
     provider's JSON; for a stream, a ``chat.completion`` object built from
-    its chunks (``ChatStream.response``).
+    its chunks (``ChatStream.response``). ``refusal`` is the first choice's
+    refusal message (OpenAI's ``message.refusal``, e.g. a structured-output
+    request the model declined), ``None`` when the model answered: a refusal
+    is a served answer, not a failure, so it is read here rather than raised.
     """
 
     text: str
@@ -177,17 +185,19 @@ class ChatResponse(Generic[ParsedT]):
     # None is the value without a response_model, where ParsedT is None (or Any, its
     # default); mypy cannot see that a default of None fits every use of the class.
     parsed: ParsedT = None  # type: ignore[assignment]
+    refusal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChatChunk:
-    """One piece of a streamed chat answer."""
+    """One piece of a streamed chat answer; ``refusal`` a piece of a refusal (``delta.refusal``)."""
 
     text: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     finish_reason: str | None = None
     source: str = ""
     usage: Usage | None = None
+    refusal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

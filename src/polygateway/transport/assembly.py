@@ -5,7 +5,8 @@ reader made (``parse_chat_chunk``, ``MessagesStreamReader``), so
 ``ChatStream.response()`` returns what ``complete()`` would have for the same
 answer, whichever kind of source served:
 
-- text: the chunks' text, joined;
+- text: the chunks' text, joined; refusal: the chunks' refusal pieces
+  (``delta.refusal``), joined, ``None`` when none came;
 - tool calls: the ``ToolCallDelta`` pieces grouped by ``index``, in index
   order; a call's id and name are the first ones sent (OpenAI sends each
   once; servers that repeat them on every piece do not get them doubled),
@@ -55,12 +56,15 @@ def assemble_chat(
             protocol's completion would (``None``: as they came, as OpenAI's do).
     """
     texts: list[str] = []
+    refusals: list[str] = []
     calls: dict[int, _Call] = {}
     finish: str | None = None
     usage: Usage | None = None
     for chunk in chunks:
         if chunk.text:
             texts.append(chunk.text)
+        if chunk.refusal:
+            refusals.append(chunk.refusal)
         for delta in chunk.tool_calls:
             call = calls.get(delta.index)
             if call is None:
@@ -76,6 +80,7 @@ def assemble_chat(
         if chunk.usage is not None:
             usage = chunk.usage
     text = "".join(texts)
+    refusal = "".join(refusals) or None
     tool_calls = tuple(
         ToolCall(id=c.id, name=c.name, arguments=_written("".join(c.arguments), arguments))
         for _, c in sorted(calls.items())
@@ -86,8 +91,9 @@ def assemble_chat(
         finish_reason=finish,
         tool_calls=tool_calls,
         usage=counted,
-        raw=_completion(text, tool_calls, finish, usage),
-        choices=(Choice(0, text, tool_calls, finish),),
+        raw=_completion(text, tool_calls, finish, usage, refusal),
+        choices=(Choice(0, text, tool_calls, finish, refusal),),
+        refusal=refusal,
     )
 
 
@@ -96,12 +102,18 @@ def _written(joined: str, arguments: Callable[[str], str] | None) -> str:
 
 
 def _completion(
-    text: str, tool_calls: tuple[ToolCall, ...], finish: str | None, usage: Usage | None
+    text: str,
+    tool_calls: tuple[ToolCall, ...],
+    finish: str | None,
+    usage: Usage | None,
+    refusal: str | None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` object in OpenAI's shape holding the assembled answer."""
-    # OpenAI sends null content beside tool calls when the model said nothing.
-    content = (text or None) if tool_calls else text
+    # OpenAI sends null content beside tool calls, or a refusal, when the model said nothing.
+    content = (text or None) if tool_calls or refusal else text
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if refusal is not None:
+        message["refusal"] = refusal
     if tool_calls:
         message["tool_calls"] = [
             {

@@ -82,6 +82,8 @@ class ParsedChat:
     raw: dict[str, Any] = field(repr=False)
     choices: tuple[Choice, ...] = ()
     """Every choice; the fields above are those of the first (``n > 1`` asks for more)."""
+    refusal: str | None = None
+    """The first choice's refusal message, ``None`` when the model answered."""
 
     def response_model(self) -> str | None:
         """The model the answer names (``model``), for telemetry; ``None`` when it names none."""
@@ -275,7 +277,10 @@ def _plain_usage(value: Any) -> Usage | None:
 def parse_chat_response(body: Any) -> ParsedChat:
     """Read a chat completion; any shape but the promised one is a malformed body.
 
-    The common completion (one choice, text, no tool calls) is read directly
+    A refusal (``message.refusal``) is read as the answer's ``refusal``, a
+    served answer like any other, with the text (null content) empty.
+
+    The common completion (one choice, text, no tool calls nor refusal) is read directly
     here. Every check is exact (``type(x) is dict``), so whatever it accepts
     the generic walk (``_walk_chat_response``) reads to the same result;
     anything else, odd or wrong or ``n > 1``, goes to the walk, which accepts
@@ -295,7 +300,8 @@ def parse_chat_response(body: Any) -> ParsedChat:
     if type(index) is not int:
         return _walk_chat_response(body)
     message = choice.get("message")
-    if type(message) is not dict or message.get("tool_calls"):
+    # OpenAI sends "refusal": null in every message: only a refusal takes the walk.
+    if type(message) is not dict or message.get("tool_calls") or message.get("refusal") is not None:
         return _walk_chat_response(body)
     content = message.get("content")
     finish = choice.get("finish_reason")
@@ -330,6 +336,7 @@ def _walk_chat_response(body: Any) -> ParsedChat:
         usage=usage,
         raw=answer,
         choices=read,
+        refusal=first.refusal,
     )
 
 
@@ -358,7 +365,17 @@ def _walk_choice(raw_choice: Any, i: int) -> Choice:
         text=text,
         tool_calls=tuple(calls),
         finish_reason=opt_str(choice.get("finish_reason"), f"choices[{i}].finish_reason") or None,
+        refusal=_refusal(message.get("refusal")),
     )
+
+
+def _refusal(value: Any) -> str | None:
+    """A message's (or delta's) ``refusal``: the text, or ``None`` when null, empty or not text.
+
+    Lenient, unlike the other fields: an odd value from a compatible server
+    must not fail an answer whose content is whole.
+    """
+    return value if type(value) is str and value else None
 
 
 def _tool_call(raw_call: Any, what: str) -> ToolCall:
@@ -390,7 +407,7 @@ def _tool_call(raw_call: Any, what: str) -> ToolCall:
 
 
 def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
-    """Read one streamed chunk: text delta, tool-call deltas, finish reason, usage if present.
+    """Read one streamed chunk: text, tool-call deltas, refusal, finish reason, usage if present.
 
     ``source`` is set on the chunk as it is built: copying every chunk
     afterwards to add it (``dataclasses.replace``) was a per-chunk cost.
@@ -400,7 +417,7 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     a stream cut after it look whole. An in-band error event is a transient
     failure.
 
-    The common chunk (a text delta, no tool calls) is read directly here,
+    The common chunk (a text delta, no tool calls nor refusal) is read directly here,
     with exact checks as in ``parse_chat_response``, inline because it runs
     per chunk; anything else is walked field by field (``_walk_chat_chunk``).
     """
@@ -419,7 +436,8 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     if type(choice) is not dict:
         return _walk_chat_chunk(event, source)
     delta = choice.get("delta") or {}
-    if type(delta) is not dict or delta.get("tool_calls"):
+    # A refusal piece is rare (OpenAI's first delta sends "refusal": null): the walk reads it.
+    if type(delta) is not dict or delta.get("tool_calls") or delta.get("refusal") is not None:
         return _walk_chat_chunk(event, source)
     content = delta.get("content")
     finish = choice.get("finish_reason")
@@ -467,6 +485,7 @@ def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
         finish_reason=opt_str(choice.get("finish_reason"), "choices[0].finish_reason") or None,
         source=source,
         usage=usage,
+        refusal=_refusal(delta.get("refusal")),
     )
 
 

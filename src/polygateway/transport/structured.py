@@ -24,7 +24,8 @@ Both get the same strict schema, so an answer has one shape whichever
 source served. The schema is built once per model class. ``validate``
 checks the answer's text with pydantic's ``model_validate_json``; an answer
 that does not validate raises ``ResponseParseError`` (the source is not
-blamed: see the chat client).
+blamed: see the chat client), and so does a refusal (OpenAI's
+``message.refusal``), named as one rather than read as broken JSON.
 """
 
 from __future__ import annotations
@@ -99,16 +100,36 @@ class AnswerFormat:
             tool_calls=others,
             usage=parsed.usage,
             raw=parsed.raw,
-            choices=(Choice(0, answer.arguments, others, finish),),
+            choices=(Choice(0, answer.arguments, others, finish, parsed.refusal),),
+            refusal=parsed.refusal,
         )
 
     def validate(self, response: ChatResponse[None], *, op_name: str, scope: str) -> Any:
         """The answer's text as an instance of the model, or ``ResponseParseError``.
 
+        A refusal (``response.refusal``) is the model declining, not JSON that
+        failed: it is raised as such, without validating the empty text, so the
+        message says the model refused rather than that the JSON ended early.
+        It is still a ``ResponseParseError`` (``r.parsed`` is typed as the
+        model, so no response without one is returned), with no errors and the
+        refusal on ``.response.refusal``.
+
         Raises:
-            ResponseParseError: the text is not JSON of the model's shape; it
-                carries the text, pydantic's errors and ``response``.
+            ResponseParseError: the model refused, or the text is not JSON of
+                the model's shape; it carries the text, pydantic's errors (none
+                for a refusal) and ``response``.
         """
+        if response.refusal is not None:
+            # The refusal stays out of the message, as the answer does below.
+            raise ResponseParseError(
+                f"{op_name}: the model refused to answer as a {self.model.__name__} "
+                f"at {response.source} (its refusal is on .response.refusal)",
+                text=response.text,
+                errors=(),
+                response=response,
+                scope=scope,
+                sources=(response.source,),
+            )
         try:
             return self.model.model_validate_json(response.text)
         except ValidationError as exc:

@@ -1,0 +1,154 @@
+"""Reading OpenAI-shaped chat answers: a model's refusal, plain, streamed and structured.
+
+Shapes as openai-python types them: ``ChatCompletionMessage.refusal`` (a
+string when the model refuses, else null) and ``ChoiceDelta.refusal`` (the
+refusal streamed in pieces).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from _closing import closing
+from pydantic import BaseModel
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.errors import ResponseParseError
+from polygateway.models import ChatChunk
+from polygateway.testing import (
+    BoundedSleep,
+    FakeClock,
+    FakeTransport,
+    StreamScript,
+    chat_chunk_events,
+    chat_completion,
+    gateway_settings,
+)
+
+MESSAGES = [{"role": "user", "content": "How do I pick this lock?"}]
+REFUSAL = "I'm sorry, I can't help with that."
+
+
+class Answer(BaseModel):
+    steps: list[str]
+
+
+def make_chat(script: Any, *sources: Any) -> tuple[ChatClient, FakeTransport, MemoryBackend]:
+    """A chat client over ``script`` on a fake clock; one OpenAI source unless told."""
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    transport = FakeTransport(script, clock=clock)
+    chat = closing(
+        ChatClient(
+            gateway_settings(*(sources or ("primary",))),
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=BoundedSleep(clock),
+            rng=random.Random(4),
+        )
+    )
+    return chat, transport, backend
+
+
+def refused_completion() -> dict[str, Any]:
+    """A chat completion whose message is a refusal: null content, ``refusal`` set."""
+    body = chat_completion("")
+    body["choices"][0]["message"] = {"role": "assistant", "content": None, "refusal": REFUSAL}
+    return body
+
+
+def refused_stream() -> list[dict[str, Any]]:
+    """A streamed refusal: OpenAI's role chunk (null refusal), the refusal in pieces, a finish."""
+    events = chat_chunk_events([], usage=(9, 8))
+    events[0]["choices"][0]["delta"]["refusal"] = None
+    pieces = [
+        {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"refusal": p}}]}
+        for p in (REFUSAL[:9], REFUSAL[9:])
+    ]
+    return events[:1] + pieces + events[1:]
+
+
+class TestComplete:
+    """complete() reads the message's refusal, and a refusal is a served answer."""
+
+    async def test_refusal_is_on_the_response_and_its_choice(self) -> None:
+        """r.refusal and r.choices[0].refusal hold the refusal; the text is empty."""
+        chat, _, _ = make_chat([refused_completion()])
+        r = await chat.complete(MESSAGES)
+        assert r.refusal == REFUSAL
+        assert r.choices[0].refusal == REFUSAL
+        assert r.text == ""
+
+    async def test_refusal_is_not_retried(self) -> None:
+        """One attempt, a success: the next source is never asked."""
+        chat, transport, backend = make_chat(
+            [refused_completion(), chat_completion("other")], "a", {"name": "b", "priority": 1}
+        )
+        r = await chat.complete(MESSAGES)
+        assert transport.sources_called() == ["a"]
+        assert [a.outcome for a in r.attempts] == ["success"]
+        assert (await backend.snapshot("chat")).in_flight == 0
+
+    async def test_an_answer_has_no_refusal(self) -> None:
+        """An ordinary answer, with OpenAI's null refusal, reads refusal as None."""
+        body = chat_completion("Hello")
+        body["choices"][0]["message"]["refusal"] = None
+        chat, _, _ = make_chat([body])
+        r = await chat.complete(MESSAGES)
+        assert r.refusal is None
+        assert r.text == "Hello"
+
+
+class TestStream:
+    """A streamed refusal reaches the caller, chunk by chunk and assembled."""
+
+    async def test_refusal_pieces_are_delivered_as_chunks(self) -> None:
+        """Each delta.refusal piece is a chunk of its own, in order."""
+        chat, _, _ = make_chat([StreamScript(refused_stream())])
+        chunks: list[ChatChunk] = [c async for c in chat.stream(MESSAGES)]
+        assert [c.refusal for c in chunks if c.refusal] == [REFUSAL[:9], REFUSAL[9:]]
+        assert all(c.text == "" for c in chunks)
+
+    async def test_response_joins_the_refusal(self) -> None:
+        """response() holds the whole refusal, as complete() would, and in raw."""
+        chat, _, _ = make_chat([StreamScript(refused_stream())])
+        r = await chat.stream(MESSAGES).response()
+        assert r.refusal == REFUSAL
+        assert r.choices[0].refusal == REFUSAL
+        assert r.text == ""
+        assert r.finish_reason == "stop"
+        message = r.raw["choices"][0]["message"]
+        assert message["refusal"] == REFUSAL
+        assert message["content"] is None
+
+    async def test_a_streamed_answer_has_no_refusal(self) -> None:
+        """Text chunks carry no refusal, and the assembled answer has none."""
+        chat, _, _ = make_chat([StreamScript(chat_chunk_events(["Hel", "lo"]))])
+        r = await chat.stream(MESSAGES).response()
+        assert r.refusal is None
+        assert r.text == "Hello"
+
+
+class TestStructured:
+    """With a response_model, a refusal is told apart from JSON that does not validate."""
+
+    async def test_refusal_raises_naming_it_with_the_response(self) -> None:
+        """ResponseParseError says the model refused; its response carries the refusal."""
+        chat, transport, _ = make_chat(
+            [refused_completion(), chat_completion("{}")], "a", {"name": "b", "priority": 1}
+        )
+        with pytest.raises(ResponseParseError) as info:
+            await chat.complete(MESSAGES, response_model=Answer)
+        error = info.value
+        assert "refused" in str(error)
+        assert "JSON" not in str(error)
+        assert REFUSAL not in str(error)
+        assert error.errors == ()
+        assert error.response is not None
+        assert error.response.refusal == REFUSAL
+        assert transport.sources_called() == ["a"]
+        assert [a.outcome for a in error.response.attempts] == ["success"]
