@@ -47,10 +47,10 @@ from polygateway.transport.anthropic import (
 from polygateway.transport.assembly import assemble_chat
 from polygateway.transport.http import HintSink, HttpRequest, TransientError
 from polygateway.transport.openai import (
+    ChatChunkReader,
     ParsedChat,
     chat_request,
     estimate_chat_tokens,
-    parse_chat_chunk,
     parse_chat_response,
 )
 from polygateway.transport.params import ChatCheck
@@ -127,7 +127,8 @@ class _ChatWire:
 
 
 def _openai_chunks() -> _ChunkParser:
-    return parse_chat_chunk
+    # A reader per stream: tool calls sent without index are numbered across its chunks.
+    return ChatChunkReader().read
 
 
 def _anthropic_chunks() -> _ChunkParser:

@@ -1,8 +1,11 @@
-"""Reading OpenAI-shaped chat answers: a model's refusal, plain, streamed and structured.
+"""Reading OpenAI-shaped chat answers: refusals, and tool calls streamed without ``index``.
 
-Shapes as openai-python types them: ``ChatCompletionMessage.refusal`` (a
-string when the model refuses, else null) and ``ChoiceDelta.refusal`` (the
-refusal streamed in pieces).
+Refusal shapes as openai-python types them: ``ChatCompletionMessage.refusal``
+(a string when the model refuses, else null) and ``ChoiceDelta.refusal`` (the
+refusal streamed in pieces). Tool-call deltas without ``index`` as Gemini's
+OpenAI-compatible endpoint streams them: each call whole in its own chunk,
+with an ``id`` and no ``index``, or its arguments split over later deltas
+that carry neither (or an empty ``id``).
 """
 
 from __future__ import annotations
@@ -152,3 +155,97 @@ class TestStructured:
         assert error.response.refusal == REFUSAL
         assert transport.sources_called() == ["a"]
         assert [a.outcome for a in error.response.attempts] == ["success"]
+
+
+def gemini_chunk(call: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of Gemini's OpenAI-compatible stream: one tool-call delta, no ``index``."""
+    return {
+        "object": "chat.completion.chunk",
+        "model": "gemini-test",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}}],
+    }
+
+
+def whole_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A whole call in one delta, as Gemini sends each: id, type, function, no index."""
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+        "extra_content": {"google": {"thought_signature": "sig"}},
+    }
+
+
+def tool_stream(*calls: dict[str, Any]) -> StreamScript:
+    """A stream of one chunk per tool-call delta, then the finish and usage chunks."""
+    events = [gemini_chunk(call) for call in calls]
+    events += chat_chunk_events([], "tool_calls", usage=(4, 6), role_first=False)
+    return StreamScript(events)
+
+
+class TestToolCallsWithoutIndex:
+    """A delta without index and with a new id starts a call; one without id continues the last."""
+
+    async def test_two_whole_calls_in_separate_chunks_stay_two(self) -> None:
+        """Each chunk's call is its own: indexes 0 and 1, nothing merged."""
+        chat, _, _ = make_chat(
+            [
+                tool_stream(
+                    whole_call("call_a", "get_weather", '{"city":"Paris"}'),
+                    whole_call("call_b", "get_time", '{"tz":"CET"}'),
+                )
+            ]
+        )
+        async with chat.stream(MESSAGES) as s:
+            chunks = [c async for c in s]
+            r = await s.response()
+        assert [d.index for c in chunks for d in c.tool_calls] == [0, 1]
+        assert [(c.id, c.name, c.arguments) for c in r.tool_calls] == [
+            ("call_a", "get_weather", '{"city":"Paris"}'),
+            ("call_b", "get_time", '{"tz":"CET"}'),
+        ]
+
+    async def test_pieces_without_id_continue_the_last_call(self) -> None:
+        """Arguments split over deltas with no id (or an empty one) join the call before them."""
+        chat, _, _ = make_chat(
+            [
+                tool_stream(
+                    whole_call("call_a", "get_weather", '{"ci'),
+                    {"function": {"arguments": 'ty":"Paris"}'}},
+                    whole_call("call_b", "get_time", ""),
+                    {"id": "", "type": "", "function": {"arguments": '{"tz":'}},
+                    {"function": {"arguments": '"CET"}'}},
+                )
+            ]
+        )
+        r = await chat.stream(MESSAGES).response()
+        assert [(c.id, c.name, c.arguments) for c in r.tool_calls] == [
+            ("call_a", "get_weather", '{"city":"Paris"}'),
+            ("call_b", "get_time", '{"tz":"CET"}'),
+        ]
+
+    async def test_pieces_without_index_follow_an_indexed_call(self) -> None:
+        """A server that numbers only each call's first delta: the rest go to that call."""
+        chat, _, _ = make_chat(
+            [
+                tool_stream(
+                    {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": ""}},
+                    {"function": {"arguments": "{}"}},
+                    {"index": 1, "id": "call_b", "function": {"name": "g", "arguments": ""}},
+                    {"function": {"arguments": '{"x":1}'}},
+                )
+            ]
+        )
+        r = await chat.stream(MESSAGES).response()
+        assert [(c.id, c.name, c.arguments) for c in r.tool_calls] == [
+            ("call_a", "f", "{}"),
+            ("call_b", "g", '{"x":1}'),
+        ]
+
+    async def test_each_stream_numbers_its_own_calls(self) -> None:
+        """A second stream starts again at index 0: the numbering is per stream."""
+        call = whole_call("call_a", "get_weather", "{}")
+        chat, _, _ = make_chat([tool_stream(call), tool_stream(call)])
+        for _ in range(2):
+            r = await chat.stream(MESSAGES).response()
+            assert [(c.id, c.arguments) for c in r.tool_calls] == [("call_a", "{}")]

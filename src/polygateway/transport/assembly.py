@@ -1,7 +1,7 @@
 """A streamed chat answer put back together: the ``ParsedChat`` its chunks add up to.
 
 Pure, no I/O, and protocol-blind: it reads the ``ChatChunk``s either wire's
-reader made (``parse_chat_chunk``, ``MessagesStreamReader``), so
+reader made (``ChatChunkReader``, ``MessagesStreamReader``), so
 ``ChatStream.response()`` returns what ``complete()`` would have for the same
 answer, whichever kind of source served:
 

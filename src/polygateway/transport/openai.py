@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_TOKENS_ESTIMATE",
     "IMAGE_PART_TOKENS",
+    "ChatChunkReader",
     "ParsedChat",
     "chat_request",
     "chunk_has_content",
@@ -406,7 +407,54 @@ def _tool_call(raw_call: Any, what: str) -> ToolCall:
     )
 
 
-def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
+class ChatChunkReader:
+    """One stream's chunks, read by ``parse_chat_chunk``, tool calls numbered across chunks.
+
+    OpenAI numbers every tool-call delta with ``index``. Gemini's
+    OpenAI-compatible endpoint sends none (each call whole, in a chunk of its
+    own, or its arguments split over later deltas), and some servers number
+    only a call's first delta; read chunk by chunk, each such delta would be
+    numbered by its place in its chunk, 0, and the stream's calls merged into
+    one. This reader remembers the last call: a delta without ``index`` whose
+    ``id`` differs from that call's starts a new call, numbered after the
+    highest index seen; one without ``id`` (or with an empty or the same one)
+    continues it. A delta with ``index`` keeps it, and only updates which
+    call was last. One reader per stream; a text chunk never reaches it
+    (the common path of ``parse_chat_chunk`` reads no tool calls).
+    """
+
+    __slots__ = ("_last", "_last_id", "_next")
+
+    def __init__(self) -> None:
+        self._last = -1
+        """The index of the call the last tool-call delta belonged to; -1 before any."""
+        self._last_id: str | None = None
+        """That call's id, when one was sent."""
+        self._next = 0
+        """One past the highest index seen: the index of a new call."""
+
+    def read(self, event: Any, source: str = "") -> ChatChunk:
+        """``parse_chat_chunk(event, source)``, with this stream's numbering of tool calls."""
+        return parse_chat_chunk(event, source, self)
+
+    def place(self, call_id: str | None) -> int:
+        """The index of a tool-call delta sent without one (``call_id``: its id, if any)."""
+        if self._last < 0 or (call_id and call_id != self._last_id):
+            self.seen(self._next, call_id)
+        return self._last
+
+    def seen(self, index: int, call_id: str | None) -> None:
+        """Note a tool-call delta of call ``index`` (sent with it, or placed)."""
+        if call_id or index != self._last:
+            self._last_id = call_id or None
+        self._last = index
+        if index >= self._next:
+            self._next = index + 1
+
+
+def parse_chat_chunk(
+    event: Any, source: str = "", calls: ChatChunkReader | None = None
+) -> ChatChunk:
     """Read one streamed chunk: text, tool-call deltas, refusal, finish reason, usage if present.
 
     ``source`` is set on the chunk as it is built: copying every chunk
@@ -415,42 +463,48 @@ def parse_chat_chunk(event: Any, source: str = "") -> ChatChunk:
     An empty ``finish_reason`` (older Ollama sends ``""`` on every chunk) is
     none, as ``chunk_has_content`` reads it: taken for a finish, it would make
     a stream cut after it look whole. An in-band error event is a transient
-    failure.
+    failure. A tool-call delta without ``index`` is numbered by ``calls``,
+    the stream's ``ChatChunkReader``, when given; without it, by its place
+    in the chunk.
 
     The common chunk (a text delta, no tool calls nor refusal) is read directly here,
     with exact checks as in ``parse_chat_response``, inline because it runs
     per chunk; anything else is walked field by field (``_walk_chat_chunk``).
     """
     if type(event) is not dict or event.get("error") is not None:
-        return _walk_chat_chunk(event, source)
+        return _walk_chat_chunk(event, source, calls)
     raw_usage = event.get("usage")
     usage: Usage | None = None
     if raw_usage is not None and (usage := _plain_usage(raw_usage)) is None:
-        return _walk_chat_chunk(event, source)
+        return _walk_chat_chunk(event, source, calls)
     choices = event.get("choices")
     if type(choices) is not list:
-        return _walk_chat_chunk(event, source)
+        return _walk_chat_chunk(event, source, calls)
     if not choices:
         return ChatChunk(source=source, usage=usage)
     choice = choices[0]
     if type(choice) is not dict:
-        return _walk_chat_chunk(event, source)
+        return _walk_chat_chunk(event, source, calls)
     delta = choice.get("delta") or {}
     # A refusal piece is rare (OpenAI's first delta sends "refusal": null): the walk reads it.
     if type(delta) is not dict or delta.get("tool_calls") or delta.get("refusal") is not None:
-        return _walk_chat_chunk(event, source)
+        return _walk_chat_chunk(event, source, calls)
     content = delta.get("content")
     finish = choice.get("finish_reason")
     if (content is not None and type(content) is not str) or (
         finish is not None and type(finish) is not str
     ):
-        return _walk_chat_chunk(event, source)
+        return _walk_chat_chunk(event, source, calls)
     # Every field, in order (text, tool_calls, finish_reason, source, usage): one per chunk.
     return ChatChunk(content or "", (), finish or None, source, usage)
 
 
-def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
-    """``parse_chat_chunk`` field by field: every variation accepted, every fault named."""
+def _walk_chat_chunk(event: Any, source: str, calls: ChatChunkReader | None = None) -> ChatChunk:
+    """``parse_chat_chunk`` field by field: every variation accepted, every fault named.
+
+    A tool-call ``index`` that is absent or null is ``calls``' to give (else
+    the delta's place in the chunk); one sent is noted there as it is kept.
+    """
     chunk = req_obj(event, "chunk")
     if (error := _error_event(chunk)) is not None:
         raise error
@@ -465,14 +519,19 @@ def _walk_chat_chunk(event: Any, source: str) -> ChatChunk:
         what = f"delta.tool_calls[{i}]"
         call = req_obj(raw_call, what)
         function = req_obj(call.get("function") or {}, f"{what}.function")
-        index = call.get("index", i)
-        if isinstance(index, bool) or not isinstance(index, int):
+        call_id = opt_str(call.get("id"), f"{what}.id")
+        index = call.get("index")
+        if index is None:
+            index = i if calls is None else calls.place(call_id)
+        elif isinstance(index, bool) or not isinstance(index, int):
             raise malformed_body(f"{what}.index is not an integer")
+        elif calls is not None:
+            calls.seen(index, call_id)
         arguments = function.get("arguments")
         deltas.append(
             ToolCallDelta(
                 index=index,
-                id=opt_str(call.get("id"), f"{what}.id"),
+                id=call_id,
                 name=opt_str(function.get("name"), f"{what}.function.name"),
                 arguments=None
                 if arguments is None
