@@ -73,8 +73,8 @@ from polygateway.middleware.telemetry import (
 )
 from polygateway.middleware.waiting import ClassState, Sleep, Waiter, room_for
 from polygateway.models import CallRecord
-from polygateway.transport.http import TransientError, scrub, secrets_in
-from polygateway.transport.wire import source_headers
+from polygateway.transport.http import TransientError, request_secrets, scrub
+from polygateway.transport.wire import endpoint, source_headers
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -279,10 +279,10 @@ class RetryMW:
         self._names = tuple(s.name for s in sources)
         self._by_name = {s.name: s for s in sources}
         # Defence in depth: transports scrub their messages already, but nothing
-        # that reaches a record, a log or an error may carry a source's credentials.
-        self._secrets = tuple(
-            sorted({v for s in sources for v in secrets_in(source_headers(s))}, key=len)[::-1]
-        )
+        # that reaches a record, a log or an error may carry a source's credentials,
+        # in its headers or its URL (a query key, a password in base_url).
+        found = {v for s in sources for v in request_secrets(source_headers(s), endpoint(s, ""))}
+        self._secrets = tuple(sorted(found, key=len, reverse=True))
         # The process's queue of the scope's waiting calls, shared by every client of it.
         self._room = room_for(backend, scope)
         # Priority classes and their shares (none: one class, "", arrival order).

@@ -57,7 +57,6 @@ from polygateway.transport.http import (
     TransientError,
     network_error,
     parse_json_body,
-    secrets_in,
     timeout_error,
 )
 from polygateway.transport.pool import ClientPools, PoolKey, check_pool_size, ssl_verify
@@ -215,11 +214,11 @@ class AiohttpTransport:
                 status, headers = response.status, response.headers
         # Secrets are looked for only here, on the failure paths: success never pays for it.
         except aiohttp.ClientError as exc:
-            raise _translate(exc, request, secrets_in(request.headers)) from exc
+            raise _translate(exc, request, RequestSecrets(request)) from exc
         except TimeoutError as exc:
             raise timeout_error("request timed out", request.source, request.timeout_s) from exc
         if not 200 <= status < 300:
-            raise answer_error(status, headers, body, request, secrets_in(request.headers))
+            raise answer_error(status, headers, body, request, RequestSecrets(request))
         if request.on_hint is not None:
             deliver_hint(request, headers)
         return parse_json_body(body, request.source)
@@ -234,7 +233,7 @@ class AiohttpTransport:
         closes the response.
         """
         session, proxy = self._session(request.source)
-        secrets = RequestSecrets(request.headers)
+        secrets = RequestSecrets(request)
         loop = asyncio.get_running_loop()
         first_deadline, end = stream_deadlines(request, loop)
         async with AsyncExitStack() as stack:

@@ -41,7 +41,7 @@ from polygateway.transport.http import (
     is_event_stream,
     malformed,
     parse_event_data,
-    secrets_in,
+    request_secrets,
     status_error,
     timeout_error,
     truncated_stream,
@@ -190,23 +190,25 @@ async def check_opened(
 
 
 class RequestSecrets(Sequence[str]):
-    """``secrets_in(headers)``, found on first use: only a failure's message needs them.
+    """``request_secrets`` of a request, found on first use: only a failure's message needs them.
 
-    A request that succeeds never pays for the header scan; an error message
-    built from this sequence is scrubbed exactly as with the eager tuple.
+    A request that succeeds never pays for the scan of its headers and URL; an
+    error message built from this sequence is scrubbed exactly as with the
+    eager tuple.
     """
 
-    __slots__ = ("_found", "_headers")
+    __slots__ = ("_found", "_request")
 
-    def __init__(self, headers: Mapping[str, str]) -> None:
-        self._headers = headers
+    def __init__(self, request: HttpRequest) -> None:
+        self._request = request
         self._found: tuple[str, ...] | None = None
 
     def _values(self) -> tuple[str, ...]:
         """The secrets, scanned once."""
         found = self._found
         if found is None:
-            found = self._found = secrets_in(self._headers)
+            request = self._request
+            found = self._found = request_secrets(request.headers, request.url)
         return found
 
     @overload

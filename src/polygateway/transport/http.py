@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
-from polygateway.config.masking import scrub, secrets_in
+from polygateway.config.masking import mask_url, scrub, secrets_in, url_secrets
 from polygateway.models import FailureClass
 from polygateway.transport.hints import ServerHint, retry_after_from_headers
 
@@ -37,6 +37,7 @@ __all__ = [
     "network_error",
     "parse_event_data",
     "parse_json_body",
+    "request_secrets",
     "scrub",
     "secrets_in",
     "status_error",
@@ -115,9 +116,12 @@ HintSink = Callable[[ServerHint], None]
 """Receives what a 2xx answer's headers announce (``HttpRequest.on_hint``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class HttpRequest:
     """One request to one source. ``headers`` may hold credentials: never print them.
+
+    So may ``url``: a source's ``query`` (``?key=...``) and ``base_url``
+    (``user:password@``) land in it. Its repr shows the URL masked.
 
     For a non-streamed request ``timeout_s`` bounds the whole exchange. For a
     stream it bounds the wait for the first content (TTFT, ``is_content``), and
@@ -148,6 +152,23 @@ class HttpRequest:
     deadline_in_s: float | None = None
     on_hint: HintSink | None = field(default=None, repr=False, compare=False)
     is_content: Callable[[Any], bool] | None = field(default=None, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"HttpRequest(source={self.source!r}, url={mask_url(self.url)!r}, "
+            f"method={self.method!r}, timeout_s={self.timeout_s!r}, params={self.params!r})"
+        )
+
+
+def request_secrets(headers: Mapping[str, str], url: str) -> tuple[str, ...]:
+    """The credential values a request carries, in its headers or its URL, longest first.
+
+    A key in the query (``?key=...``, a source's ``query``) or the URL's
+    ``user:password@`` is as secret as an ``Authorization`` header: an
+    upstream that echoes the URL it was asked must not carry it into a message.
+    """
+    found = {*secrets_in(headers), *url_secrets(url)}
+    return tuple(sorted(found, key=len, reverse=True))
 
 
 @runtime_checkable

@@ -227,7 +227,7 @@ class HttpxTransport:
     async def send(self, request: HttpRequest) -> Any:
         """Send one request and return the JSON of a 2xx answer; every failure is classified."""
         group = self._group(request.source)
-        secrets = RequestSecrets(request.headers)
+        secrets = RequestSecrets(request)
         shard, client = group.acquire()
         try:
             # httpx's timeouts bound each phase; asyncio.timeout bounds the whole
@@ -267,7 +267,7 @@ class HttpxTransport:
         Exiting the context, normally, by error or by cancellation, closes the response.
         """
         group = self._group(request.source)
-        secrets = RequestSecrets(request.headers)
+        secrets = RequestSecrets(request)
         loop = asyncio.get_running_loop()
         first_deadline, end = stream_deadlines(request, loop)
         async with AsyncExitStack() as stack:
