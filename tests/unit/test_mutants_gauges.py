@@ -424,7 +424,7 @@ async def test_scrapes_on_the_loop_run_one_refresh_at_a_time_and_start_the_next(
 async def test_a_failed_refresh_withdraws_the_snapshot_served_and_logs_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Stale state would read as live: after a failed refresh the scope shows nothing."""
+    """Stale state would read as live: after a failed refresh the scope shows it down, no state."""
     clock = FakeClock()
     registry, gauges = collector(clock)
     backend = _AsyncOnly(MemoryBackend(now=clock))
@@ -439,8 +439,12 @@ async def test_a_failed_refresh_withdraws_the_snapshot_served_and_logs_why(
         await settle()
         samples = scrape(registry)
         await settle()
-    assert up(samples) is None
+    assert up(samples) == 0.0  # down, as the guide's alert on backend_up == 0 expects
     assert in_use(samples) is None
+    backend.error = None
+    scrape(registry)  # down still; its refresh succeeds
+    await settle()
+    assert up(scrape(registry)) == 1.0
     failed = [m for m in caplog.messages if "refresh failed" in m]
     assert failed
     assert all(

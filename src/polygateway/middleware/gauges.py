@@ -92,6 +92,8 @@ class _Binding:
     by_class: list[Callable[[], Mapping[str, tuple[int, int]]]] = field(default_factory=list)
     latest: tuple[float, ScopeSnapshot] | None = None
     refreshing: concurrent.futures.Future[None] | None = None
+    failed: bool = False
+    """The latest refresh failed: the scope reads down until one succeeds."""
 
 
 @dataclass(slots=True)
@@ -245,7 +247,7 @@ class LiveReader:
         self._refresh_later(loop, backend, scope, binding)
         latest = binding.latest
         if latest is None:
-            return None
+            return (False, 0.0, None) if binding.failed else None
         taken_at, snap = latest
         return True, max(0.0, self._now() - taken_at), snap
 
@@ -277,11 +279,13 @@ class LiveReader:
         async def refresh() -> None:
             try:
                 binding.latest = (self._now(), await backend.snapshot(scope))
+                binding.failed = False
             except GatewayError as exc:
-                binding.latest = None  # stale state would read as live: show nothing instead
+                # Stale state would read as live: show the scope down, with no state.
+                binding.latest, binding.failed = None, True
                 _log.debug("live gauges of scope %s: refresh failed: %r", scope, exc)
             except Exception as exc:  # a bug: nobody awaits this refresh to hear of it
-                binding.latest = None
+                binding.latest, binding.failed = None, True
                 _log.warning("live gauges of scope %s: refresh failed: %r", scope, exc)
 
         coro = refresh()
