@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
+from polygateway.chat import ChatClient
 from polygateway.config import SourceConfig
+from polygateway.errors import ConfigError
+from polygateway.testing import gateway_settings
 from polygateway.transport.aiohttp_client import AiohttpTransport
 from polygateway.transport.factory import make_transport
 from polygateway.transport.http import HttpRequest, Transport
@@ -80,3 +83,45 @@ def test_missing_aiohttp_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delitem(sys.modules, "polygateway.transport.aiohttp_client")
     with pytest.raises(ImportError, match=r"pip install polygateway\[aiohttp\]"):
         make_transport("aiohttp", SOURCES, max_connections=1)
+
+
+SOCKS = [
+    SourceConfig(
+        name="primary",
+        protocol="openai",
+        base_url="http://127.0.0.1:9/v1",
+        proxy="socks5://user:proxy-secret-pw@127.0.0.1:1080",
+    )
+]
+
+
+def test_a_socks_proxy_without_socksio_is_refused_when_the_transport_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpx needs socksio for socks5://: a ConfigError naming the source and the extra.
+
+    Without the check, httpx raised a bare ImportError out of the first call.
+    """
+    monkeypatch.setitem(sys.modules, "socksio", None)
+    with pytest.raises(ConfigError, match=r"pip install 'polygateway\[socks\]'") as caught:
+        make_transport("httpx", SOCKS, max_connections=1)
+    assert "primary" in str(caught.value)
+    assert "proxy-secret-pw" not in str(caught.value)
+
+
+def test_a_socks_proxy_on_aiohttp_is_refused_when_the_transport_is_built() -> None:
+    """aiohttp speaks to HTTP proxies only: a socks5:// proxy there is a ConfigError."""
+    with pytest.raises(ConfigError, match="aiohttp") as caught:
+        make_transport("aiohttp", SOCKS, max_connections=1)
+    assert "primary" in str(caught.value)
+    assert "proxy-secret-pw" not in str(caught.value)
+
+
+def test_a_client_with_an_unusable_socks_proxy_fails_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's own transport is checked as it is built: before any call, not in one."""
+    monkeypatch.setitem(sys.modules, "socksio", None)
+    settings = gateway_settings({"name": "primary", "proxy": "socks5://127.0.0.1:1080"})
+    with pytest.raises(ConfigError, match="socks"):
+        ChatClient(settings)

@@ -59,7 +59,13 @@ from polygateway.transport.http import (
     parse_json_body,
     timeout_error,
 )
-from polygateway.transport.pool import ClientPools, PoolKey, check_pool_size, ssl_verify
+from polygateway.transport.pool import (
+    ClientPools,
+    PoolKey,
+    check_pool_size,
+    check_proxies,
+    ssl_verify,
+)
 from polygateway.transport.sse import SSEParser
 
 if TYPE_CHECKING:
@@ -150,6 +156,7 @@ class AiohttpTransport:
         client_factory: AiohttpSessionFactory | None = None,
     ) -> None:
         check_pool_size(max_connections)
+        check_proxies(sources, "aiohttp")
         factory: AiohttpSessionFactory = client_factory or default_session
 
         def build(key: PoolKey) -> aiohttp.ClientSession:

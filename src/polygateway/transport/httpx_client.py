@@ -60,6 +60,7 @@ from polygateway.transport.pool import (
     PoolKey,
     ShardGroup,
     check_pool_size,
+    check_proxies,
     shard_plan,
     ssl_verify,
 )
@@ -182,6 +183,7 @@ class HttpxTransport:
         mock_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         check_pool_size(max_connections)
+        check_proxies(sources, "httpx")
         if client_factory is not None and mock_transport is not None:
             raise ValueError("pass client_factory or mock_transport, not both")
         shards, per_shard = shard_plan(max_connections, SHARD_SIZE)

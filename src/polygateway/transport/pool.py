@@ -11,10 +11,13 @@ client whose pool costs more per request the more requests it holds (httpx).
 
 from __future__ import annotations
 
+import importlib
 import math
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+
+from polygateway.errors import ConfigError
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
@@ -25,6 +28,7 @@ __all__ = [
     "PoolKey",
     "ShardGroup",
     "check_pool_size",
+    "check_proxies",
     "shard_plan",
     "ssl_verify",
 ]
@@ -43,6 +47,35 @@ def check_pool_size(max_connections: int) -> int:
     if max_connections < 1:
         raise ValueError(f"max_connections must be at least 1, got {max_connections}")
     return max_connections
+
+
+def check_proxies(sources: Sequence[SourceConfig], library: Literal["httpx", "aiohttp"]) -> None:
+    """Refuse, as the transport is built, a proxy its HTTP library cannot use.
+
+    Settings accept ``socks5://`` proxies; httpx speaks SOCKS only with
+    ``socksio`` installed, aiohttp not at all. Found at the first request,
+    either would escape a call as a bare ``ImportError`` or ``ValueError``.
+    The message names the source, never the proxy URL (it may hold a password).
+    """
+    for source in sources:
+        if not source.proxy.lower().startswith(("socks5://", "socks5h://")):
+            continue
+        if library == "aiohttp":
+            raise ConfigError(
+                f"source {source.name!r}: a socks5:// proxy is not supported by the aiohttp "
+                "transport (HTTP proxies only); use the httpx transport",
+                field="proxy",
+                sources=(source.name,),
+            )
+        try:
+            importlib.import_module("socksio")
+        except ImportError:
+            raise ConfigError(
+                f"source {source.name!r}: a socks5:// proxy needs socksio: "
+                "pip install 'polygateway[socks]'",
+                field="proxy",
+                sources=(source.name,),
+            ) from None
 
 
 def ssl_verify(verify: bool | str) -> bool | ssl.SSLContext:
