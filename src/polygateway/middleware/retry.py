@@ -11,7 +11,8 @@ deadline, its attempts, its place in the queue) and reads as the loop reads::
         loop:
             chat only: call.stalled()            -> AllSourcesExhausted("stalled")
             call.deadline.over()                 -> AllSourcesExhausted("deadline")
-            lease = call.pick()                     selection order + one backend.acquire
+            lease = call.pick()                     selection order + one backend.acquire;
+                                                    no time left once granted -> release, "deadline"
             nothing runnable -> call.wait():     fail_fast -> "no_runnable";
                                                  call.stalled() -> "stalled";
                                                  else wait our turn in the scope's queue
@@ -578,6 +579,11 @@ class Call:
                 if lease is None:
                     await self.wait()
                     continue
+                if self.deadline.over():
+                    # The acquire outlasted the time left (a slow shared backend): the
+                    # attempt could only time out, so the permit goes back unused.
+                    await self._release(lease, _CANCELLED)
+                    raise await self.exhausted("deadline")
                 result = await self.attempt(lease, attempt_fn)
                 if isinstance(result, Served):
                     return result
