@@ -211,3 +211,42 @@ def test_cluster_slots_reply_uses_the_answering_node_for_an_empty_endpoint() -> 
         (0, 5460, ("10.0.0.1", 7001)),
         (5461, 10922, ("10.0.0.2", 7002)),
     ]
+
+
+def test_sentinel_mode_is_shown_as_its_sentinels_and_primary_not_the_default_url() -> None:
+    """Printed, a Sentinel topology names its primary and Sentinels, not 127.0.0.1:6379."""
+    settings = GatewaySettings(
+        **SENTINEL, redis_sentinel_master="mymaster", redis_url="redis://:pw-SECRET@/2"
+    )
+    shown = settings.redis_where
+    assert "mymaster" in shown
+    assert "127.0.0.1:26379" in shown
+    assert "/2" in shown
+    assert "6379/0" not in shown
+    assert "pw-SECRET" not in shown
+    default = GatewaySettings(**SENTINEL, redis_sentinel_master="mymaster")
+    assert "127.0.0.1:6379" not in default.redis_where
+
+
+def test_standalone_and_cluster_are_shown_as_their_masked_url() -> None:
+    """Standalone reads as its URL, a cluster as its seed node; the password masked in both."""
+    url = "redis://:pw-SECRET@10.0.0.5:7000/0"
+    standalone = GatewaySettings(redis_url=url)
+    assert standalone.redis_where == "redis://:***@10.0.0.5:7000/0"
+    cluster = GatewaySettings(redis_mode="cluster", redis_url=url)
+    assert "cluster" in cluster.redis_where
+    assert "10.0.0.5:7000" in cluster.redis_where
+    assert "pw-SECRET" not in cluster.redis_where
+
+
+def test_the_status_header_names_the_sentinel_primary(capsys: pytest.CaptureFixture[str]) -> None:
+    """``polygateway status`` says where it reads: the Sentinels' primary, not a default URL."""
+    from polygateway.cli.commands import _print_status
+
+    settings = GatewaySettings(
+        backend="redis", **SENTINEL, redis_sentinel_master="mymaster", redis_url="redis:///0"
+    )
+    _print_status(settings, [], as_json=False)
+    out = capsys.readouterr().out
+    assert "mymaster" in out
+    assert "127.0.0.1:6379" not in out

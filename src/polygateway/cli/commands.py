@@ -223,6 +223,7 @@ def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_
                 "ok": True,
                 "backend": settings.backend,
                 "redis_url": settings.redis_url_masked,
+                "redis_where": settings.redis_where,
                 "scopes": [
                     render.snapshot_json(s, max_concurrency_of(settings, s.scope)) for s in snaps
                 ],
@@ -230,7 +231,7 @@ def _print_status(settings: GatewaySettings, snaps: Sequence[ScopeSnapshot], as_
         )
         return
     out = render.output()
-    out.print(f"backend {settings.backend} at {settings.redis_url_masked}")
+    out.print(f"backend {settings.backend} at {settings.redis_where}")
     for snap in snaps:
         out.print(render.scope_status_table(snap, max_concurrency_of(settings, snap.scope)))
     if any(settings.scopes[s.scope].priority_classes for s in snaps if s.scope in settings.scopes):

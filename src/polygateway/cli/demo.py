@@ -415,7 +415,7 @@ async def _demo(args: argparse.Namespace, out: Console | None) -> int:
             sim, backend=args.backend, redis_url=args.redis_url, transport=args.transport
         )
         if out is not None:
-            where = "in memory" if args.backend == "memory" else f"on {settings.redis_url_masked}"
+            where = "in memory" if args.backend == "memory" else f"on {settings.redis_where}"
             out.print(f"PolyGateway demo: a misbehaving simulated upstream on {sim.url}")
             out.print(
                 f"scopes {', '.join(SCOPES.values())}, each with sources {', '.join(ROLES)}; "

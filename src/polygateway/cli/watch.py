@@ -53,7 +53,7 @@ def frame(
 
     header = Text.assemble(
         ("polygateway status", "bold"),
-        f"  backend {settings.backend} at {settings.redis_url_masked}",
+        f"  backend {settings.backend} at {settings.redis_where}",
         f"  every {every:g} s  {clock}  (Ctrl+C to quit)",
     )
     parts: list[Any] = [header]

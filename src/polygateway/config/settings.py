@@ -512,6 +512,22 @@ class GatewaySettings(BaseSettings):
         """The Redis URL as it may be printed or logged: password replaced by ``***``."""
         return mask_url(self.redis_url.get_secret_value())
 
+    @property
+    def redis_where(self) -> str:
+        """Where the Redis backend reads, as it may be printed: the topology, no password.
+
+        A Sentinel topology's primary is the one its Sentinels name, not
+        ``redis_url``'s host (with no ``redis_url`` given, the default's
+        127.0.0.1 would mislead); a cluster is reached through its seed node.
+        """
+        url = mask_url(self.get_redis_url())
+        if self.redis_mode == "sentinel":
+            sentinels = ", ".join(self.redis_sentinels)
+            return f"primary {self.redis_sentinel_master!r} via Sentinels {sentinels} ({url})"
+        if self.redis_mode == "cluster":
+            return f"cluster seeded by {url}"
+        return url
+
     @field_serializer("redis_url", when_used="json")
     def _dump_redis_url(self, value: SecretStr) -> str:
         """JSON dumps show the URL with its password masked (more useful than all stars)."""
