@@ -157,6 +157,8 @@ class ResponseParseError(GatewayError):
     (``ValidationError.errors()``: ``type``, ``loc``, ``msg``, ``input``), and
     ``response`` the whole ``ChatResponse``, usage and attempts included.
     The message names the first error's place and kind, never the answer.
+    A model that refused to answer raises it too, with no ``errors`` and the
+    refusal in ``response.refusal``.
     """
 
     def __init__(
