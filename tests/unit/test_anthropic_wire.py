@@ -596,7 +596,8 @@ class TestResponse:
             ("tool_use", "tool_calls"),
             ("refusal", "content_filter"),
             ("pause_turn", "pause_turn"),
-            ("model_context_window_exceeded", "model_context_window_exceeded"),
+            ("model_context_window_exceeded", "length"),
+            ("a_reason_added_later", "a_reason_added_later"),
             (None, None),
         ],
     )

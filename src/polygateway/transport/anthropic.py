@@ -86,6 +86,8 @@ _STOP_REASONS: Final[Mapping[str, str]] = {
     "end_turn": "stop",
     "stop_sequence": "stop",
     "max_tokens": "length",
+    # The context window filled before max_tokens: cut short all the same.
+    "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
     "refusal": "content_filter",
 }
