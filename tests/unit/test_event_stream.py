@@ -382,11 +382,18 @@ async def test_library_timeout_keeps_the_phase_classification() -> None:
 
 
 def test_request_secrets_scan_lazily_and_never_show() -> None:
-    """RequestSecrets finds the same values as secrets_in, on first use, and its repr hides them."""
-    secrets = RequestSecrets({"Authorization": f"Bearer {KEY}", "X-Org": "acme"})
+    """RequestSecrets finds a request's header and URL secrets on first use; its repr hides them."""
+    request = HttpRequest(
+        source="a",
+        url="http://127.0.0.1:9/v1?key=query-key-0123456789",
+        timeout_s=1.0,
+        headers={"Authorization": f"Bearer {KEY}", "X-Org": "acme"},
+    )
+    secrets = RequestSecrets(request)
     assert "unscanned" in repr(secrets)
-    assert list(secrets) == [f"Bearer {KEY}", KEY]
-    assert (len(secrets), secrets[1], list(secrets[:1])) == (2, KEY, [f"Bearer {KEY}"])
+    assert set(secrets) == {f"Bearer {KEY}", KEY, "query-key-0123456789"}
+    assert len(secrets) == 3
+    assert list(secrets) == sorted(secrets, key=len, reverse=True)
     assert KEY not in repr(secrets)
 
 
