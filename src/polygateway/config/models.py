@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -85,6 +85,26 @@ _ENDPOINT_PATHS = ("/chat/completions", "/embeddings", "/messages", "/ocr/text",
 """The paths the wires append to ``base_url`` (openai, anthropic, monkey_ocr)."""
 
 
+def _url_parts(value: str, what: str, shape: str) -> SplitResult:
+    """The parts of a URL a connection can use: no whitespace, a host, a port in 1-65535.
+
+    ``what`` names the setting in the problem, ``shape`` is the form it
+    should take; the problem never repeats the URL (it may hold a password).
+    """
+    if any(char.isspace() for char in value):
+        raise config_problem(f"{what} must not contain spaces or other whitespace")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise config_problem(f"{what} has a port outside 1-65535 or a malformed host") from None
+    if not parts.hostname:
+        raise config_problem(f"{what} has no host ({shape})")
+    if port == 0:
+        raise config_problem(f"{what} has a port outside 1-65535")
+    return parts
+
+
 def check_base_url(value: str) -> str:
     """``value`` if it is an http(s) URL with a host and a port in 1-65535, else a problem.
 
@@ -96,15 +116,7 @@ def check_base_url(value: str) -> str:
         raise config_problem("base_url must not contain spaces or other whitespace")
     if not value.startswith(("http://", "https://")):
         raise config_problem("base_url must start with http:// or https://")
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError:
-        raise config_problem("base_url has a port outside 1-65535 or a malformed host") from None
-    if not parts.hostname:
-        raise config_problem("base_url has no host (http://HOST[:PORT]/...)")
-    if port == 0:
-        raise config_problem("base_url has a port outside 1-65535")
+    parts = _url_parts(value, "base_url", "http://HOST[:PORT]/...")
     path = parts.path.rstrip("/")
     for endpoint in _ENDPOINT_PATHS:
         if path.endswith(endpoint):
@@ -318,17 +330,7 @@ class SourceConfig(BaseModel):
             return value
         if not value.startswith(("http://", "https://", "socks5://", "socks5h://")):
             raise config_problem("proxy must be empty or start with http://, https:// or socks5://")
-        if any(char.isspace() for char in value):
-            raise config_problem("proxy must not contain spaces or other whitespace")
-        try:
-            parts = urlsplit(value)
-            port = parts.port
-        except ValueError:
-            raise config_problem("proxy has a port outside 1-65535 or a malformed host") from None
-        if not parts.hostname:
-            raise config_problem("proxy has no host (http://[USER:PASSWORD@]HOST:PORT)")
-        if port == 0:
-            raise config_problem("proxy has a port outside 1-65535")
+        _url_parts(value, "proxy", "http://[USER:PASSWORD@]HOST:PORT")
         return value
 
     @model_validator(mode="after")
