@@ -148,9 +148,14 @@ class SentinelPrimary:
         Raises:
             redis.exceptions.ConnectionError: no Sentinel named a primary.
         """
-        if self._listening is None:
-            # Listening before the first connection: a failover from then on is heard.
-            self._listening = asyncio.get_running_loop().create_task(self._listen())
+        loop = asyncio.get_running_loop()
+        if self._listening is None or self._listening.get_loop() is not loop:
+            # Listening before the first connection: a failover from then on is heard. Again
+            # in a new event loop (a backend shared across asyncio.run calls): the last
+            # loop's task never runs again.
+            if self._listening is not None:
+                self._subscribed = asyncio.Event()
+            self._listening = loop.create_task(self._listen())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._timeout_s):
                     await self._subscribed.wait()
@@ -246,7 +251,7 @@ class SentinelPrimary:
     async def aclose(self) -> None:
         """Close the primary's connection and the Sentinels'."""
         listening, self._listening = self._listening, None
-        if listening is not None:
+        if listening is not None and listening.get_loop() is asyncio.get_running_loop():
             listening.cancel()
             with contextlib.suppress(BaseException):
                 await listening

@@ -112,13 +112,26 @@ class Wakeups:
 
     @property
     def started(self) -> bool:
-        """Whether the subscription was started (it is started once)."""
-        return self._listening is not None
+        """Whether the subscription was started in the running event loop (once per loop)."""
+        listening = self._listening
+        return listening is not None and listening.get_loop() is asyncio.get_running_loop()
 
     def start(self) -> None:
-        """Start listening in the background (in the running event loop)."""
-        if self._listening is None and not self._closing.is_set():
-            self._listening = asyncio.get_running_loop().create_task(self._listen())
+        """Start listening in the background (in the running event loop).
+
+        Started anew in a loop other than the last one's (a backend shared
+        across ``asyncio.run`` calls): a task of a loop that ended never runs
+        again, and its events may be bound to that loop.
+        """
+        if self._closing.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        listening = self._listening
+        if listening is not None:
+            if listening.get_loop() is loop:
+                return
+            self._closing, self.subscribed = asyncio.Event(), asyncio.Event()
+        self._listening = loop.create_task(self._listen())
 
     async def _listen(self) -> None:
         """Subscribe, hand each message's scope to ``woken``; remake it after any failure."""
@@ -181,7 +194,7 @@ class Wakeups:
                 listening.cancel()  # reading a connection made: no reason to wait (_TICK_S)
             # A connection under way is given its timeout to stop by itself (see _TICK_S).
             await asyncio.wait({listening}, timeout=self._timeout_s + _TICK_S)
-        if not listening.done():
+        if not listening.done() and not listening.get_loop().is_closed():
             listening.cancel()
 
 

@@ -64,6 +64,14 @@ classes, nothing else. What this module does:
   gone without a reset) has its connection closed by a watchdog: what was
   pending fails with ``ConnectionError`` and the next command reconnects. So
   does a reply out of step or a byte stream ``hiredis`` cannot parse.
+- A connection belongs to the event loop it was made in. A backend shared
+  per URL outlives it (a program that calls ``asyncio.run`` more than once):
+  used from another loop, the wire leaves that connection, and what was
+  pending or queued there (those callers belonged to the old loop), and
+  makes a new one. A loop that is closed can no longer close its sockets, so
+  the server is told (``shutdown``) and the socket is freed with its
+  transport, which warns as asyncio does for any transport never closed:
+  ``aclose`` a backend before its loop ends to spare that.
 - Topologies (``Topology``): a ``Wire`` is the topology of one server. A
   Redis Cluster (``cluster.py``) holds a ``Wire`` per node and gives each a
   ``Redirect``: an error reply it names (``MOVED``, ``ASK``, ``TRYAGAIN``,
@@ -251,6 +259,7 @@ class Link(asyncio.Protocol):
         "_redirect",
         "_transport",
         "_watchdog",
+        "loop",
         "open",
     )
 
@@ -271,6 +280,8 @@ class Link(asyncio.Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._lost: asyncio.Future[None] | None = None  # done once the socket is closed
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the connection was made in, which alone can read and close it."""
         self.open = False
 
     @property
@@ -282,7 +293,7 @@ class Link(asyncio.Protocol):
         """Take the connection the event loop made (TLS, if any, already set up)."""
         self._transport = cast(asyncio.Transport, transport)
         self.open = True
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._lost = loop.create_future()
         self._clock = loop.time
         self._heard = loop.time()
@@ -378,6 +389,29 @@ class Link(asyncio.Protocol):
         except TimeoutError:
             transport.abort()
             await asyncio.shield(lost)
+
+    def leave(self) -> None:
+        """Give up a connection of an event loop that no longer runs; its callers are gone too.
+
+        Only that loop can close the transport: it is asked to, in case it runs
+        again, and the socket is shut down so that the server drops the
+        connection now. Nothing pending is called back (its callers' futures
+        are that loop's).
+        """
+        self.open = False
+        self._pending.clear()
+        self._on_down = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        transport, loop = self._transport, self.loop
+        if transport is None or loop is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if not loop.is_closed():
+            transport.abort()
 
     def _fail(self, why: str) -> None:
         logger.warning("closing a Redis connection: %s", why)
@@ -552,9 +586,9 @@ class Wire:
 
     @property
     def writable(self) -> bool:
-        """Whether a command sent now is written at once (the connection is up)."""
+        """Whether a command sent now is written at once (the connection is up, in this loop)."""
         link = self._link
-        return link is not None and link.open
+        return link is not None and link.open and link.loop is asyncio.get_running_loop()
 
     @property
     def pending(self) -> int:
@@ -567,9 +601,10 @@ class Wire:
         With ``script``, a ``NOSCRIPT`` answer loads it and runs the command once more.
         """
         link = self._link
-        if link is not None and link.open:
+        if link is not None and link.open and link.loop is asyncio.get_running_loop():
             link.send(data, on_reply, script)
             return
+        self._settle()
         self._queue.append((on_reply, data, script))
         if self._connecting is None:
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
@@ -633,8 +668,25 @@ class Wire:
         for on_reply, _, _ in queue:
             on_reply(error)
 
+    def _settle(self) -> None:
+        """Leave what an event loop other than the running one made: its connection, its queue.
+
+        Such a loop ended (an earlier ``asyncio.run``): its connection is never
+        read again, a connecting task of it never runs, and the callers queued
+        for either were its own (module docstring).
+        """
+        loop = asyncio.get_running_loop()
+        link, connecting = self._link, self._connecting
+        if link is not None and link.loop is not loop:
+            self._link = None
+            link.leave()
+        if connecting is not None and connecting.get_loop() is not loop:
+            self._connecting = None
+            self._queue = []
+
     async def drain(self) -> None:
         """Return once no reply is due (the caller bounds how long it waits)."""
+        self._settle()
         while self._connecting is not None:
             await asyncio.shield(self._connecting)
         if self._link is not None:
@@ -642,6 +694,7 @@ class Wire:
 
     async def aclose(self) -> None:
         """Close the connection; what is pending or queued fails with ``ConnectionError``."""
+        self._settle()
         if self._connecting is not None:
             self._connecting.cancel()
             with contextlib.suppress(BaseException):

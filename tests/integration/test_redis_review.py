@@ -1,0 +1,134 @@
+"""The Redis backend's Python side against a real server: faults found in review, pinned.
+
+Each test fails on the code before its fix. A backend shared per URL
+(``backends/factory.py``) outlives the event loop it was first used in: a
+program that calls ``asyncio.run`` more than once uses it from each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import _redis_topologies as topologies
+import pytest
+import redis
+from _redis_topologies import SentinelSetup
+
+from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.redis import RedisBackend
+from polygateway.middleware.waiting import room_for
+
+SCOPE = "chat"
+SPEC = SourceSpec(name="a", max_concurrency=2)
+SUCCESS = AttemptOutcome("success")
+BOUND_S = 5.0
+
+
+def _clients(url: str) -> int:
+    """Connections the server holds open, the inspecting one left out."""
+    with redis.Redis.from_url(url) as admin:
+        return len(admin.client_list()) - 1
+
+
+async def _call(backend: RedisBackend) -> float:
+    """One governed call's backend work (acquire, release, snapshot); its duration in seconds."""
+    started = time.monotonic()
+    lease = (await backend.acquire(SCOPE, [SPEC], ttl_s=30)).lease
+    assert lease is not None
+    await backend.release(lease, SUCCESS)
+    assert (await backend.snapshot(SCOPE)).in_flight == 0
+    return time.monotonic() - started
+
+
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+def test_a_backend_used_again_in_a_new_event_loop_serves_and_closes(redis_url: str) -> None:
+    """A second ``asyncio.run`` gets a connection of its own loop; ``aclose`` in a third works.
+
+    The first loop ended without ``aclose``: its connection cannot be closed by a
+    loop that is gone, so the server is told (it drops it) and the collector
+    frees the socket, warning as asyncio does for any transport left open.
+    """
+    backend = RedisBackend(redis_url, socket_timeout_s=2.0)
+    assert asyncio.run(_call(backend)) < 1.0
+    assert asyncio.run(_call(backend)) < 1.0  # before: no reply within 2 s, every call
+    asyncio.run(backend.aclose())
+    gc.collect()  # the first loop's transport, while its warning is expected
+    deadline = time.monotonic() + BOUND_S
+    while _clients(redis_url) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _clients(redis_url) == 0
+
+
+def test_a_backend_closed_in_a_new_event_loop_closes_its_connection(redis_url: str) -> None:
+    """``aclose`` from another loop than the connection's raises nothing and leaves none open."""
+    backend = RedisBackend(redis_url, socket_timeout_s=2.0)
+
+    async def use_then_keep_loop_open() -> None:
+        await _call(backend)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(use_then_keep_loop_open())
+        asyncio.run(backend.aclose())  # before: RuntimeError (another loop's transport)
+        loop.run_until_complete(asyncio.sleep(0.05))  # the first loop closes what it owns
+    finally:
+        loop.close()
+    deadline = time.monotonic() + BOUND_S
+    while _clients(redis_url) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _clients(redis_url) == 0
+
+
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+def test_wake_ups_are_subscribed_again_in_a_new_event_loop(redis_url: str) -> None:
+    """A backend whose waiting room listened in one loop listens again in the next."""
+    backend = RedisBackend(redis_url, socket_timeout_s=2.0)
+    channel = f"pgw:wake:{backend._proc}"
+
+    def subscribers() -> int:
+        with redis.Redis.from_url(redis_url) as admin:
+            return int(dict(admin.pubsub_numsub(channel))[channel.encode()])
+
+    async def listening_call() -> None:
+        room_for(backend, SCOPE)
+        await _call(backend)
+        async with asyncio.timeout(BOUND_S):
+            while subscribers() != 1:
+                await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(listening_call())
+        asyncio.run(listening_call())  # before: never subscribed again (a task of the old loop)
+    finally:
+        asyncio.run(backend.aclose())
+        gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+def test_sentinel_failovers_are_listened_for_again_in_a_new_event_loop(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """The ``+switch-master`` listener of a backend is made again in the next loop."""
+    backend = RedisBackend(
+        "redis:///0",
+        mode="sentinel",
+        sentinels=sentinel_setup.sentinels,
+        sentinel_master=SentinelSetup.MASTER,
+        socket_timeout_s=1.0,
+    )
+
+    async def listened_call() -> None:
+        lease = await topologies.acquire_until_served(backend, SCOPE, SPEC, 30.0, BOUND_S)
+        await backend.release(lease, SUCCESS)
+        async with asyncio.timeout(BOUND_S):
+            while await asyncio.to_thread(topologies.sentinel_subscribers, sentinel_setup) < 1:
+                await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(listened_call())
+        asyncio.run(listened_call())  # before: no listener (the first loop's task, ended)
+    finally:
+        asyncio.run(backend.aclose())
+        gc.collect()
