@@ -14,10 +14,13 @@ import time
 import _redis_topologies as topologies
 import pytest
 import redis
+import redis.asyncio as aioredis
 from _redis_topologies import SentinelSetup
+from redis.credentials import CredentialProvider
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
+from polygateway.errors import GovernanceBackendError
 from polygateway.middleware.waiting import room_for
 
 SCOPE = "chat"
@@ -132,3 +135,28 @@ def test_sentinel_failovers_are_listened_for_again_in_a_new_event_loop(
     finally:
         asyncio.run(backend.aclose())
         gc.collect()
+
+
+class _FailingCredentials(CredentialProvider):
+    """A credential provider whose store is down (a vault, a token service)."""
+
+    def get_credentials(self) -> tuple[str, str]:
+        raise RuntimeError("credential store unreachable")
+
+    async def get_credentials_async(self) -> tuple[str, str]:
+        raise RuntimeError("credential store unreachable")
+
+
+async def test_a_failing_credential_provider_fails_closed_typed(redis_url: str) -> None:
+    """An injected client's credential provider that raises: ``GovernanceBackendError``."""
+    client = aioredis.Redis.from_url(redis_url, credential_provider=_FailingCredentials())
+    backend = RedisBackend(redis_url, client=client, socket_timeout_s=2.0)
+    try:
+        with pytest.raises(GovernanceBackendError, match="credential store unreachable") as caught:
+            await backend.acquire(SCOPE, [SPEC], ttl_s=30)  # before: the RuntimeError itself
+        assert caught.value.operation == "acquire"
+        assert caught.value.scope == SCOPE
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    finally:
+        await backend.aclose()
+        await client.aclose()

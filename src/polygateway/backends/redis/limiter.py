@@ -517,9 +517,11 @@ class RedisBackend:
             detail = f"TimeoutError: no reply within {self._timeout_s:g} s"
             timeout = TimeoutError(detail)
             raise self._failure(operation, scope, detail, timeout) from timeout
+        if isinstance(got, Exception):
+            # The wire's failure, whatever its class (a credential provider's own among
+            # them): the backend failed, so the call fails closed.
+            raise self._failure(operation, scope, type(got).__name__, got) from got
         try:
-            if isinstance(got, Exception):
-                raise got
             return parse(got)
         except Exception as exc:
             translated = self._translate(operation, scope, exc)
