@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Callable
+from typing import Any
 
 import _redis_topologies as topologies
 import pytest
@@ -160,3 +162,27 @@ async def test_a_failing_credential_provider_fails_closed_typed(redis_url: str) 
     finally:
         await backend.aclose()
         await client.aclose()
+
+
+async def test_a_release_failed_by_aclose_is_not_written_again_after_it(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """A release still due when ``aclose`` gives up on a frozen server opens no new connection.
+
+    ``aclose`` stops the retries of failed releases (their leases expire); a
+    release that its own closing failed must not reconnect the closed backend.
+    """
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=0.3)
+    try:
+        lease = (await backend.acquire(SCOPE, [SPEC], ttl_s=30)).lease
+        assert lease is not None
+        server.pause()
+        await backend.release(lease, SUCCESS)  # written behind; its reply never comes
+        await backend.aclose()  # waits one socket timeout, then the release fails
+        server.resume()
+        await asyncio.sleep(0.5)  # a retry would have come (first after 0.05 s) and connected
+        assert _clients(server.url) == 0  # before: 1, the retry's connection
+    finally:
+        server.resume()
+        await backend.aclose()

@@ -270,6 +270,7 @@ class RedisBackend:
         "_ack_timeout_s",
         "_acks",
         "_class_args",
+        "_closed",
         "_deadlines",
         "_handoff_arg",
         "_listeners",
@@ -381,6 +382,7 @@ class RedisBackend:
         else:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)
         self._retries: set[asyncio.TimerHandle] = set()
+        self._closed = False  # aclose was called: failed releases are no longer written again
         self._listeners = ReleaseListeners()
         # The waiting room of each scope this process waits in (its classes, who waits).
         self._listening: dict[str, ReleaseListener] = {}
@@ -964,6 +966,8 @@ class RedisBackend:
         self, lease: Lease, outcome: AttemptOutcome, deadline: float | None, pause_s: float
     ) -> bool:
         """Write a failed release again after ``pause_s``; ``False`` once its lease has expired."""
+        if self._closed:
+            return False  # a closing backend stops writing (aclose); the lease expires
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + lease.ttl_s
@@ -972,6 +976,8 @@ class RedisBackend:
 
         def again() -> None:
             self._retries.discard(handle)
+            if self._closed:
+                return
             self._release(
                 lease,
                 outcome,
@@ -1056,8 +1062,11 @@ class RedisBackend:
 
         They get one more socket timeout: a server still silent by then will not
         answer a closing backend, and what it runs later frees itself at lease
-        expiry. An injected client stays its owner's to close.
+        expiry. An injected client stays its owner's to close. From then on a
+        release that fails is not written again: not even those that closing
+        fails, which would otherwise connect again once closed.
         """
+        self._closed = True
         for handle in self._retries:
             handle.cancel()  # a closing backend stops writing; the leases expire
         self._retries.clear()
