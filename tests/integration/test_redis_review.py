@@ -19,9 +19,10 @@ import redis
 import redis.asyncio as aioredis
 from _redis_topologies import SentinelSetup
 from redis.credentials import CredentialProvider
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
-from polygateway.backends.redis import RedisBackend
+from polygateway.backends.redis import RedisBackend, wire
 from polygateway.errors import GovernanceBackendError
 from polygateway.middleware.waiting import room_for
 
@@ -186,3 +187,38 @@ async def test_a_release_failed_by_aclose_is_not_written_again_after_it(
     finally:
         server.resume()
         await backend.aclose()
+
+
+async def test_a_connection_lost_while_the_primary_is_located_again_fails_what_was_queued(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """Lost between its login and the second ``locate``: the queued command is not left hanging.
+
+    Behind Sentinel the wire asks where the primary is once more after
+    connecting; a connection the server drops meanwhile must not be written to
+    (the write would be dropped and its reply never come, so the callback of
+    a release written again after a failover would never run).
+    """
+    server = make_redis_server()
+    endpoint = wire.Endpoint.from_url(server.url, connect_timeout_s=2.0)
+    located = 0
+
+    async def locate() -> wire.Endpoint:
+        nonlocal located
+        located += 1
+        if located == 2:  # connected: the server drops the connection now
+            with server.client() as admin:
+                admin.client_kill_filter(_type="normal", skipme=True)
+            await asyncio.sleep(0.2)  # its end of file reaches the event loop
+        return endpoint
+
+    link = wire.Wire(endpoint, late_reply_s=5.0, locate=locate)
+    reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    link.send(wire.command("SET", "lost-test", "written"), reply.set_result)
+    try:
+        async with asyncio.timeout(BOUND_S):
+            got = await reply  # before: never called back
+    finally:
+        await link.aclose()
+    assert isinstance(got, RedisConnectionError)
+    assert "lost" in str(got)

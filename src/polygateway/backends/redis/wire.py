@@ -648,6 +648,11 @@ class Wire:
             if not self._abandoned:
                 break
             link.close()  # abandoned while it was being made: made again, located afresh
+        if not link.open:
+            # Lost after its login, while ``locate`` was asked again: a write now would be
+            # dropped, its reply never come. What was queued fails as a failed connect does.
+            self._failed(link, RedisConnectionError("connection lost while it was being made"))
+            return
         self._link, self._connecting = link, None
         for loaded in self._scripts:
             link.send(loaded.load, _ignore)
