@@ -21,6 +21,7 @@ from _redis_topologies import SentinelSetup
 from redis.credentials import CredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from _ports import free_port
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend, wire
 from polygateway.errors import GovernanceBackendError
@@ -222,3 +223,31 @@ async def test_a_connection_lost_while_the_primary_is_located_again_fails_what_w
         await link.aclose()
     assert isinstance(got, RedisConnectionError)
     assert "lost" in str(got)
+
+
+async def test_a_backend_used_again_after_aclose_writes_a_failed_release_again(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """Closed, then used again: a release refused by a server in transition is written again.
+
+    ``aclose`` gives up only on the releases written before it; the server
+    turned replica for a moment answers ``READONLY``, and the release must
+    free its permit once it is a primary again, not at lease expiry.
+    """
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=0.5)
+    try:
+        await backend.progress_age_s(SCOPE)
+        await backend.aclose()
+        lease = (await backend.acquire(SCOPE, [SPEC], ttl_s=30)).lease
+        assert lease is not None
+        with server.client() as admin:
+            admin.replicaof("127.0.0.1", str(free_port()))  # READONLY, its data kept
+            await backend.release(lease, SUCCESS)
+            await asyncio.sleep(0.2)
+            admin.replicaof("no", "one")
+        async with asyncio.timeout(BOUND_S):
+            while (await backend.snapshot(SCOPE)).in_flight:  # before: held for 30 s
+                await asyncio.sleep(0.05)
+    finally:
+        await backend.aclose()

@@ -270,7 +270,7 @@ class RedisBackend:
         "_ack_timeout_s",
         "_acks",
         "_class_args",
-        "_closed",
+        "_closes",
         "_deadlines",
         "_handoff_arg",
         "_listeners",
@@ -382,7 +382,8 @@ class RedisBackend:
         else:
             self._wire = Wire(endpoint, late_reply_s=_LATE_REPLY_S, scripts=loaded)
         self._retries: set[asyncio.TimerHandle] = set()
-        self._closed = False  # aclose was called: failed releases are no longer written again
+        # aclose calls so far: a release written before the last one is not written again.
+        self._closes = 0
         self._listeners = ReleaseListeners()
         # The waiting room of each scope this process waits in (its classes, who waits).
         self._listening: dict[str, ReleaseListener] = {}
@@ -869,6 +870,7 @@ class RedisBackend:
         Returns once the script is written (module docstring, "Releases are
         written behind"); without a connection up, once its reply came.
         """
+        closes = self._closes
         reply = self._release(lease, outcome)
         if reply is not None and reply.late is not None:
             try:
@@ -878,7 +880,7 @@ class RedisBackend:
                 if reply.waiter is not None and reply.waiter.done():
                     cause = reply.waiter.result()
                     if isinstance(cause, BaseException) and _worth_retrying(cause):
-                        self._retry_release(lease, outcome, None, _RELEASE_RETRY_FIRST_S)
+                        self._retry_release(lease, outcome, None, _RELEASE_RETRY_FIRST_S, closes)
                 raise
 
     def _release(
@@ -943,9 +945,13 @@ class RedisBackend:
             elif codec.is_one(reply):
                 self._listeners.released(scope)
 
+        closes = self._closes
+
         # Written at once on an open connection: nobody waits. Else queued: the caller waits.
         def failed(operation: str, scope: str, exc: BaseException) -> None:
-            if _worth_retrying(exc) and self._retry_release(lease, outcome, deadline, pause_s):
+            if _worth_retrying(exc) and self._retry_release(
+                lease, outcome, deadline, pause_s, closes
+            ):
                 if deadline is None:  # its first failure: said once, not at every retry
                     logger.warning(
                         "%s (written again until it succeeds or its lease expires)",
@@ -963,11 +969,21 @@ class RedisBackend:
         return None if waiter is None else reply
 
     def _retry_release(
-        self, lease: Lease, outcome: AttemptOutcome, deadline: float | None, pause_s: float
+        self,
+        lease: Lease,
+        outcome: AttemptOutcome,
+        deadline: float | None,
+        pause_s: float,
+        closes: int,
     ) -> bool:
-        """Write a failed release again after ``pause_s``; ``False`` once its lease has expired."""
-        if self._closed:
-            return False  # a closing backend stops writing (aclose); the lease expires
+        """Write a failed release again after ``pause_s``; ``False`` once its lease has expired.
+
+        Also ``False`` for a release written before the last ``aclose`` (``closes``:
+        the count of them then): closing gave it up, and many fail as the
+        connection closes, which would otherwise connect the backend again.
+        """
+        if closes != self._closes:
+            return False
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + lease.ttl_s
@@ -976,8 +992,6 @@ class RedisBackend:
 
         def again() -> None:
             self._retries.discard(handle)
-            if self._closed:
-                return
             self._release(
                 lease,
                 outcome,
@@ -1062,11 +1076,10 @@ class RedisBackend:
 
         They get one more socket timeout: a server still silent by then will not
         answer a closing backend, and what it runs later frees itself at lease
-        expiry. An injected client stays its owner's to close. From then on a
-        release that fails is not written again: not even those that closing
-        fails, which would otherwise connect again once closed.
+        expiry. An injected client stays its owner's to close. A release written
+        before is not written again when it fails (``_retry_release``).
         """
-        self._closed = True
+        self._closes += 1
         for handle in self._retries:
             handle.cancel()  # a closing backend stops writing; the leases expire
         self._retries.clear()
