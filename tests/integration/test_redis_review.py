@@ -251,3 +251,39 @@ async def test_a_backend_used_again_after_aclose_writes_a_failed_release_again(
                 await asyncio.sleep(0.05)
     finally:
         await backend.aclose()
+
+
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+def test_a_grant_whose_reply_outlived_its_event_loop_is_given_back_in_the_next(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """An acquire granted after its loop ended (reply never read) frees its permit in the next.
+
+    Its caller is gone with the loop; the reply sits unread in a connection
+    only that loop could read. The next loop leaves the connection and takes
+    the acquire as unanswered, so its lease id is released on its candidate.
+    """
+    server = make_redis_server()
+    backend = RedisBackend(server.url, socket_timeout_s=2.0)
+
+    async def acquire_in_flight_as_the_loop_ends() -> None:
+        await backend.progress_age_s(SCOPE)  # connected
+        server.pause()
+        asyncio.get_running_loop().create_task(backend.acquire(SCOPE, [SPEC], ttl_s=30))
+        await asyncio.sleep(0.05)  # written; asyncio.run cancels the caller when this returns
+
+    async def in_flight() -> int:
+        return (await backend.snapshot(SCOPE)).in_flight
+
+    try:
+        asyncio.run(acquire_in_flight_as_the_loop_ends())
+        server.resume()
+        with server.client() as admin:
+            deadline = time.monotonic() + BOUND_S
+            while not admin.exists(f"pgw:{{{SCOPE}}}:leases:a") and time.monotonic() < deadline:
+                time.sleep(0.01)  # the server ran the acquire: granted
+        assert asyncio.run(in_flight()) == 0  # before: 1, held until its lease expires
+    finally:
+        server.resume()
+        asyncio.run(backend.aclose())
+        gc.collect()

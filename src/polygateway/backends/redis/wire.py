@@ -66,12 +66,13 @@ classes, nothing else. What this module does:
   does a reply out of step or a byte stream ``hiredis`` cannot parse.
 - A connection belongs to the event loop it was made in. A backend shared
   per URL outlives it (a program that calls ``asyncio.run`` more than once):
-  used from another loop, the wire leaves that connection, and what was
-  pending or queued there (those callers belonged to the old loop), and
-  makes a new one. A loop that is closed can no longer close its sockets, so
-  the server is told (``shutdown``) and the socket is freed with its
-  transport, which warns as asyncio does for any transport never closed:
-  ``aclose`` a backend before its loop ends to spare that.
+  used from another loop, the wire leaves that connection (what was pending
+  there is ``Unanswered``; what was queued for a connection that loop was
+  making is dropped with it) and makes a new one. A loop that is closed
+  can no longer close its sockets, so the server is told (``shutdown``) and
+  the socket is freed with its transport, which warns as asyncio does for
+  any transport never closed: ``aclose`` a backend before its loop ends to
+  spare that.
 - Topologies (``Topology``): a ``Wire`` is the topology of one server. A
   Redis Cluster (``cluster.py``) holds a ``Wire`` per node and gives each a
   ``Redirect``: an error reply it names (``MOVED``, ``ASK``, ``TRYAGAIN``,
@@ -391,27 +392,31 @@ class Link(asyncio.Protocol):
             await asyncio.shield(lost)
 
     def leave(self) -> None:
-        """Give up a connection of an event loop that no longer runs; its callers are gone too.
+        """Give up a connection of an event loop that no longer runs, from the running one.
 
         Only that loop can close the transport: it is asked to, in case it runs
         again, and the socket is shut down so that the server drops the
-        connection now. Nothing pending is called back (its callers' futures
-        are that loop's).
+        connection now. What was pending is ``Unanswered``: written, its reply
+        never to be read (an acquire's late grant is given back from here).
         """
         self.open = False
-        self._pending.clear()
         self._on_down = None
         if self._watchdog is not None:
             self._watchdog.cancel()
         transport, loop = self._transport, self.loop
-        if transport is None or loop is None:
-            return
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        if not loop.is_closed():
-            transport.abort()
+        if transport is not None and loop is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            if not loop.is_closed():
+                transport.abort()
+        pending, self._pending = self._pending, deque()
+        for on_reply, _, _ in pending:
+            # A caller still waiting there has a future of that loop, which, closed, refuses
+            # to wake it: nobody would read the outcome anyway.
+            with contextlib.suppress(RuntimeError):
+                on_reply(Unanswered("connection left with its event loop"))
 
     def _fail(self, why: str) -> None:
         logger.warning("closing a Redis connection: %s", why)
@@ -682,12 +687,12 @@ class Wire:
         """
         loop = asyncio.get_running_loop()
         link, connecting = self._link, self._connecting
-        if link is not None and link.loop is not loop:
-            self._link = None
-            link.leave()
         if connecting is not None and connecting.get_loop() is not loop:
             self._connecting = None
             self._queue = []
+        if link is not None and link.loop is not loop:
+            self._link = None
+            link.leave()  # last: what it calls back may send again (to a new connection)
 
     async def drain(self) -> None:
         """Return once no reply is due (the caller bounds how long it waits)."""
