@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -287,3 +288,27 @@ def test_a_grant_whose_reply_outlived_its_event_loop_is_given_back_in_the_next(
         server.resume()
         asyncio.run(backend.aclose())
         gc.collect()
+
+
+HELLO_PASSWORD = "hello-pw-FAKE-5d1e"
+
+
+@pytest.mark.parametrize("injected", [False, True], ids=["url", "client"])
+async def test_a_server_refusing_hello_never_shows_the_password(
+    make_redis_server: Callable[..., Any], injected: bool
+) -> None:
+    """A server without ``HELLO`` (before Redis 6, or the command renamed away) echoes its
+    arguments, password included, in its error: neither the error nor its causes show it."""
+    server = make_redis_server("--rename-command", "HELLO", "", password=HELLO_PASSWORD)
+    client = aioredis.Redis(port=server.port, password=HELLO_PASSWORD) if injected else None
+    url = f"redis://127.0.0.1:{server.port}/0" if injected else server.url
+    backend = RedisBackend(url, client=client, socket_timeout_s=2.0)
+    try:
+        with pytest.raises(GovernanceBackendError, match="unknown command 'HELLO'") as caught:
+            await backend.progress_age_s(SCOPE)
+        shown = "".join(traceback.format_exception(caught.value))
+        assert HELLO_PASSWORD not in shown  # before: in the message (client) and its cause
+    finally:
+        await backend.aclose()
+        if client is not None:
+            await client.aclose()

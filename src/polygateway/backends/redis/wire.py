@@ -463,20 +463,33 @@ def _connect_error(address: str, exc: OSError) -> str:
     return f"Error {args[0]} connecting to {address}. {args[1]}."
 
 
-def _refused(reply: ResponseError) -> RedisError:
-    """A first command's error reply as redis-py raises it: auth errors apart, ``ERR`` dropped."""
-    code, _, detail = str(reply).partition(" ")
+def _refused(reply: ResponseError, credentials: tuple[str, str] | None) -> RedisError:
+    """A first command's error reply as redis-py raises it: auth errors apart, ``ERR`` dropped.
+
+    A refusal may quote the command, credentials and all: a server without
+    ``HELLO`` (before Redis 6, or the command renamed away) answers ``unknown
+    command 'HELLO', with args beginning with: ...``. The credentials sent
+    are masked in it (the user name too, unless it is ``default``).
+    """
+    text = str(reply)
+    if credentials is not None:
+        user, password = credentials
+        for secret in sorted({password, "" if user == "default" else user}, key=len, reverse=True):
+            if secret:
+                text = text.replace(secret, "***")
+    code, _, detail = text.partition(" ")
     if code in ("WRONGPASS", "NOAUTH") or (code, detail) == ("ERR", "invalid password"):
         return AuthenticationError(detail)
     if code == "ERR":
         return ResponseError(detail)
-    return reply
+    return ResponseError(text)
 
 
 async def _greet(endpoint: Endpoint, link: Link) -> None:
     """Send the handshake's commands pipelined; raise the first refusal once all have replied."""
+    credentials = await endpoint.credentials()
     commands = handshake(
-        await endpoint.credentials(),
+        credentials,
         endpoint.db,
         endpoint.client_name,
         primary_only=endpoint.primary_only,
@@ -494,7 +507,7 @@ async def _greet(endpoint: Endpoint, link: Link) -> None:
     await answered
     for reply in replies:
         if isinstance(reply, ResponseError):
-            raise _refused(reply)
+            raise _refused(reply, credentials)
         if isinstance(reply, Exception):
             raise reply
     if endpoint.primary_only:
