@@ -312,3 +312,38 @@ async def test_a_server_refusing_hello_never_shows_the_password(
         await backend.aclose()
         if client is not None:
             await client.aclose()
+
+
+class _FlakyCredentials(CredentialProvider):
+    """A password from a store that fails its first ``failures`` asks, then answers."""
+
+    def __init__(self, password: str, failures: int) -> None:
+        self.password = password
+        self.failures = failures
+
+    def get_credentials(self) -> tuple[str]:
+        raise NotImplementedError("asyncio only")
+
+    async def get_credentials_async(self) -> tuple[str]:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("credential store unreachable")
+        return (self.password,)
+
+
+async def test_the_wake_up_subscription_is_remade_after_a_credential_failure(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """The subscription's login failing with the provider's own error is retried, not fatal."""
+    server = make_redis_server(password=HELLO_PASSWORD)
+    client = aioredis.Redis(
+        port=server.port, credential_provider=_FlakyCredentials(HELLO_PASSWORD, failures=1)
+    )
+    backend = RedisBackend(f"redis://127.0.0.1:{server.port}/0", client=client)
+    try:
+        room_for(backend, SCOPE)  # the subscription starts: the first to ask for credentials
+        async with asyncio.timeout(BOUND_S):
+            await backend._wakeups.subscribed.wait()  # before: never (its task died)
+    finally:
+        await backend.aclose()
+        await client.aclose()

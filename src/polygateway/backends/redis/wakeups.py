@@ -148,6 +148,11 @@ class Wakeups:
                     # Waiters poll meanwhile; the next attempt is a pause away.
                     # redis-py's words name the server and the reason, never a credential.
                     logger.debug("wake-up subscription lost: %s: %s", type(exc).__name__, exc)
+                except Exception as exc:
+                    # Not redis-py's: an injected credential provider's own failure (a token
+                    # service down) reaches us as it raised it. Remade all the same, as the
+                    # module promises, and said louder: it may be a fault of ours as well.
+                    logger.warning("wake-up subscription failed: %s: %s", type(exc).__name__, exc)
                 finally:
                     self.subscribed.clear()
                     with contextlib.suppress(RedisError, OSError):
