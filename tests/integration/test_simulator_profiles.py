@@ -116,11 +116,16 @@ async def test_openai_shaped_wires_answer_a_completion_and_a_stream_role_first(
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
     contents = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
     assert len(contents) == 3
     assert "".join(contents) == whole
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop"}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
     assert "usage" not in chunks[-1]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "OCR_SUFFIXES",
+    "SYSTEM_FINGERPRINT",
     "ChatReply",
     "Event",
     "StreamPlan",
@@ -45,6 +46,9 @@ __all__ = [
 
 OCR_SUFFIXES = frozenset({".pdf", ".jpg", ".jpeg", ".png"})
 """File name endings MonkeyOCR accepts for an upload."""
+
+SYSTEM_FINGERPRINT = "fp_5e1f0c7a2b"
+"""The ``system_fingerprint`` of every OpenAI-shaped answer: one simulated backend configuration."""
 
 _FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
 
@@ -301,6 +305,9 @@ class StreamPlan:
 def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> StreamPlan:
     """The ``chat.completion.chunk`` objects of a stream: role, deltas, finish, then usage.
 
+    As OpenAI sends them: every chunk names the ``system_fingerprint`` and its
+    choice says ``"logprobs": null``; the role chunk says ``"refusal": null``.
+
     The usage chunk (empty ``choices``) comes only when the request set
     ``stream_options.include_usage``, and then every other chunk carries
     ``"usage": null``. The ``[DONE]`` sentinel is not a chunk; the server sends
@@ -308,12 +315,14 @@ def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> Stream
     """
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> Event:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         body: dict[str, Any] = {
             "id": reply.id,
             "object": "chat.completion.chunk",
             "created": reply.created,
             "model": reply.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [choice],
         }
         if include_usage:
             body["usage"] = None
@@ -328,11 +337,11 @@ def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> Stream
         start = {**call, "index": 0, "function": {"name": reply.tool_name, "arguments": ""}}
         args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
         body = (
-            chunk({"role": "assistant", "content": None, "tool_calls": [start]}),
+            chunk({"role": "assistant", "content": None, "tool_calls": [start], "refusal": None}),
             chunk({"tool_calls": [args]}),
         )
     else:
-        head = (chunk({"role": "assistant", "content": ""}),)
+        head = (chunk({"role": "assistant", "content": "", "refusal": None}),)
         body = tuple(chunk({"content": text}) for text in reply.runs(chunks))
     tail = [chunk({}, reply.finish_reason)]
     if include_usage:

@@ -1,0 +1,119 @@
+"""The simulator against the providers' public references: what OpenAI and Anthropic really send.
+
+``polygateway simulate`` runs as a user starts it (a subprocess on
+127.0.0.1), and its answers are read over real sockets with httpx. Faults no
+built-in profile plays come from a ``SimulatedUpstream`` on 127.0.0.1 in the
+test's own loop. The shapes pinned here are those of
+research-wiki/guides/providers.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from cli_run import cli_command, cli_env, interruptible
+
+MESSAGES = [{"role": "user", "content": "hello simulator"}]
+ANTHROPIC_HEADERS = {"x-api-key": "sk-test", "anthropic-version": "2023-06-01"}
+TIMEOUT_S = 10.0
+
+
+def _serve(*args: str) -> Iterator[str]:
+    """``polygateway simulate ARGS --port 0`` until the caller is done; yields its root URL."""
+    proc = subprocess.Popen(
+        cli_command("simulate", *args, "--port", "0"),
+        env=cli_env(),
+        preexec_fn=interruptible,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
+        assert found, (first, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        yield found.group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def anthropic_sim() -> Iterator[str]:
+    """``polygateway simulate --wire anthropic`` with one healthy source ``a``."""
+    yield from _serve("--sources", "a", "--wire", "anthropic")
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """A plain httpx client, bounded in time."""
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as c:
+        yield c
+
+
+def _data(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded except the ``[DONE]`` sentinel."""
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+async def _openai_stream(
+    client: httpx.AsyncClient, root: str, **extra: Any
+) -> tuple[httpx.Response, list[Any]]:
+    """A streamed chat completion from source ``a``: the answer and its data payloads."""
+    body = {"model": "gpt-sim", "messages": MESSAGES, "stream": True, **extra}
+    r = await client.post(f"{root}/a/v1/chat/completions", json=body)
+    return r, _data(r.text)
+
+
+async def test_openai_chunks_carry_fingerprint_logprobs_and_the_role_chunks_refusal(
+    client: httpx.AsyncClient, simulator: str
+) -> None:
+    """Chunks have ``system_fingerprint``, ``logprobs: null``; the role chunk ``refusal: null``."""
+    r, events = await _openai_stream(client, simulator)
+    assert r.status_code == 200
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    fingerprints = {c.get("system_fingerprint") for c in chunks}
+    assert len(fingerprints) == 1
+    (fingerprint,) = fingerprints
+    assert isinstance(fingerprint, str)
+    assert fingerprint.startswith("fp_")
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    choices = [c["choices"][0] for c in chunks]
+    assert all("logprobs" in ch and ch["logprobs"] is None for ch in choices)
+    assert choices[0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert all(ch["finish_reason"] is None for ch in choices[:-1])
+    assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_openai_usage_chunk_has_no_choices_and_the_others_say_usage_null(
+    client: httpx.AsyncClient, simulator: str
+) -> None:
+    """``include_usage``: a last chunk with ``choices: []`` and totals, ``usage: null`` before."""
+    _, events = await _openai_stream(client, simulator, stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert all("usage" in c and c["usage"] is None for c in chunks)
+    assert last["choices"] == []
+    assert last["object"] == "chat.completion.chunk"
+    assert last["id"] == chunks[0]["id"]
+    usage = last["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
