@@ -117,3 +117,25 @@ async def test_openai_usage_chunk_has_no_choices_and_the_others_say_usage_null(
     assert last["id"] == chunks[0]["id"]
     usage = last["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+
+
+async def test_openai_completion_carries_fingerprint_logprobs_and_refusal(
+    client: httpx.AsyncClient, simulator: str
+) -> None:
+    """A completion names its fingerprint; its choice says ``logprobs`` and ``refusal`` null."""
+    body = {"model": "gpt-sim", "messages": MESSAGES}
+    r = await client.post(f"{simulator}/a/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    completion = r.json()
+    assert completion["object"] == "chat.completion"
+    assert completion["system_fingerprint"].startswith("fp_")
+    (choice,) = completion["choices"]
+    assert "logprobs" in choice
+    assert choice["logprobs"] is None
+    assert choice["finish_reason"] == "stop"
+    message = choice["message"]
+    assert message["role"] == "assistant"
+    assert "refusal" in message
+    assert message["refusal"] is None
+    assert isinstance(message["content"], str)
+

@@ -266,16 +266,32 @@ _PLAIN: dict[str, Any] = {"string": "lorem", "integer": 1, "number": 1, "boolean
 
 
 def chat_completion(reply: ChatReply) -> dict[str, Any]:
-    """A non-streamed ``chat.completion`` object."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    """A non-streamed ``chat.completion`` object.
+
+    As OpenAI sends it: the ``system_fingerprint``, ``"logprobs": null`` in the
+    choice and ``"refusal": null`` in a message the model did not refuse.
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
     if reply.tool_name is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": [reply.tool_call()]}
+        message = {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "tool_calls": [reply.tool_call()],
+        }
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": reply.finish_reason,
+    }
     return {
         "id": reply.id,
         "object": "chat.completion",
         "created": reply.created,
         "model": reply.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason}],
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": [choice],
         "usage": reply.usage(),
     }
 
