@@ -139,3 +139,22 @@ async def test_openai_completion_carries_fingerprint_logprobs_and_refusal(
     assert message["refusal"] is None
     assert isinstance(message["content"], str)
 
+
+OPENAI_REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
+
+
+async def test_every_openai_answer_names_its_request_id_and_processing_time(
+    client: httpx.AsyncClient, simulator: str
+) -> None:
+    """Plain, streamed, refused: each a fresh ``x-request-id`` and its ``openai-processing-ms``."""
+    url = f"{simulator}/a/v1/chat/completions"
+    plain = await client.post(url, json={"model": "gpt-sim", "messages": MESSAGES})
+    streamed, _ = await _openai_stream(client, simulator)
+    refused = await client.post(url, json={"model": "gpt-sim"})
+    assert [r.status_code for r in (plain, streamed, refused)] == [200, 200, 400]
+    ids = [r.headers.get("x-request-id", "") for r in (plain, streamed, refused)]
+    assert all(OPENAI_REQUEST_ID.match(i) for i in ids), ids
+    assert len(set(ids)) == 3
+    for r in (plain, streamed, refused):
+        assert r.headers.get("openai-processing-ms", "").isdigit(), r.headers
+

@@ -90,10 +90,12 @@ from polygateway.simulator.wires import (
     error_in_200,
     error_response,
     forwarded,
+    identity_headers,
     malformed_body,
     malformed_event,
     mid_stream_errors,
     rate_limit_headers,
+    request_id,
     sse,
     stream_error,
 )
@@ -536,13 +538,15 @@ class _Endpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one request; the source's open-request count covers the whole response."""
+        arrived = self.state.now()
         request = Request(scope, receive)
         source = self.state.sources.get(request.path_params["source"])
         if source is None:
             unknown = request.path_params["source"]
-            await error_response(self._style(None), 404, f"unknown source {unknown!r}")(
-                scope, receive, send
-            )
+            style = self._style(None)
+            unknown_source = error_response(style, 404, f"unknown source {unknown!r}")
+            self._name(unknown_source, style, None, arrived)
+            await unknown_source(scope, receive, send)
             return
         style = self._style(source)
         recorder = source.recorder
@@ -571,11 +575,22 @@ class _Endpoint:
                 else:
                     admitted = True
                     response = await self._play(request, source, job, style, headers)
+            self._name(response, style, source, arrived)
             await response(scope, receive, send)
         finally:
             if admitted:
                 source.admitted -= 1
             recorder.leave()
+
+    def _name(
+        self, response: Response, style: Style, source: _Source | None, arrived: float
+    ) -> None:
+        """Put the request-id headers of ``style`` on ``response``, timed from ``arrived``."""
+        elapsed_ms = round(max(0.0, self.state.now() - arrived) * 1000)
+        headers = identity_headers(style, request_id(style), elapsed_ms)
+        if source is not None:
+            headers = self._out(source, style, headers)
+        response.headers.update(headers)
 
     def _out(self, source: _Source, style: Style, headers: Mapping[str, str]) -> dict[str, str]:
         """The headers as the source's wire returns them (LiteLLM's forwarded copies)."""

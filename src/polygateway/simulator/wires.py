@@ -49,10 +49,12 @@ __all__ = [
     "error_response",
     "forwarded",
     "go_duration",
+    "identity_headers",
     "malformed_body",
     "malformed_event",
     "mid_stream_errors",
     "rate_limit_headers",
+    "request_id",
     "rfc3339",
     "sse",
     "stream_error",
@@ -159,6 +161,25 @@ def back_off_headers(
     if wire in _MS_BACK_OFF:
         headers["retry-after-ms"] = str(round(seconds * 1000))
     return headers
+
+
+def request_id(style: Style) -> str:
+    """A fresh id of one request, in the form ``style`` names it (OpenAI: ``req_`` and 32 hex)."""
+    if style == "anthropic":
+        return f"req_sim{uuid.uuid4().hex[:21]}"
+    return f"req_{uuid.uuid4().hex}"
+
+
+def identity_headers(style: Style, rid: str, processing_ms: int) -> dict[str, str]:
+    """The headers naming a request on every answer in ``style``, whatever its status.
+
+    OpenAI sends ``x-request-id`` and ``openai-processing-ms`` (the time it took
+    to answer); a LiteLLM proxy of it forwards them. vLLM and Azure send neither
+    here: vLLM only when started with request-id headers enabled.
+    """
+    if style in ("openai", "litellm"):
+        return {"x-request-id": rid, "openai-processing-ms": str(processing_ms)}
+    return {}
 
 
 def forwarded(wire: Wire, headers: Mapping[str, str]) -> dict[str, str]:
