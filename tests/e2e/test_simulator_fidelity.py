@@ -158,3 +158,21 @@ async def test_every_openai_answer_names_its_request_id_and_processing_time(
     for r in (plain, streamed, refused):
         assert r.headers.get("openai-processing-ms", "").isdigit(), r.headers
 
+
+async def test_every_anthropic_answer_names_its_request_id_as_its_error_body_does(
+    client: httpx.AsyncClient, anthropic_sim: str
+) -> None:
+    """``request-id`` on every answer; an error body's ``request_id`` is that same id."""
+    url = f"{anthropic_sim}/a/v1/messages"
+    body = {"model": "claude-sim", "max_tokens": 64, "messages": MESSAGES}
+    plain = await client.post(url, headers=ANTHROPIC_HEADERS, json=body)
+    streamed = await client.post(url, headers=ANTHROPIC_HEADERS, json={**body, "stream": True})
+    refused = await client.post(url, headers=ANTHROPIC_HEADERS, json={"messages": MESSAGES})
+    assert [r.status_code for r in (plain, streamed, refused)] == [200, 200, 400]
+    ids = [r.headers.get("request-id", "") for r in (plain, streamed, refused)]
+    assert all(i.startswith("req_") and len(i) > len("req_") for i in ids), ids
+    assert len(set(ids)) == 3
+    error = refused.json()
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["request_id"] == ids[2]

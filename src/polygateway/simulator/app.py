@@ -306,6 +306,15 @@ def _json_body(body: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _stated_request_id(response: Response) -> str | None:
+    """The ``request_id`` an Anthropic error body states: its ``request-id`` header repeats it."""
+    if not isinstance(response, JSONResponse):
+        return None
+    data = _json_body(bytes(response.body))
+    rid = data.get("request_id") if data is not None else None
+    return rid if isinstance(rid, str) else None
+
+
 def _same(given: str | None, expected: str) -> bool:
     """Whether a presented key is the expected one, compared in constant time."""
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())
@@ -587,7 +596,8 @@ class _Endpoint:
     ) -> None:
         """Put the request-id headers of ``style`` on ``response``, timed from ``arrived``."""
         elapsed_ms = round(max(0.0, self.state.now() - arrived) * 1000)
-        headers = identity_headers(style, request_id(style), elapsed_ms)
+        rid = _stated_request_id(response) if style == "anthropic" else None
+        headers = identity_headers(style, rid or request_id(style), elapsed_ms)
         if source is not None:
             headers = self._out(source, style, headers)
         response.headers.update(headers)

@@ -174,11 +174,15 @@ def identity_headers(style: Style, rid: str, processing_ms: int) -> dict[str, st
     """The headers naming a request on every answer in ``style``, whatever its status.
 
     OpenAI sends ``x-request-id`` and ``openai-processing-ms`` (the time it took
-    to answer); a LiteLLM proxy of it forwards them. vLLM and Azure send neither
-    here: vLLM only when started with request-id headers enabled.
+    to answer); a LiteLLM proxy of it forwards them. Anthropic sends
+    ``request-id``, the id its error bodies repeat as ``request_id``. vLLM and
+    Azure send neither here: vLLM only when started with request-id headers
+    enabled.
     """
     if style in ("openai", "litellm"):
         return {"x-request-id": rid, "openai-processing-ms": str(processing_ms)}
+    if style == "anthropic":
+        return {"request-id": rid}
     return {}
 
 
@@ -219,7 +223,7 @@ def error_body(
         return {
             "type": "error",
             "error": {"type": error_type, "message": message},
-            "request_id": f"req_sim{uuid.uuid4().hex[:20]}",
+            "request_id": request_id("anthropic"),
         }
     if style == "azure" and status in _AZURE_GATEWAY_STATUSES:
         return {"error": {"code": str(status), "message": message}}
