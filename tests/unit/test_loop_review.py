@@ -7,24 +7,40 @@ waiting room, and the reason the call ended with.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from _closing import closing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from polygateway.backends.base import AcquireResult, SourceSpec
+from polygateway.backends.base import (
+    AcquireResult,
+    AttemptOutcome,
+    Lease,
+    ScopeSnapshot,
+    SourceSpec,
+)
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted
 from polygateway.middleware.waiting import room_for
 from polygateway.testing import (
     BoundedSleep,
+    Delay,
     FakeClock,
+    FakeTimers,
     FakeTransport,
+    Hang,
+    Recorder,
+    TransientError,
     chat_completion,
     gateway_settings,
+    settle,
 )
 from polygateway.transport.http import HttpRequest
 
@@ -102,3 +118,221 @@ class TestDeadlineAroundAcquire:
         assert caught.value.attempts == ()
         assert (await backend.snapshot("chat")).in_flight == 0
         assert room_for(backend, "chat").empty
+
+
+# --- no leak whatever happens: a randomised storm of calls, failures and cancellations ------
+
+_OUTCOMES = st.sampled_from(
+    [
+        "ok",
+        "503",
+        "429",
+        "429-hinted",
+        "slow-ok",
+        "slow-503",
+        "hang",
+        "bug",
+        "401",
+    ]
+)
+
+
+def _bug(request: HttpRequest) -> Any:
+    raise ValueError("a bug in the attempt, not a failure of the upstream")
+
+
+def _play(kind: str) -> Any:
+    """One scripted upstream answer, by name."""
+    if kind == "ok":
+        return chat_completion("ok")
+    if kind == "503":
+        return TransientError(status_code=503)
+    if kind == "429":
+        return TransientError(status_code=429)
+    if kind == "429-hinted":
+        return TransientError(status_code=429, retry_after_s=2.0)
+    if kind == "slow-ok":
+        return Delay(3.0, chat_completion("ok"), cut_at_timeout=True)
+    if kind == "slow-503":
+        return Delay(3.0, TransientError(status_code=503), cut_at_timeout=True)
+    if kind == "hang":
+        return Hang()
+    if kind == "401":
+        return TransientError(status_code=401)
+    return _bug
+
+
+class FlakyEmitter(Recorder):
+    """An emitter that raises on every other attempt record and on every call record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit_attempt(self, record: Any) -> None:
+        self.count += 1
+        if self.count % 2:
+            raise RuntimeError("emitter down")
+        super().emit_attempt(record)
+
+    def emit_call(self, record: Any) -> None:
+        raise RuntimeError("emitter down")
+
+
+class SuspendingBackend(MemoryBackend):
+    """A memory backend whose every operation takes ``delay_s`` of fake time, as Redis would.
+
+    Cancellation-safe as the protocol requires: a cancelled caller leaves the
+    operation to finish in a task of its own, and a grant nobody will use is given back.
+    """
+
+    __slots__ = ("_kept", "delay_s", "sleep")
+
+    def __init__(self, clock: FakeClock, sleep: Any, delay_s: float) -> None:
+        super().__init__(now=clock)
+        self.sleep = sleep
+        self.delay_s = delay_s
+        self._kept: set[asyncio.Future[Any]] = set()
+
+    async def _slowly(self, operation: Any, give_back: bool = False) -> Any:
+        async def run() -> Any:
+            await self.sleep(self.delay_s)
+            return await operation
+
+        task = asyncio.ensure_future(run())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._kept.add(task)
+            if give_back:
+                task.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, task: asyncio.Future[Any]) -> None:
+        lease = task.result().lease
+        if lease is not None:
+            self._kept.add(
+                asyncio.ensure_future(super().release(lease, AttemptOutcome("cancelled")))
+            )
+
+    async def acquire(
+        self,
+        scope: str,
+        candidates: Sequence[SourceSpec],
+        *,
+        cost_tokens: int = 0,
+        ttl_s: float,
+        priority_class: str = "",
+    ) -> AcquireResult:
+        inner = super().acquire(
+            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
+        )
+        result: AcquireResult = await self._slowly(inner, give_back=True)
+        return result
+
+    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
+        await self._slowly(super().release(lease, outcome))
+
+    async def progress_age_s(self, scope: str) -> float:
+        age: float = await self._slowly(super().progress_age_s(scope))
+        return age
+
+    async def snapshot(self, scope: str) -> ScopeSnapshot:
+        snap: ScopeSnapshot = await self._slowly(super().snapshot(scope))
+        return snap
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    answers=st.lists(_OUTCOMES, min_size=1, max_size=12),
+    calls=st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.floats(0.0, 40.0)),  # deadline_s
+            st.one_of(st.none(), st.floats(0.0, 60.0)),  # cancelled at
+            st.booleans(),  # fail_fast
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    concurrency=st.integers(1, 2),
+    backend_delay_s=st.sampled_from([0.0, 0.1, 0.7]),
+)
+def test_no_permit_or_waiter_is_left_whatever_happens(
+    answers: list[str],
+    calls: list[tuple[float | None, float | None, bool]],
+    concurrency: int,
+    backend_delay_s: float,
+) -> None:
+    """Failures, bugs, hangs, deadlines and cancellations at any time: nothing stays held."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        backend = SuspendingBackend(clock, timers.sleep, backend_delay_s)
+        answers_left = iter(itertools.cycle(answers))
+
+        def upstream(request: HttpRequest) -> Any:
+            return _play(next(answers_left))
+
+        transport = FakeTransport(clock=clock, sleep=timers.sleep, default=upstream)
+        chat = ChatClient(
+            gateway_settings(
+                {"name": "a", "max_concurrency": concurrency, "timeout_s": 5},
+                {"name": "b", "max_concurrency": 1, "timeout_s": 5},
+                stall_window_s=30.0,
+                poll_interval_s=0.5,
+                breaker_failures=2,
+                breaker_cooldown_s=4.0,
+                breaker_cooldown_max_s=8.0,
+            ),
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(9),
+            emitter=FlakyEmitter(),
+        )
+        try:
+            tasks = [
+                asyncio.ensure_future(
+                    chat.complete(MESSAGES, deadline_s=deadline_s, fail_fast=fail_fast)
+                )
+                for deadline_s, _, fail_fast in calls
+            ]
+            cancels = sorted((at, i) for i, (_, at, _) in enumerate(calls) if at is not None)
+            started = clock()
+            ended: dict[int, float] = {}
+            for i, task in enumerate(tasks):
+                task.add_done_callback(lambda _, i=i: ended.setdefault(i, clock() - started))
+            await settle(5)  # every call begins before time moves
+            for _ in range(2000):
+                if all(t.done() for t in tasks):
+                    break
+                while cancels and clock() - started >= cancels[0][0]:
+                    tasks[cancels.pop(0)[1]].cancel()
+                await timers.advance(0.25, turns=5)
+            assert all(t.done() for t in tasks), "a call never ended"
+            for i, (task, (deadline_s, _, fail_fast)) in enumerate(zip(tasks, calls, strict=True)):
+                if task.cancelled():
+                    continue
+                error = task.exception()
+                if isinstance(error, AllSourcesExhausted):
+                    assert error.reason != "no_runnable" or fail_fast
+                    assert error.reason != "deadline" or deadline_s is not None
+                if deadline_s is not None:
+                    # A hard bound: past it, at most an acquire in flight, a release and
+                    # the final error's snapshot.
+                    assert ended[i] <= deadline_s + 3 * backend_delay_s + 1e-6, (i, ended[i], error)
+            await timers.advance(5.0, turns=20)  # operations their cancelled callers left
+            assert backend.snapshot_now("chat").in_flight == 0
+            room = room_for(backend, "chat")
+            assert room.empty
+            assert room.asking == 0
+            assert all(in_use == 0 for _, in_use in room.by_class().values())
+        finally:
+            closing_ = asyncio.ensure_future(chat.aclose())
+            while not closing_.done():
+                await timers.advance(10.0, turns=5)
+            await closing_
+
+    asyncio.run(scenario())
