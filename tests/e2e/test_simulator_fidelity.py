@@ -20,6 +20,8 @@ import httpx
 import pytest
 from cli_run import cli_command, cli_env, interruptible
 
+from polygateway.simulator import FaultProfile, SimulatedUpstream
+
 MESSAGES = [{"role": "user", "content": "hello simulator"}]
 ANTHROPIC_HEADERS = {"x-api-key": "sk-test", "anthropic-version": "2023-06-01"}
 TIMEOUT_S = 10.0
@@ -176,3 +178,24 @@ async def test_every_anthropic_answer_names_its_request_id_as_its_error_body_doe
     assert error["type"] == "error"
     assert error["error"]["type"] == "invalid_request_error"
     assert error["request_id"] == ids[2]
+
+
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+async def test_openai_error_objects_in_a_200_and_in_a_stream_have_all_four_fields(
+    client: httpx.AsyncClient,
+) -> None:
+    """The ``error_body`` fault: ``{"error": {message, type, param, code}}``, plain or in band."""
+    async with SimulatedUpstream({"e": FaultProfile(rate_error_body=1.0)}) as sim:
+        url = f"{sim.base_url('e')}/chat/completions"
+        body = {"model": "gpt-sim", "messages": MESSAGES}
+        plain = await client.post(url, json=body)
+        streamed = await client.post(url, json={**body, "stream": True})
+    assert plain.status_code == 200
+    assert set(plain.json()["error"]) == OPENAI_ERROR_KEYS
+    assert plain.json()["error"]["type"] == "server_error"
+    errors = [e for e in _data(streamed.text) if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1
+    assert set(errors[0]["error"]) == OPENAI_ERROR_KEYS
+    assert errors[0]["error"]["type"] == "server_error"

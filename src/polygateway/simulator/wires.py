@@ -254,7 +254,7 @@ def error_in_200(wire: Wire) -> dict[str, Any]:
     """The body of the ``error_body`` fault: a 200 whose JSON is an error object."""
     if wire == "anthropic":
         return error_body("anthropic", 500, "simulated upstream error")
-    return {"error": {"message": "simulated upstream error", "type": "server_error", "code": None}}
+    return _openai_error(500, "simulated upstream error", None)
 
 
 def mid_stream_errors(wire: Wire) -> bool:
@@ -269,14 +269,18 @@ def mid_stream_errors(wire: Wire) -> bool:
 
 
 def stream_error(wire: Wire) -> Event:
-    """The in-band error event of the ``error_body`` fault of a stream on ``wire``."""
+    """The in-band error event of the ``error_body`` fault of a stream on ``wire``.
+
+    OpenAI's is its whole error object (``message``, ``type``, ``param``,
+    ``code``) as the data of an unnamed event.
+    """
     if wire == "anthropic":
         data = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
         return "error", data
     if wire == "litellm":
         message = "litellm.ServiceUnavailableError: simulated upstream error"
         return None, {"error": {"message": message, "type": None, "param": None, "code": "503"}}
-    return None, {"error": {"message": "simulated upstream error", "type": "server_error"}}
+    return None, _openai_error(500, "simulated upstream error", None)
 
 
 def malformed_body(style: Style) -> bytes:
