@@ -37,7 +37,9 @@ from polygateway.testing import (
     FakeTransport,
     Hang,
     Recorder,
+    StreamScript,
     TransientError,
+    chat_chunk_events,
     chat_completion,
     gateway_settings,
     settle,
@@ -139,6 +141,20 @@ _OUTCOMES = st.sampled_from(
 
 def _bug(request: HttpRequest) -> Any:
     raise ValueError("a bug in the attempt, not a failure of the upstream")
+
+
+def _play_stream(kind: str) -> Any:
+    """One scripted answer to a stream request, by name."""
+    events = chat_chunk_events(["a", "b", "c"])
+    if kind in ("ok", "429-hinted"):
+        return StreamScript(events, gap_s=1.0)
+    if kind == "slow-ok":
+        return StreamScript(events, gap_s=3.0)
+    if kind == "slow-503":
+        return StreamScript(events, fail_after=2)
+    if kind == "hang":
+        return StreamScript(events, hang_before_first=True)
+    return _play(kind)
 
 
 def _play(kind: str) -> Any:
@@ -256,12 +272,14 @@ class SuspendingBackend(MemoryBackend):
     ),
     concurrency=st.integers(1, 2),
     backend_delay_s=st.sampled_from([0.0, 0.1, 0.7]),
+    modes=st.lists(st.sampled_from(["complete", "stream", "bare-stream"]), min_size=1),
 )
 def test_no_permit_or_waiter_is_left_whatever_happens(
     answers: list[str],
     calls: list[tuple[float | None, float | None, bool]],
     concurrency: int,
     backend_delay_s: float,
+    modes: list[str],
 ) -> None:
     """Failures, bugs, hangs, deadlines and cancellations at any time: nothing stays held."""
 
@@ -272,7 +290,20 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
         answers_left = iter(itertools.cycle(answers))
 
         def upstream(request: HttpRequest) -> Any:
+            if isinstance(request.json, dict) and request.json.get("stream") is True:
+                return _play_stream(next(answers_left))
             return _play(next(answers_left))
+
+        async def read(mode: str, deadline_s: float | None, fail_fast: bool) -> Any:
+            if mode == "complete":
+                return await chat.complete(MESSAGES, deadline_s=deadline_s, fail_fast=fail_fast)
+            stream = chat.stream(MESSAGES, deadline_s=deadline_s, fail_fast=fail_fast)
+            if mode == "stream":
+                async with stream as chunks:
+                    return [chunk async for chunk in chunks]
+            async for _ in stream:  # a bare loop that stops at the first chunk
+                break
+            return None
 
         transport = FakeTransport(clock=clock, sleep=timers.sleep, default=upstream)
         chat = ChatClient(
@@ -294,10 +325,8 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
         )
         try:
             tasks = [
-                asyncio.ensure_future(
-                    chat.complete(MESSAGES, deadline_s=deadline_s, fail_fast=fail_fast)
-                )
-                for deadline_s, _, fail_fast in calls
+                asyncio.ensure_future(read(mode, deadline_s, fail_fast))
+                for (deadline_s, _, fail_fast), mode in zip(calls, itertools.cycle(modes))
             ]
             cancels = sorted((at, i) for i, (_, at, _) in enumerate(calls) if at is not None)
             started = clock()
@@ -310,7 +339,7 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
                     break
                 while cancels and clock() - started >= cancels[0][0]:
                     tasks[cancels.pop(0)[1]].cancel()
-                await timers.advance(0.25, turns=5)
+                await timers.advance(0.25, turns=20)
             assert all(t.done() for t in tasks), "a call never ended"
             for i, (task, (deadline_s, _, fail_fast)) in enumerate(zip(tasks, calls, strict=True)):
                 if task.cancelled():
