@@ -27,6 +27,7 @@ from polygateway.backends.base import (
 )
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
+from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted
 from polygateway.middleware.waiting import room_for
 from polygateway.testing import (
@@ -41,6 +42,7 @@ from polygateway.testing import (
     TransientError,
     chat_chunk_events,
     chat_completion,
+    embedding_body,
     gateway_settings,
     settle,
 )
@@ -360,6 +362,103 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
             assert all(in_use == 0 for _, in_use in room.by_class().values())
         finally:
             closing_ = asyncio.ensure_future(chat.aclose())
+            while not closing_.done():
+                await timers.advance(10.0, turns=5)
+            await closing_
+
+    asyncio.run(scenario())
+
+
+def _play_embed(kind: str) -> Any:
+    """One scripted answer to a one-text embedding batch, by name."""
+    if kind in ("ok", "slow-ok"):
+        body = embedding_body([[0.5, 0.25]])
+        return body if kind == "ok" else Delay(3.0, body, cut_at_timeout=True)
+    return _play(kind)
+
+
+def _progress_that_raises(progress: Any) -> None:
+    raise RuntimeError("the progress display has a bug")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    answers=st.lists(_OUTCOMES, min_size=1, max_size=12),
+    calls=st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.floats(0.0, 40.0)),  # deadline_s
+            st.one_of(st.none(), st.floats(0.0, 60.0)),  # cancelled at
+            st.booleans(),  # partial
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    backend_delay_s=st.sampled_from([0.0, 0.1, 0.7]),
+)
+def test_embedding_batches_leave_no_permit_or_waiter_whatever_happens(
+    answers: list[str],
+    calls: list[tuple[float | None, float | None, bool]],
+    backend_delay_s: float,
+) -> None:
+    """Batches of one call failing, hanging, cut or cancelled at any time: nothing stays held."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        backend = SuspendingBackend(clock, timers.sleep, backend_delay_s)
+        answers_left = iter(itertools.cycle(answers))
+        transport = FakeTransport(
+            clock=clock, sleep=timers.sleep, default=lambda _: _play_embed(next(answers_left))
+        )
+        emb = EmbeddingClient(
+            gateway_settings(
+                {"name": "a", "max_concurrency": 2, "timeout_s": 5, "max_batch_size": 1},
+                {"name": "b", "max_concurrency": 1, "timeout_s": 5, "max_batch_size": 1},
+                scope="embed",
+                kind="embed",
+                stall_window_s=30.0,
+                breaker_failures=2,
+                breaker_cooldown_s=4.0,
+                breaker_cooldown_max_s=8.0,
+            ),
+            "embed",
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(9),
+            emitter=FlakyEmitter(),
+        )
+        try:
+            tasks = [
+                asyncio.ensure_future(
+                    emb.embed(
+                        ["a", "b", "c"],
+                        partial=partial,
+                        deadline_s=deadline_s,
+                        on_progress=_progress_that_raises,
+                    )
+                )
+                for deadline_s, _, partial in calls
+            ]
+            cancels = sorted((at, i) for i, (_, at, _) in enumerate(calls) if at is not None)
+            started = clock()
+            await settle(5)
+            for _ in range(2000):
+                if all(t.done() for t in tasks):
+                    break
+                while cancels and clock() - started >= cancels[0][0]:
+                    tasks[cancels.pop(0)[1]].cancel()
+                await timers.advance(0.25, turns=20)
+            assert all(t.done() for t in tasks), "a call never ended"
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await timers.advance(5.0, turns=20)  # operations their cancelled callers left
+            assert backend.snapshot_now("embed").in_flight == 0
+            room = room_for(backend, "embed")
+            assert room.empty
+            assert room.asking == 0
+        finally:
+            closing_ = asyncio.ensure_future(emb.aclose())
             while not closing_.done():
                 await timers.advance(10.0, turns=5)
             await closing_
