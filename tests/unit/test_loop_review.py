@@ -29,7 +29,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted
-from polygateway.middleware.waiting import room_for
+from polygateway.middleware.waiting import Waiter, WaitingRoom, room_for
 from polygateway.testing import (
     BoundedSleep,
     Delay,
@@ -464,3 +464,78 @@ def test_embedding_batches_leave_no_permit_or_waiter_whatever_happens(
             await closing_
 
     asyncio.run(scenario())
+
+
+# --- the waiting room's order: FIFO per tenant, stride between classes ----------------------
+
+_SHARES = {"hi": 3.0, "lo": 1.0}
+_ROOM_STEP = st.one_of(
+    st.tuples(
+        st.just("enter"), st.sampled_from(sorted(_SHARES)), st.sampled_from(["", "t1", "t2"])
+    ),
+    st.tuples(st.just("grant"), st.just(""), st.just("")),
+    st.tuples(st.just("cancel"), st.integers(0, 50).map(str), st.just("")),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_ROOM_STEP, max_size=80))
+def test_room_keeps_arrival_order_per_tenant_and_starves_no_class(
+    steps: list[tuple[str, str, str]],
+) -> None:
+    """Random arrivals, grants and cancellations: each tenant's calls in ticket order; no class
+    that waits goes longer between two grants than the others' shares allow."""
+    room = WaitingRoom(_SHARES)
+    waiting: list[Waiter] = []
+    served_since: dict[str, int] = dict.fromkeys(_SHARES, 0)  # others' grants since its last
+    grants = 0
+    last_grant: dict[tuple[str, str], int] = {}  # (class, tenant): the number of its last grant
+    waits_since: dict[tuple[str, str], int] = {}  # (class, tenant): grants when it began to wait
+
+    def flow_of(w: Waiter) -> tuple[str, str]:
+        return (w.priority_class, w.tenant)
+
+    def forget_idle_flows() -> None:
+        for flow in list(waits_since):
+            if not any(flow_of(w) == flow for w in waiting):
+                del waits_since[flow]
+
+    for op, arg, tenant in steps:
+        if op == "enter":
+            was_waiting = any(w.priority_class == arg for w in waiting)
+            waiting.append(room.enter(priority_class=arg, tenant=tenant))
+            waits_since.setdefault((arg, tenant), grants)
+            if not was_waiting:
+                served_since[arg] = 0  # a class back from idle starts afresh
+        elif op == "cancel" and waiting:
+            room.leave(waiting.pop(int(arg) % len(waiting)))
+            forget_idle_flows()
+        elif op == "grant" and waiting:
+            head = room.head()
+            assert head is not None
+            same_flow = [
+                w.ticket
+                for w in waiting
+                if w.priority_class == head.priority_class and w.tenant == head.tenant
+            ]
+            assert head.ticket == min(same_flow)  # arrival order within a tenant of a class
+            waiting.remove(head)
+            room.leave(head, granted=True)
+            grants += 1
+            mine = flow_of(head)
+            previous = last_grant.get(mine)
+            if previous is not None:
+                # Round robin inside a class: a tenant of the class that has waited since
+                # before this tenant's previous grant had its own turn since.
+                for (klass, other), since in waits_since.items():
+                    if klass == head.priority_class and other != head.tenant and since < previous:
+                        assert last_grant.get((klass, other), -1) > previous, (mine, other)
+            last_grant[mine] = grants
+            forget_idle_flows()
+            served_since[head.priority_class] = 0
+            for name, share in _SHARES.items():
+                if name != head.priority_class and any(w.priority_class == name for w in waiting):
+                    served_since[name] += 1
+                    bound = sum(_SHARES.values()) / share + 1
+                    assert served_since[name] <= bound, (name, served_since)
+        assert len(room) == len(waiting)
