@@ -199,3 +199,35 @@ async def test_openai_error_objects_in_a_200_and_in_a_stream_have_all_four_field
     assert len(errors) == 1
     assert set(errors[0]["error"]) == OPENAI_ERROR_KEYS
     assert errors[0]["error"]["type"] == "server_error"
+
+
+async def test_openai_answer_cut_at_max_tokens_finishes_for_length(
+    client: httpx.AsyncClient, simulator: str
+) -> None:
+    """A reply cut at ``max_tokens`` says ``finish_reason: "length"``, plain and streamed."""
+    body = {"model": "gpt-sim", "messages": MESSAGES, "max_tokens": 2}
+    plain = await client.post(f"{simulator}/a/v1/chat/completions", json=body)
+    _, events = await _openai_stream(client, simulator, max_tokens=2)
+    (choice,) = plain.json()["choices"]
+    assert len(choice["message"]["content"].split()) == 2
+    assert plain.json()["usage"]["completion_tokens"] == 2
+    assert choice["finish_reason"] == "length"
+    finishes = [c["choices"][0]["finish_reason"] for c in events[:-1]]
+    assert finishes[-1] == "length"
+    assert set(finishes[:-1]) == {None}
+
+
+async def test_anthropic_answer_cut_at_max_tokens_stops_for_max_tokens(
+    client: httpx.AsyncClient, anthropic_sim: str
+) -> None:
+    """A reply cut at ``max_tokens`` says ``stop_reason: "max_tokens"``, plain and streamed."""
+    url = f"{anthropic_sim}/a/v1/messages"
+    body = {"model": "claude-sim", "max_tokens": 2, "messages": MESSAGES}
+    plain = await client.post(url, headers=ANTHROPIC_HEADERS, json=body)
+    streamed = await client.post(url, headers=ANTHROPIC_HEADERS, json={**body, "stream": True})
+    assert plain.json()["stop_reason"] == "max_tokens"
+    assert plain.json()["usage"]["output_tokens"] == 2
+    (delta,) = [e for e in _data(streamed.text) if e["type"] == "message_delta"]
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+    assert delta["usage"]["output_tokens"] == 2
+

@@ -91,6 +91,8 @@ class ChatReply:
     """The reply text when the request asked for JSON of a schema (``response_format``)."""
     tool_input: str = "{}"
     """The tool call's arguments: JSON text of an instance of the tool's schema."""
+    cut: bool = False
+    """Whether ``max_tokens`` cut the text short, which the finish reason then says."""
 
     @property
     def content(self) -> str:
@@ -101,8 +103,10 @@ class ChatReply:
 
     @property
     def finish_reason(self) -> str:
-        """``tool_calls`` when the reply is a tool call, else ``stop``."""
-        return "tool_calls" if self.tool_name is not None else "stop"
+        """``tool_calls`` for a tool call, ``length`` for a text cut short, else ``stop``."""
+        if self.tool_name is not None:
+            return "tool_calls"
+        return "length" if self.cut else "stop"
 
     @property
     def completion_tokens(self) -> int:
@@ -161,7 +165,9 @@ def chat_reply(
         words.append(_FILLER[i % len(_FILLER)])
         i += 1
     max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
+    cut = False
     if isinstance(max_tokens, int) and max_tokens > 0:
+        cut = len(words) > max_tokens
         words = words[:max_tokens]
     tool_name: str | None = None
     tool_input = "{}"
@@ -190,6 +196,8 @@ def chat_reply(
         prompt_tokens=_tokens(prompt),
         json_text=json_text,
         tool_input=tool_input,
+        # A JSON answer is written whole, whatever max_tokens says.
+        cut=cut and json_text is None,
     )
 
 
@@ -374,8 +382,10 @@ def _message_id(reply: ChatReply) -> str:
 
 
 def _stop_reason(reply: ChatReply) -> str:
-    """Anthropic's ``stop_reason``: ``tool_use`` for a tool call, else ``end_turn``."""
-    return "tool_use" if reply.tool_name is not None else "end_turn"
+    """Anthropic's ``stop_reason``: ``tool_use``, ``max_tokens`` (text cut short), ``end_turn``."""
+    if reply.tool_name is not None:
+        return "tool_use"
+    return "max_tokens" if reply.cut else "end_turn"
 
 
 def _tool_use_id(reply: ChatReply) -> str:
