@@ -231,3 +231,67 @@ async def test_anthropic_answer_cut_at_max_tokens_stops_for_max_tokens(
     assert delta["delta"]["stop_reason"] == "max_tokens"
     assert delta["usage"]["output_tokens"] == 2
 
+
+async def test_anthropic_stream_plays_the_documented_event_flow(
+    client: httpx.AsyncClient, anthropic_sim: str
+) -> None:
+    """message_start (full message), block start, ping, deltas, block stop, message_delta, stop."""
+    url = f"{anthropic_sim}/a/v1/messages"
+    body = {"model": "claude-sim", "max_tokens": 64, "messages": MESSAGES, "stream": True}
+    r = await client.post(url, headers=ANTHROPIC_HEADERS, json=body)
+    names = [
+        line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event:")
+    ]
+    events = _data(r.text)
+    assert [e["type"] for e in events] == names
+    assert "[DONE]" not in r.text
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    message = events[0]["message"]
+    assert message["id"].startswith("msg_")
+    assert (message["type"], message["role"], message["content"]) == ("message", "assistant", [])
+    assert message["model"] == "claude-sim"
+    assert message["stop_reason"] is None
+    assert message["stop_sequence"] is None
+    assert set(message["usage"]) >= {"input_tokens", "output_tokens"}
+    text = "".join(e["delta"]["text"] for e in events[3:-3])
+    final = events[-2]
+    assert final["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert final["usage"]["output_tokens"] == len(text.split())
+
+
+async def test_anthropic_overload_is_a_529_overloaded_error_naming_its_request(
+    client: httpx.AsyncClient,
+) -> None:
+    """529 ``{"type": "error", "error": {"type": "overloaded_error", ...}, "request_id"}``."""
+    overloaded = FaultProfile(wire="anthropic", rate_5xx=1.0, statuses_5xx=(529,))
+    async with SimulatedUpstream({"o": overloaded}) as sim:
+        body = {"model": "claude-sim", "max_tokens": 8, "messages": MESSAGES}
+        r = await client.post(f"{sim.url}/o/v1/messages", headers=ANTHROPIC_HEADERS, json=body)
+    assert r.status_code == 529
+    error = r.json()
+    assert set(error) == {"type", "error", "request_id"}
+    assert error["type"] == "error"
+    assert error["error"] == {"type": "overloaded_error", "message": "Overloaded"}
+    assert error["request_id"] == r.headers["request-id"]
+
+
+async def test_openai_embeddings_are_a_list_of_embedding_objects_with_usage(
+    client: httpx.AsyncClient, simulator: str
+) -> None:
+    """``object: "list"``, ``data[].object: "embedding"`` in input order, prompt/total tokens."""
+    body = {"model": "emb-sim", "input": ["first text here", "second one"]}
+    r = await client.post(f"{simulator}/a/v1/embeddings", json=body)
+    answer = r.json()
+    assert r.status_code == 200
+    assert answer["object"] == "list"
+    assert answer["model"] == "emb-sim"
+    assert [(d["object"], d["index"]) for d in answer["data"]] == [
+        ("embedding", 0),
+        ("embedding", 1),
+    ]
+    assert all(isinstance(x, float) for d in answer["data"] for x in d["embedding"])
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > 0
+    assert OPENAI_REQUEST_ID.match(r.headers["x-request-id"])
