@@ -36,6 +36,7 @@ from polygateway.testing import (
     FakeClock,
     FakeTimers,
     FakeTransport,
+    Gate,
     Hang,
     Recorder,
     StreamScript,
@@ -539,3 +540,78 @@ def test_room_keeps_arrival_order_per_tenant_and_starves_no_class(
                     bound = sum(_SHARES.values()) / share + 1
                     assert served_since[name] <= bound, (name, served_since)
         assert len(room) == len(waiting)
+
+
+# --- the breaker's half-open probe, as waiting calls see it ----------------------------------
+
+
+async def test_half_open_breaker_lets_exactly_one_probe_through_a_crowd() -> None:
+    """Cool-down over with five calls waiting: one request reaches the source until it answers."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    backend = MemoryBackend(now=clock)
+    probe = Gate(chat_completion("probe"))
+    transport = FakeTransport(
+        [TransientError(status_code=503), probe],
+        clock=clock,
+        sleep=timers.sleep,
+        default=chat_completion("after"),
+    )
+    chat = closing(
+        ChatClient(
+            gateway_settings(
+                {"name": "primary", "max_concurrency": 8},
+                breaker_failures=1,
+                breaker_cooldown_s=4.0,
+                breaker_cooldown_max_s=4.0,
+                max_attempts=5,
+            ),
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(2),
+        )
+    )
+    first = asyncio.ensure_future(chat.complete(MESSAGES))
+    await settle()
+    crowd = [asyncio.ensure_future(chat.complete(MESSAGES)) for _ in range(5)]
+    await settle()
+    assert len(transport.requests) == 1  # the failure that tripped the breaker
+    await timers.advance(10.0)  # the cool-down passes while every call waits
+    await probe.wait_entered()
+    for _ in range(8):
+        await timers.advance(1.0)
+    assert probe.entered == 1
+    assert len(transport.requests) == 2  # the probe alone, however long it takes
+    probe.open()
+    for _ in range(20):
+        await timers.advance(1.0)
+    answers = await asyncio.gather(first, *crowd)
+    assert sorted(a.text for a in answers).count("probe") == 1
+    assert (await backend.snapshot("chat")).in_flight == 0
+    assert room_for(backend, "chat").empty
+
+
+async def test_a_429s_retry_after_pauses_only_its_own_source() -> None:
+    """A 429 asking for 30 s pauses that source alone: calls go on at once to the other one."""
+    clock = FakeClock()
+    backend = MemoryBackend(now=clock)
+    chat, transport = make_chat(
+        clock,
+        {
+            "first": [TransientError(status_code=429, retry_after_s=30.0)],
+            "second": [chat_completion("second")] * 3,
+        },
+        backend=backend,
+        sources=({"name": "first", "priority": 0}, {"name": "second", "priority": 1}),
+    )
+    started = clock()
+    answers = [await chat.complete(MESSAGES) for _ in range(3)]
+    assert [a.text for a in answers] == ["second"] * 3
+    assert transport.sources_called() == ["first", "second", "second", "second"]
+    assert clock() == started  # nobody waited for the paused source
+    snapshot = await backend.snapshot("chat")
+    paused = {s.name: s.paced_for_s for s in snapshot.sources}
+    assert paused["first"] == pytest.approx(30.0)
+    assert paused["second"] is None
