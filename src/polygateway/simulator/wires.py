@@ -8,13 +8,15 @@ research-wiki/guides/providers.md:
 - ``openai``: errors ``{"error": {message, type, param, code}}``; every
   response of a limited source carries ``x-ratelimit-{limit,remaining,reset}-
   {requests,tokens}`` (resets as Go durations: ``17ms``, ``1s``, ``6m0s``);
-  back-off in ``retry-after`` and ``retry-after-ms``.
+  back-off in ``retry-after`` and ``retry-after-ms``; every answer names its
+  request in ``x-request-id`` and its time in ``openai-processing-ms``.
 - ``azure``: the same bodies, but its gateway errors (401, 404, 429) are
   ``{"error": {"code": "<status>", "message"}}``; only
   ``x-ratelimit-remaining-{requests,tokens}``.
 - ``anthropic``: errors ``{"type": "error", "error": {type, message},
   "request_id"}``; ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,
   reset}`` (reset as an RFC 3339 time); back-off in ``retry-after`` only;
+  every answer names its request in ``request-id`` (the body's ``request_id``);
   named SSE events, errors mid-stream as ``event: error``.
 - ``litellm``: OpenAI's, plus every provider header again under the
   ``llm_provider-`` prefix; stream errors in band as ``data: {"error": ...}``.
