@@ -182,20 +182,40 @@ def _play(kind: str) -> Any:
 
 
 class FlakyEmitter(Recorder):
-    """An emitter that raises on every other attempt record and on every call record."""
+    """An emitter that keeps every record, then raises on every other one it is handed."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
-    def emit_attempt(self, record: Any) -> None:
+    def _fail_now(self) -> None:
         self.count += 1
         if self.count % 2:
             raise RuntimeError("emitter down")
+
+    def emit_attempt(self, record: Any) -> None:
         super().emit_attempt(record)
+        self._fail_now()
 
     def emit_call(self, record: Any) -> None:
-        raise RuntimeError("emitter down")
+        super().emit_call(record)
+        self._fail_now()
+
+
+_CHARGED = frozenset({"transient", "source_misconfigured"})
+"""Attempt outcomes a chat call charges to ``max_attempts`` (its 429s are free)."""
+
+
+def check_call_ends(emitter: FlakyEmitter, *, window_s: float, max_attempts: int) -> None:
+    """Each call ended for a reason the stall budget and the retry budget allow."""
+    for call in emitter.calls:
+        attempts = [r for r in emitter.records if r.call_id == call.call_id]
+        if call.outcome == "stalled":
+            assert call.stalled_s > window_s, call
+        if call.outcome == "retry_exhausted":
+            charged = [r for r in attempts if r.outcome in _CHARGED]
+            refused = {r.source for r in attempts if r.outcome == "source_misconfigured"}
+            assert len(charged) >= max_attempts or refused == {"a", "b"}, (call, attempts)
 
 
 class SuspendingBackend(MemoryBackend):
@@ -309,6 +329,7 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
             return None
 
         transport = FakeTransport(clock=clock, sleep=timers.sleep, default=upstream)
+        emitter = FlakyEmitter()
         chat = ChatClient(
             gateway_settings(
                 {"name": "a", "max_concurrency": concurrency, "timeout_s": 5},
@@ -324,7 +345,7 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
             now=clock,
             sleep=timers.sleep,
             rng=random.Random(9),
-            emitter=FlakyEmitter(),
+            emitter=emitter,
         )
         try:
             tasks = [
@@ -355,6 +376,7 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
                     # A hard bound: past it, at most an acquire in flight, a release and
                     # the final error's snapshot.
                     assert ended[i] <= deadline_s + 3 * backend_delay_s + 1e-6, (i, ended[i], error)
+            check_call_ends(emitter, window_s=30.0, max_attempts=3)
             await timers.advance(5.0, turns=20)  # operations their cancelled callers left
             assert backend.snapshot_now("chat").in_flight == 0
             room = room_for(backend, "chat")
