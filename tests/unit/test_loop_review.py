@@ -124,6 +124,21 @@ class TestDeadlineAroundAcquire:
         assert (await backend.snapshot("chat")).in_flight == 0
         assert room_for(backend, "chat").empty
 
+    async def test_stream_whose_deadline_passed_during_acquire_opens_nothing(self) -> None:
+        """The same for a stream: "deadline" as it opens, no request, the permit back."""
+        clock = FakeClock()
+        backend = SlowAcquire(clock, delay_s=2.0)
+        chat, transport = make_chat(
+            clock, [StreamScript(chat_chunk_events(["late"]))], backend=backend
+        )
+        with pytest.raises(AllSourcesExhausted) as caught:
+            async with chat.stream(MESSAGES, deadline_s=1.0) as stream:
+                _ = [chunk async for chunk in stream]
+        assert caught.value.reason == "deadline"
+        assert transport.requests == []
+        assert (await backend.snapshot("chat")).in_flight == 0
+        assert room_for(backend, "chat").empty
+
 
 # --- no leak whatever happens: a randomised storm of calls, failures and cancellations ------
 
