@@ -29,6 +29,7 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted
+from polygateway.middleware.lifecycle import GovernedClient
 from polygateway.middleware.waiting import Waiter, WaitingRoom, room_for
 from polygateway.testing import (
     BoundedSleep,
@@ -296,6 +297,48 @@ class SuspendingBackend(MemoryBackend):
         return snap
 
 
+async def drive(
+    tasks: Sequence[asyncio.Future[Any]], cancel_at: Sequence[float | None], timers: FakeTimers
+) -> list[float]:
+    """Move fake time on until every call has ended, cancelling each at its time, if any.
+
+    Returns how long each call ran. Fails the test if one is still running 500 s in.
+    """
+    clock = timers.clock
+    started = clock()
+    cancels = sorted((at, i) for i, at in enumerate(cancel_at) if at is not None)
+    ended: dict[int, float] = {}
+    for i, task in enumerate(tasks):
+        task.add_done_callback(lambda _, i=i: ended.setdefault(i, clock() - started))
+    await settle(5)  # every call begins before time moves
+    for _ in range(2000):
+        if all(t.done() for t in tasks):
+            break
+        while cancels and clock() - started >= cancels[0][0]:
+            tasks[cancels.pop(0)[1]].cancel()
+        await timers.advance(0.25, turns=20)
+    assert all(t.done() for t in tasks), "a call never ended"
+    return [ended[i] for i in range(len(tasks))]
+
+
+async def assert_nothing_left(backend: MemoryBackend, scope: str, timers: FakeTimers) -> None:
+    """Once the operations cancelled callers left behind have run: no permit, no waiter."""
+    await timers.advance(5.0, turns=20)
+    assert backend.snapshot_now(scope).in_flight == 0
+    room = room_for(backend, scope)
+    assert room.empty
+    assert room.asking == 0
+    assert all(in_use == 0 for _, in_use in room.by_class().values())
+
+
+async def close_on_fake_time(client: GovernedClient, timers: FakeTimers) -> None:
+    """Close ``client`` while fake time moves (its grace is a fake sleep)."""
+    closing_ = asyncio.ensure_future(client.aclose())
+    while not closing_.done():
+        await timers.advance(10.0, turns=5)
+    await closing_
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     answers=st.lists(_OUTCOMES, min_size=1, max_size=12),
@@ -367,19 +410,7 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
                 asyncio.ensure_future(read(mode, deadline_s, fail_fast))
                 for (deadline_s, _, fail_fast), mode in zip(calls, itertools.cycle(modes))
             ]
-            cancels = sorted((at, i) for i, (_, at, _) in enumerate(calls) if at is not None)
-            started = clock()
-            ended: dict[int, float] = {}
-            for i, task in enumerate(tasks):
-                task.add_done_callback(lambda _, i=i: ended.setdefault(i, clock() - started))
-            await settle(5)  # every call begins before time moves
-            for _ in range(2000):
-                if all(t.done() for t in tasks):
-                    break
-                while cancels and clock() - started >= cancels[0][0]:
-                    tasks[cancels.pop(0)[1]].cancel()
-                await timers.advance(0.25, turns=20)
-            assert all(t.done() for t in tasks), "a call never ended"
+            ended = await drive(tasks, [at for _, at, _ in calls], timers)
             for i, (task, (deadline_s, _, fail_fast)) in enumerate(zip(tasks, calls, strict=True)):
                 if task.cancelled():
                     continue
@@ -392,17 +423,9 @@ def test_no_permit_or_waiter_is_left_whatever_happens(
                     # the final error's snapshot.
                     assert ended[i] <= deadline_s + 3 * backend_delay_s + 1e-6, (i, ended[i], error)
             check_call_ends(emitter, window_s=30.0, max_attempts=3)
-            await timers.advance(5.0, turns=20)  # operations their cancelled callers left
-            assert backend.snapshot_now("chat").in_flight == 0
-            room = room_for(backend, "chat")
-            assert room.empty
-            assert room.asking == 0
-            assert all(in_use == 0 for _, in_use in room.by_class().values())
+            await assert_nothing_left(backend, "chat", timers)
         finally:
-            closing_ = asyncio.ensure_future(chat.aclose())
-            while not closing_.done():
-                await timers.advance(10.0, turns=5)
-            await closing_
+            await close_on_fake_time(chat, timers)
 
     asyncio.run(scenario())
 
@@ -479,27 +502,11 @@ def test_embedding_batches_leave_no_permit_or_waiter_whatever_happens(
                 )
                 for deadline_s, _, partial in calls
             ]
-            cancels = sorted((at, i) for i, (_, at, _) in enumerate(calls) if at is not None)
-            started = clock()
-            await settle(5)
-            for _ in range(2000):
-                if all(t.done() for t in tasks):
-                    break
-                while cancels and clock() - started >= cancels[0][0]:
-                    tasks[cancels.pop(0)[1]].cancel()
-                await timers.advance(0.25, turns=20)
-            assert all(t.done() for t in tasks), "a call never ended"
+            await drive(tasks, [at for _, at, _ in calls], timers)
             await asyncio.gather(*tasks, return_exceptions=True)
-            await timers.advance(5.0, turns=20)  # operations their cancelled callers left
-            assert backend.snapshot_now("embed").in_flight == 0
-            room = room_for(backend, "embed")
-            assert room.empty
-            assert room.asking == 0
+            await assert_nothing_left(backend, "embed", timers)
         finally:
-            closing_ = asyncio.ensure_future(emb.aclose())
-            while not closing_.done():
-                await timers.advance(10.0, turns=5)
-            await closing_
+            await close_on_fake_time(emb, timers)
 
     asyncio.run(scenario())
 
