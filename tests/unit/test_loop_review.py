@@ -659,3 +659,45 @@ async def test_a_429s_retry_after_pauses_only_its_own_source() -> None:
     paused = {s.name: s.paced_for_s for s in snapshot.sources}
     assert paused["first"] == pytest.approx(30.0)
     assert paused["second"] is None
+
+
+_FLOOR_STEP = st.one_of(
+    st.tuples(st.just("enter"), st.sampled_from(sorted(_SHARES))),
+    st.tuples(st.just("grant"), st.just("")),
+    st.tuples(st.just("release"), st.sampled_from(sorted(_SHARES))),
+    st.tuples(st.just("cancel"), st.integers(0, 50).map(str)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_FLOOR_STEP, max_size=80))
+def test_room_serves_a_class_below_its_floor_first_and_counts_permits(
+    steps: list[tuple[str, str]],
+) -> None:
+    """A waiting class holding fewer permits than it reserves is always the one that asks next."""
+    floors = {"lo": 1}
+    room = WaitingRoom(_SHARES, floors)
+    waiting: list[Waiter] = []
+    held = dict.fromkeys(_SHARES, 0)
+    for op, arg in steps:
+        if op == "enter":
+            waiting.append(room.enter(priority_class=arg))
+        elif op == "cancel" and waiting:
+            room.leave(waiting.pop(int(arg) % len(waiting)))
+        elif op == "release" and held[arg]:
+            held[arg] -= 1
+            room.unhold(room.slot(arg))
+        elif op == "grant" and waiting:
+            head = room.head()
+            assert head is not None
+            below = {
+                w.priority_class
+                for w in waiting
+                if held[w.priority_class] < floors.get(w.priority_class, 0)
+            }
+            assert not below or head.priority_class in below, (head.priority_class, held)
+            waiting.remove(head)
+            room.leave(head, granted=True)
+            room.hold(room.slot(head.priority_class))
+            held[head.priority_class] += 1
+        assert {name: in_use for name, (_, in_use) in room.by_class().items()} == held
