@@ -33,6 +33,7 @@ from polygateway.middleware.lifecycle import GovernedClient
 from polygateway.middleware.waiting import Waiter, WaitingRoom, room_for
 from polygateway.testing import (
     BoundedSleep,
+    CountingBackend,
     Delay,
     FakeClock,
     FakeTimers,
@@ -701,3 +702,40 @@ def test_room_serves_a_class_below_its_floor_first_and_counts_permits(
             room.hold(room.slot(head.priority_class))
             held[head.priority_class] += 1
         assert {name: in_use for name, (_, in_use) in room.by_class().items()} == held
+
+
+async def test_a_crowd_waiting_costs_one_poll_per_interval_not_one_per_call() -> None:
+    """Ten calls wait 100 s for a permit held elsewhere: only the head polls, every [p/2, p]."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    inner = MemoryBackend(now=clock)
+    backend = CountingBackend(inner)
+    held = await inner.acquire("chat", [SourceSpec("primary", max_concurrency=1)], ttl_s=1e6)
+    assert held.lease is not None
+    transport = FakeTransport(clock=clock, sleep=timers.sleep, default=chat_completion("ok"))
+    chat = closing(
+        ChatClient(
+            gateway_settings(
+                {"name": "primary", "max_concurrency": 1},
+                stall_window_s=3600.0,
+                poll_interval_s=0.5,
+            ),
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=timers.sleep,
+            rng=random.Random(4),
+        )
+    )
+    crowd = [asyncio.ensure_future(chat.complete(MESSAGES)) for _ in range(10)]
+    await settle()
+    for _ in range(100):
+        await timers.advance(1.0)
+    polls = backend.calls.get("acquire", 0)
+    assert 100 / 0.5 <= polls <= 1 + 100 / 0.25  # the head's jittered polls, and nobody else's
+    assert backend.calls.get("progress_age_s", 0) == 0
+    await inner.release(held.lease, AttemptOutcome("cancelled"))
+    for _ in range(10):
+        await timers.advance(1.0)
+    assert [a.text for a in await asyncio.gather(*crowd)] == ["ok"] * 10
+    assert (await inner.snapshot("chat")).in_flight == 0
