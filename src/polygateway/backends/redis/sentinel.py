@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -68,6 +69,8 @@ from polygateway.backends.redis.wakeups import pubsub_client
 from polygateway.backends.redis.wire import OnReply, Script, Wire, command
 
 __all__ = ["SentinelPrimary"]
+
+logger = logging.getLogger("polygateway.backends.redis")
 
 
 class SentinelPrimary:
@@ -217,6 +220,12 @@ class SentinelPrimary:
                             self._announced(message)
                 except (RedisError, OSError):
                     pass  # the next Sentinel; the wire follows failovers without us meanwhile
+                except Exception as exc:  # a bug: nobody awaits this task, so say it and go on
+                    logger.warning(
+                        "Sentinel %s: +switch-master listener failed: %r",
+                        sentinel.endpoint.address,
+                        exc,
+                    )
                 finally:
                     await client.aclose()
             self._subscribed.set()  # tried them all: the first connection waits no longer
