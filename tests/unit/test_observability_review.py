@@ -20,6 +20,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler, SamplingResult
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -40,12 +41,14 @@ from polygateway.errors import StreamInterrupted
 from polygateway.middleware.gauges import LiveGauges
 from polygateway.middleware.telemetry import AttemptStart, ClientInfo, PrometheusEmitter
 from polygateway.models import AttemptRecord, CallRecord
+from polygateway.ocr import OcrClient
 from polygateway.testing import (
     BoundedSleep,
     FakeClock,
     FakeTransport,
     Recorder,
     StreamScript,
+    TransientError,
     chat_chunk_events,
     chat_completion,
     gateway_settings,
@@ -193,6 +196,160 @@ def test_a_live_call_served_by_an_attempt_without_a_live_span_names_its_answer(
     assert call_span.name == "chat claude-x"
     assert attrs(call_span)["gen_ai.response.model"] == "claude-x-2026"
     assert attrs(call_span)["gen_ai.response.finish_reasons"] == ("stop",)
+
+
+# --- live spans: the source a call span names -------------------------------------------------
+
+
+class StartAttributes(Sampler):
+    """Samples every span, keeping the name and attributes each had as it started."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def should_sample(
+        self,
+        parent_context: Any,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Any = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        self.seen.append((name, dict(attributes or {})))
+        return ALWAYS_ON.should_sample(parent_context, trace_id, name, kind, attributes, links)
+
+    def get_description(self) -> str:
+        return "StartAttributes"
+
+
+SOURCE_KEYS = (
+    "gen_ai.request.model",
+    "gen_ai.provider.name",
+    "server.address",
+    "server.port",
+    "polygateway.source",
+)
+
+
+def source_attrs(span: ReadableSpan) -> dict[str, Any]:
+    return {key: value for key, value in attrs(span).items() if key in SOURCE_KEYS}
+
+
+@pytest.mark.parametrize("propagate", [False, True], ids=["retroactive", "live"])
+async def test_an_ocr_call_failed_over_to_a_source_without_a_model_names_no_model(
+    propagate: bool,
+) -> None:
+    """Vision (``vl-1``) fails, MonkeyOCR (no model) serves: the call span names MonkeyOCR only.
+
+    A live call span starts before the call knows its source, so it starts
+    with what every source of the scope shares (here the operation and the
+    scope: what a sampler sees) and takes the serving source's attributes
+    from the call's record; each attempt span keeps its own source's.
+    """
+    exporter = InMemorySpanExporter()
+    sampler = StartAttributes()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    emitter = OpenTelemetryEmitter(tracer_provider=provider, propagate=propagate)
+    clock = FakeClock()
+    settings = gateway_settings(
+        {
+            "name": "vision",
+            "protocol": "vision_ocr",
+            "base_url": "https://vl.example/v1",
+            "model": "vl-1",
+        },
+        {
+            "name": "monkey",
+            "protocol": "monkey_ocr",
+            "base_url": "http://monkey.local:7000",
+            "model": "",
+            "priority": 1,
+        },
+        scope="ocr",
+        kind="ocr",
+        breaker_failures=1,
+    )
+    monkey_answer = {"success": True, "task_type": "text", "content": "TEXT", "message": "ok"}
+    script: dict[str, Any] = {
+        "vision": [TransientError(status_code=503)],
+        "monkey": [monkey_answer],
+    }
+    ocr = closing(
+        OcrClient(
+            settings,
+            "ocr",
+            backend=MemoryBackend(now=clock),
+            transport=FakeTransport(script, clock=clock),
+            now=clock,
+            sleep=BoundedSleep(clock, max_calls=200),
+            rng=random.Random(3),
+            emitter=emitter,
+        )
+    )
+    try:
+        assert (await ocr.recognize_text(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)).text == "TEXT"
+    finally:
+        provider.shutdown()
+    finished = list(exporter.get_finished_spans())
+    [call_span] = [s for s in finished if s.parent is None]
+    failed, served = sorted(
+        (s for s in finished if s.parent is not None),
+        key=lambda s: attrs(s)["polygateway.attempt"],
+    )
+    monkey = {
+        "gen_ai.provider.name": "monkey_ocr",
+        "server.address": "monkey.local",
+        "server.port": 7000,
+        "polygateway.source": "monkey",
+    }
+    assert call_span.name == "generate_content"
+    assert source_attrs(call_span) == monkey
+    assert served.name == "generate_content"
+    assert source_attrs(served) == monkey
+    assert failed.name == "generate_content vl-1"
+    assert source_attrs(failed) == {
+        "gen_ai.request.model": "vl-1",
+        "gen_ai.provider.name": "openai",
+        "server.address": "vl.example",
+        "server.port": 443,
+        "polygateway.source": "vision",
+    }
+    if propagate:
+        # Started first, before its attempts: the call span as a sampler saw it.
+        assert sampler.seen[0] == (
+            "generate_content",
+            {"gen_ai.operation.name": "generate_content", "polygateway.scope": "ocr"},
+        )
+
+
+def test_a_live_call_span_starts_with_the_attributes_its_scope_s_sources_share() -> None:
+    """Two sources of one provider and model on two hosts: a sampler sees the model, no host."""
+    sampler = StartAttributes()
+    provider = TracerProvider(sampler=sampler)
+    emitter = OpenTelemetryEmitter(tracer_provider=provider, propagate=True)
+    settings = gateway_settings(
+        {"name": "a", "base_url": "https://a.example/v1", "model": "big-1"},
+        {"name": "b", "base_url": "https://b.example/v1", "model": "big-1"},
+    )
+    sources = settings.scopes["chat"].sources
+    emitter.bind(ClientInfo("chat", "chat", sources, MemoryBackend(), lambda: 0))
+    hook = emitter.attempt_headers
+    assert hook is not None
+    assert hook(AttemptStart("c1", "chat", "chat.complete", "a", 1, 0.0))
+    provider.shutdown()
+    assert sampler.seen[0] == (
+        "chat big-1",
+        {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": "big-1",
+            "server.port": 443,
+            "polygateway.scope": "chat",
+        },
+    )
 
 
 # --- the gauges of a client built outside any loop ---------------------------------------------

@@ -24,7 +24,11 @@ attempt begins, starts the call's span on the first attempt (dated from the
 call's start, a child of the caller's current span) and the attempt's span
 beneath it, and returns the attempt's ``traceparent`` (and whatever else the
 global propagator writes, ``opentelemetry.propagate.inject``); the records
-end them. Without propagation the hook is ``None`` and the loop never calls it.
+end them. The call may fail over and OpenTelemetry cannot take an attribute
+back, so its span starts with only the source attributes every source of its
+scope shares (what a sampler sees) and its record sets those of the source that
+served (else the last tried), as a span made from the record says. Without
+propagation the hook is ``None`` and the loop never calls it.
 
 Operation names: ``chat.*`` is ``chat``, ``embed`` is ``embeddings``, and
 OCR (``ocr.*``: an image in, text out) is ``generate_content``, the
@@ -139,18 +143,15 @@ def _operation(name: str) -> str:
 class _Shape:
     """What every span and data point of one (scope, source, operation) shares, built once.
 
-    The dicts are handed to OpenTelemetry as they are (it copies attributes
-    it keeps) and never changed after construction.
+    ``attrs`` (the ``gen_ai.*`` and ``server.*`` ones) becomes the shape's own:
+    the scope is added to it. The dicts are handed to OpenTelemetry as they
+    are (it copies attributes it keeps) and never changed after construction.
     """
 
     __slots__ = ("input", "metric", "name", "output")
 
-    def __init__(self, scope: str, operation: str, source: SourceConfig | None) -> None:
-        attrs = (
-            {"gen_ai.operation.name": operation}
-            if source is None
-            else _source_attributes(operation, source)
-        )
+    def __init__(self, scope: str, attrs: dict[str, Any]) -> None:
+        operation = attrs["gen_ai.operation.name"]
         attrs["polygateway.scope"] = scope
         model = attrs.get("gen_ai.request.model")
         self.name = f"{operation} {model}" if model else operation
@@ -190,23 +191,32 @@ class _Live:
     ``context`` holds the call's span, the parent of its attempts' spans;
     ``attempts`` are the attempt spans still open, by attempt number;
     ``last`` is the record of the latest attempt that ended a live span (``_latest``
-    weighs it against the attempts kept without one).
+    weighs it against the attempts kept without one); ``tried`` is the shape of
+    the source of the latest attempt begun.
     """
 
-    __slots__ = ("attempts", "context", "last", "span")
+    __slots__ = ("attempts", "context", "last", "span", "tried")
 
-    def __init__(self, span: Any, context: Any) -> None:
+    def __init__(self, span: Any, context: Any, tried: _Shape) -> None:
         self.span = span
         self.context = context
         self.attempts: dict[int, Any] = {}
         self.last: AttemptRecord | None = None
+        self.tried = tried
 
     def end(self, end_ns: int) -> None:
-        """End every span still open (a call whose record never came)."""
+        """End every span still open."""
         for span in self.attempts.values():
             span.end(end_time=end_ns)
         self.attempts.clear()
         self.span.end(end_time=end_ns)
+
+    def drop(self, end_ns: int) -> None:
+        """End a call whose record never came, its span named for the last source tried."""
+        if self.span.is_recording():
+            self.span.update_name(self.tried.name)
+            self.span.set_attributes(self.tried.metric)
+        self.end(end_ns)
 
 
 def _latest(pending: _Pending | None, live: _Live | None) -> AttemptRecord | None:
@@ -257,6 +267,7 @@ class OpenTelemetryEmitter:
     __slots__ = (
         "_bound",
         "_call_duration",
+        "_call_shapes",
         "_context",
         "_get_meter_provider",
         "_get_tracer_provider",
@@ -350,6 +361,8 @@ class OpenTelemetryEmitter:
         self._op_names: dict[str, str] = {}
         """GenAI operation by client operation (``chat.stream`` -> ``chat``), filled as met."""
         self._shapes: dict[tuple[str, str | None, str], _Shape] = {}
+        self._call_shapes: dict[tuple[str, str], _Shape] = {}
+        """What every source of a scope shares, by scope and GenAI operation (``_call_shape``)."""
         self._bound = 0
         self._reader = LiveReader()
 
@@ -420,15 +433,21 @@ class OpenTelemetryEmitter:
         if not self._tracing():
             return None
         now_ns = time.time_ns()  # the edge: spans are dated by the wall clock
-        shape = self._shape(start.scope, start.source, self._operation(start.operation))
+        operation = self._operation(start.operation)
+        shape = self._shape(start.scope, start.source, operation)
         live = self._live.get(start.call_id)
         if live is None:
             parent = self._context.get_current()
-            span = self._start_span(shape, parent, now_ns - int(start.call_elapsed_s * 1e9))
-            live = self._live[start.call_id] = _Live(span, self._set_span_in_context(span, parent))
+            # The call may fail over, and an attribute once set stays: it starts with what
+            # any source would give it, the rest set from its record (``_end_call_span``).
+            begun = self._call_shape(start.scope, start.source, operation)
+            span = self._start_span(begun, parent, now_ns - int(start.call_elapsed_s * 1e9))
+            context = self._set_span_in_context(span, parent)
+            live = self._live[start.call_id] = _Live(span, context, shape)
             if len(self._live) > _MAX_PENDING_CALLS:
                 _, lost = self._live.popitem(last=False)
-                lost.end(now_ns)
+                lost.drop(now_ns)
+        live.tried = shape
         span = self._start_span(shape, live.context, now_ns)
         live.attempts[start.attempt] = span
         carrier: dict[str, str] = {}
@@ -609,7 +628,32 @@ class OpenTelemetryEmitter:
         shape = self._shapes.get(key)
         if shape is None:
             config = None if source is None else self._sources.get((scope, source))
-            shape = self._shapes[key] = _Shape(scope, operation, config)
+            attrs = (
+                {"gen_ai.operation.name": operation}
+                if config is None
+                else _source_attributes(operation, config)
+            )
+            shape = self._shapes[key] = _Shape(scope, attrs)
+        return shape
+
+    def _call_shape(self, scope: str, source: str, operation: str) -> _Shape:
+        """What a live call's span starts with: the source attributes every source of ``scope``
+        gives alike (those a sampler sees), so none of them can turn out wrong after a failover.
+
+        A call begun at a source of no bound client may go anywhere: its span then starts
+        with the operation alone.
+        """
+        if (scope, source) not in self._sources:
+            return self._shape(scope, None, operation)
+        key = (scope, operation)
+        shape = self._call_shapes.get(key)
+        if shape is None:
+            shared = _source_attributes(operation, self._sources[(scope, source)])
+            for (owner, _), config in self._sources.items():
+                if owner == scope:
+                    attrs = _source_attributes(operation, config)
+                    shared = {k: v for k, v in shared.items() if attrs.get(k) == v}
+            shape = self._call_shapes[key] = _Shape(scope, shared)
         return shape
 
     # --- clients -> live gauges -------------------------------------------------------
@@ -618,8 +662,10 @@ class OpenTelemetryEmitter:
         """Learn a client's sources (span attributes) and read its backend in the gauges."""
         for source in client.sources:
             self._sources[(client.scope, source.name)] = source
-        # A source seen before its client was bound got a shape without its settings.
+        # A source seen before its client was bound got a shape without its settings, and
+        # a scope's new sources may share less with the others.
         self._shapes.clear()
+        self._call_shapes.clear()
         self._operations[client.scope] = _operation(client.kind)
         first = not self._bound
         self._bound += 1
