@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,3 +69,32 @@ def assert_one_line_error(ran: Ran, code: int) -> str:
     assert lines[0].startswith("error: "), ran.stderr
     assert "Traceback" not in ran.output
     return lines[0]
+
+
+def serve_simulator(*args: str) -> Iterator[str]:
+    """``polygateway simulate ARGS --port 0`` until the caller is done; yields its root URL.
+
+    For a fixture: ``yield from serve_simulator("--sources", "a")``. The process
+    is stopped with SIGINT as a user stops it, and killed if it does not end.
+    """
+    proc = subprocess.Popen(
+        cli_command("simulate", *args, "--port", "0"),
+        env=cli_env(),
+        preexec_fn=interruptible,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
+        assert found, (first, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        yield found.group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from cli_run import Ran, RunCli, cli_command, cli_env, interruptible
+from cli_run import Ran, RunCli, cli_command, cli_env, serve_simulator
 
 
 @pytest.fixture
@@ -40,24 +38,4 @@ def run_cli(tmp_path: Path) -> RunCli:
 @pytest.fixture(scope="module")
 def simulator() -> Iterator[str]:
     """``polygateway simulate`` with one healthy source ``a``; yields its root URL."""
-    proc = subprocess.Popen(
-        cli_command("simulate", "--sources", "a", "--port", "0"),
-        env=cli_env(),
-        preexec_fn=interruptible,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
-        assert found, (first, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
-        yield found.group(1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    yield from serve_simulator("--sources", "a")

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
-from cli_run import cli_command, cli_env, interruptible
+from cli_run import serve_simulator
 
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 
@@ -27,35 +25,10 @@ ANTHROPIC_HEADERS = {"x-api-key": "sk-test", "anthropic-version": "2023-06-01"}
 TIMEOUT_S = 10.0
 
 
-def _serve(*args: str) -> Iterator[str]:
-    """``polygateway simulate ARGS --port 0`` until the caller is done; yields its root URL."""
-    proc = subprocess.Popen(
-        cli_command("simulate", *args, "--port", "0"),
-        env=cli_env(),
-        preexec_fn=interruptible,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
-        assert found, (first, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
-        yield found.group(1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-
-
 @pytest.fixture(scope="module")
 def anthropic_sim() -> Iterator[str]:
     """``polygateway simulate --wire anthropic`` with one healthy source ``a``."""
-    yield from _serve("--sources", "a", "--wire", "anthropic")
+    yield from serve_simulator("--sources", "a", "--wire", "anthropic")
 
 
 @pytest.fixture
