@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import prometheus_client
@@ -486,8 +486,11 @@ async def test_a_refresh_on_the_loop_failing_from_a_bug_withdraws_the_snapshot_a
     ), caplog.messages
 
 
-async def test_a_backend_bound_again_on_a_new_loop_is_read_through_that_loop() -> None:
-    """A client of an earlier ``asyncio.run`` is gone; one on this loop shares its backend."""
+async def _after_an_earlier_run() -> tuple[Callable[[], ChatClient], CollectorRegistry]:
+    """Clients sharing one backend and emitter, one of which served in an ended ``asyncio.run``.
+
+    Returns the factory of further clients and the emitter's registry.
+    """
     clock = FakeClock()
     registry = CollectorRegistry()
     emitter = PrometheusEmitter(registry)
@@ -509,6 +512,12 @@ async def test_a_backend_bound_again_on_a_new_loop_is_read_through_that_loop() -
             await chat.complete(MESSAGES)
 
     await asyncio.to_thread(asyncio.run, earlier_run())
+    return build, registry
+
+
+async def test_a_backend_bound_again_on_a_new_loop_is_read_through_that_loop() -> None:
+    """A client of an earlier ``asyncio.run`` is gone; one on this loop shares its backend."""
+    build, registry = await _after_an_earlier_run()
     chat = closing(build())
     await chat.complete(MESSAGES)
     assert await asyncio.to_thread(limit_sample, registry) == 4.0
@@ -516,27 +525,7 @@ async def test_a_backend_bound_again_on_a_new_loop_is_read_through_that_loop() -
 
 async def test_a_backend_bound_again_outside_any_loop_is_read_through_its_first_call_s() -> None:
     """The earlier run's loop is gone; a client built in a thread learns this loop when called."""
-    clock = FakeClock()
-    registry = CollectorRegistry()
-    emitter = PrometheusEmitter(registry)
-    backend = AsyncOnly(MemoryBackend(now=clock))
-
-    def build() -> ChatClient:
-        return ChatClient(
-            gateway_settings({"name": "primary", "max_concurrency": 4}),
-            backend=backend,
-            transport=FakeTransport([chat_completion("ok")], clock=clock),
-            now=clock,
-            sleep=BoundedSleep(clock),
-            rng=random.Random(3),
-            emitter=emitter,
-        )
-
-    async def earlier_run() -> None:
-        async with build() as chat:
-            await chat.complete(MESSAGES)
-
-    await asyncio.to_thread(asyncio.run, earlier_run())
+    build, registry = await _after_an_earlier_run()
     chat = closing(await asyncio.to_thread(build))
     await chat.complete(MESSAGES)
     assert await asyncio.to_thread(limit_sample, registry) == 4.0
