@@ -12,16 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from _async_only import AsyncOnly
 from _closing import closing
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from polygateway.backends.base import (
-    AcquireResult,
     AttemptOutcome,
-    Lease,
-    ReleaseListener,
     ScopeSnapshot,
     SourceSpec,
 )
@@ -310,53 +308,12 @@ async def test_a_read_that_does_not_finish_in_time_is_cancelled_and_reported_dow
     assert len(asyncio.all_tasks()) == tasks_before  # the abandoned snapshot was cancelled
 
 
-class _AsyncOnly:
-    """A backend with no synchronous read, as the Redis backend: its snapshot must be awaited."""
-
-    __slots__ = ("__weakref__", "inner")
-
-    def __init__(self, inner: MemoryBackend) -> None:
-        self.inner = inner
-
-    async def acquire(
-        self,
-        scope: str,
-        candidates: Sequence[SourceSpec],
-        *,
-        cost_tokens: int = 0,
-        ttl_s: float,
-        priority_class: str = "",
-    ) -> AcquireResult:
-        return await self.inner.acquire(
-            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
-        )
-
-    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        await self.inner.release(lease, outcome)
-
-    async def renew(self, lease: Lease) -> bool:
-        return await self.inner.renew(lease)
-
-    async def progress_age_s(self, scope: str) -> float:
-        return await self.inner.progress_age_s(scope)
-
-    async def snapshot(self, scope: str) -> ScopeSnapshot:
-        await asyncio.sleep(0)  # suspends, as a network read does
-        return await self.inner.snapshot(scope)
-
-    def on_release(self, scope: str, listener: ReleaseListener) -> None:
-        self.inner.on_release(scope, listener)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 async def test_scraped_on_the_loop_an_async_backend_serves_its_latest_snapshot_with_its_age() -> (
     None
 ):
     """On the loop thread nothing can be awaited: the latest snapshot, aged, and one refresh."""
     clock = FakeClock()
-    backend = _AsyncOnly(MemoryBackend(now=clock))
+    backend = AsyncOnly(MemoryBackend(now=clock))
     spec = SourceSpec("primary", 4)
     held = await backend.acquire("chat", [spec], ttl_s=600.0)
     assert held.lease is not None
@@ -386,7 +343,7 @@ async def test_a_client_built_outside_any_loop_is_read_once_its_first_call_ran()
     """Built in a thread without a loop, the client's loop is learnt from its first call."""
     clock = FakeClock()
     registry = CollectorRegistry()
-    backend = _AsyncOnly(MemoryBackend(now=clock))
+    backend = AsyncOnly(MemoryBackend(now=clock))
     chat, _ = await asyncio.to_thread(
         make_chat, clock, [chat_completion("ok")], registry, backend=backend
     )

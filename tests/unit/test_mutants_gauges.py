@@ -29,6 +29,7 @@ from typing import Any
 
 import prometheus_client
 import pytest
+from _async_only import AsyncOnly
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -108,31 +109,6 @@ def scrape_from_another_loop(registry: CollectorRegistry) -> Samples:
         return pool.submit(asyncio.run, on_other_loop()).result()
 
 
-class _AsyncOnly:
-    """A backend with no synchronous read, as the Redis one: ``snapshot`` suspends.
-
-    Its state is a memory backend's; ``gate`` holds reads until set, ``error``
-    fails them, ``reads`` counts them. A scrape calls nothing else.
-    """
-
-    __slots__ = ("__weakref__", "error", "gate", "inner", "reads")
-
-    def __init__(self, inner: MemoryBackend) -> None:
-        self.inner = inner
-        self.gate: asyncio.Event | None = None
-        self.error: Exception | None = None
-        self.reads = 0
-
-    async def snapshot(self, scope: str) -> ScopeSnapshot:
-        self.reads += 1
-        await asyncio.sleep(0)  # suspends, as a network read does
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.error is not None:
-            raise self.error
-        return await self.inner.snapshot(scope)
-
-
 class _Unreadable(MemoryBackend):
     """A memory backend whose every read fails as a backend fails."""
 
@@ -199,14 +175,14 @@ async def test_a_binding_made_outside_a_loop_learns_it_from_a_later_client_on_th
     """A client bound later on the loop gives the binding that loop; a loopless bind keeps it."""
     clock = FakeClock()
     registry, gauges = collector(clock)
-    late = _AsyncOnly(MemoryBackend(now=clock))
+    late = AsyncOnly(MemoryBackend(now=clock))
     await asyncio.to_thread(gauges.bind, info(late))
     assert up(await asyncio.to_thread(scrape, registry)) is None  # no loop to read through
     gauges.bind(info(late))
     assert up(await asyncio.to_thread(scrape, registry)) == 1.0
 
     registry, gauges = collector(clock)
-    early = _AsyncOnly(MemoryBackend(now=clock))
+    early = AsyncOnly(MemoryBackend(now=clock))
     gauges.bind(info(early))
     await asyncio.to_thread(gauges.bind, info(early))
     assert up(await asyncio.to_thread(scrape, registry)) == 1.0
@@ -219,7 +195,7 @@ async def test_loopless_is_true_exactly_while_some_binding_lacks_its_loop() -> N
     on_loop = MemoryBackend(now=clock)
     gauges.bind(info(on_loop, scope="served"))
     assert not gauges.loopless
-    a, b = _AsyncOnly(MemoryBackend(now=clock)), _AsyncOnly(MemoryBackend(now=clock))
+    a, b = AsyncOnly(MemoryBackend(now=clock)), AsyncOnly(MemoryBackend(now=clock))
     await asyncio.to_thread(gauges.bind, info(a, scope="a"))
     await asyncio.to_thread(gauges.bind, info(b, scope="b"))
     assert gauges.loopless
@@ -238,7 +214,7 @@ async def test_clients_of_two_scopes_built_outside_a_loop_learn_it_from_their_fi
     clock = FakeClock()
     registry = CollectorRegistry()
     emitter = PrometheusEmitter(registry)
-    a, b = _AsyncOnly(MemoryBackend(now=clock)), _AsyncOnly(MemoryBackend(now=clock))
+    a, b = AsyncOnly(MemoryBackend(now=clock)), AsyncOnly(MemoryBackend(now=clock))
     await asyncio.to_thread(emitter.bind, info(a, scope="a"))
     await asyncio.to_thread(emitter.bind, info(b, scope="b"))
     emitter.emit_call(_record("unbound"))
@@ -262,7 +238,7 @@ async def test_a_scope_with_nothing_to_show_does_not_hide_the_scopes_bound_after
     gauges.bind(info(gone, scope="gone"))
     del gone
     gc.collect()
-    loopless = _AsyncOnly(MemoryBackend(now=clock))
+    loopless = AsyncOnly(MemoryBackend(now=clock))
     await asyncio.to_thread(gauges.bind, info(loopless, scope="loopless"))
     down = _Unreadable(now=clock)
     gauges.bind(info(down, scope="down"))
@@ -369,7 +345,7 @@ async def test_a_snapshot_read_from_a_thread_is_served_on_the_loop_with_its_age(
     """A scrape from a thread keeps what it read: the next scrape on the loop shows it, aged."""
     clock = FakeClock()
     registry, gauges = collector(clock)
-    backend = _AsyncOnly(MemoryBackend(now=clock))
+    backend = AsyncOnly(MemoryBackend(now=clock))
     held = await backend.inner.acquire("chat", [PRIMARY], ttl_s=60.0)
     assert held.lease is not None
     gauges.bind(info(backend))
@@ -386,7 +362,7 @@ async def test_a_refresh_just_taken_on_the_loop_shows_age_0_and_the_backend_up()
     """Served on the loop right after its refresh ended: age 0, ``backend_up 1``."""
     clock = FakeClock()
     registry, gauges = collector(clock)
-    backend = _AsyncOnly(MemoryBackend(now=clock))
+    backend = AsyncOnly(MemoryBackend(now=clock))
     await backend.inner.acquire("chat", [PRIMARY], ttl_s=60.0)
     gauges.bind(info(backend))
     assert up(scrape(registry)) is None  # nothing taken yet; starts the refresh
@@ -402,7 +378,7 @@ async def test_scrapes_on_the_loop_run_one_refresh_at_a_time_and_start_the_next(
     """While a refresh runs, scrapes start none; once it has ended, the next scrape starts one."""
     clock = FakeClock()
     registry, gauges = collector(clock)
-    backend = _AsyncOnly(MemoryBackend(now=clock))
+    backend = AsyncOnly(MemoryBackend(now=clock))
     backend.gate = asyncio.Event()
     gauges.bind(info(backend))
     scrape(registry)
@@ -427,7 +403,7 @@ async def test_a_failed_refresh_withdraws_the_snapshot_served_and_logs_why(
     """Stale state would read as live: after a failed refresh the scope shows it down, no state."""
     clock = FakeClock()
     registry, gauges = collector(clock)
-    backend = _AsyncOnly(MemoryBackend(now=clock))
+    backend = AsyncOnly(MemoryBackend(now=clock))
     gauges.bind(info(backend))
     scrape(registry)
     await settle()

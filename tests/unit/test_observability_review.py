@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
 import pytest
+from _async_only import AsyncOnly
 from _closing import closing
 from _failover_chat import failover_chat
 from opentelemetry.sdk.metrics import MeterProvider
@@ -28,11 +29,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from polygateway import OpenTelemetryEmitter
 from polygateway.backends.base import (
-    AcquireResult,
-    AttemptOutcome,
-    Lease,
-    ReleaseListener,
-    ScopeSnapshot,
     SourceSpec,
 )
 from polygateway.backends.memory import MemoryBackend
@@ -353,53 +349,6 @@ def test_a_live_call_span_starts_with_the_attributes_its_scope_s_sources_share()
 
 
 # --- the gauges of a client built outside any loop ---------------------------------------------
-
-
-class AsyncOnly:
-    """A backend with no synchronous read, as the Redis backend: its snapshot must be awaited.
-
-    ``error`` fails its snapshots.
-    """
-
-    __slots__ = ("__weakref__", "error", "inner")
-
-    def __init__(self, inner: MemoryBackend) -> None:
-        self.inner = inner
-        self.error: Exception | None = None
-
-    async def acquire(
-        self,
-        scope: str,
-        candidates: Sequence[SourceSpec],
-        *,
-        cost_tokens: int = 0,
-        ttl_s: float,
-        priority_class: str = "",
-    ) -> AcquireResult:
-        return await self.inner.acquire(
-            scope, candidates, cost_tokens=cost_tokens, ttl_s=ttl_s, priority_class=priority_class
-        )
-
-    async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
-        await self.inner.release(lease, outcome)
-
-    async def renew(self, lease: Lease) -> bool:
-        return await self.inner.renew(lease)
-
-    async def progress_age_s(self, scope: str) -> float:
-        return await self.inner.progress_age_s(scope)
-
-    async def snapshot(self, scope: str) -> ScopeSnapshot:
-        await asyncio.sleep(0)  # suspends, as a network read does
-        if self.error is not None:
-            raise self.error
-        return await self.inner.snapshot(scope)
-
-    def on_release(self, scope: str, listener: ReleaseListener) -> None:
-        self.inner.on_release(scope, listener)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def limits(reader: InMemoryMetricReader) -> dict[str, float]:
