@@ -167,6 +167,80 @@ def test_a_list_override_in_dotenv_that_is_not_json_names_the_dotenv_file(
     assert "JSON" in problem(error)
 
 
+# --- overrides that are JSON, but not of the setting's shape ---------------------------------
+
+
+@pytest.mark.parametrize("value", ["null", " null ", "[]", '"text"', "1", "true"])
+def test_a_scopes_override_that_is_no_table_of_scopes_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """POLYGATEWAY_SCOPES holding JSON that is not an object (``null`` too) names that variable."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES", value)
+    error = load_error(settings_file(tmp_path))
+    assert (error.field, error.env, error.path) == ("scopes", "POLYGATEWAY_SCOPES", None)
+    assert "polygateway.toml" not in str(error)
+
+
+def test_a_null_scopes_override_says_null_is_not_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POLYGATEWAY_SCOPES=null`` is refused saying what the variable takes and how to unset it."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES", "null")
+    message = problem(load_error(settings_file(tmp_path)))
+    assert "null" in message
+    assert "JSON object" in message
+    assert "unset" in message
+
+
+def test_a_null_scopes_override_is_refused_without_a_settings_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``POLYGATEWAY_SCOPES=null`` does not quietly leave the scopes empty when built in code."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES", "null")
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings()
+    assert (info.value.field, info.value.env) == ("scopes", "POLYGATEWAY_SCOPES")
+
+
+@pytest.mark.parametrize("value", ["null", '"h:26379"', "{}"])
+def test_a_sentinels_override_in_dotenv_that_is_no_list_names_the_dotenv_file(
+    tmp_path: Path, value: str
+) -> None:
+    """POLYGATEWAY_REDIS_SENTINELS in .env holding JSON that is no list (``null`` too): refused."""
+    (tmp_path / ".env").write_text(f"POLYGATEWAY_REDIS_SENTINELS={value}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GatewaySettings.load(settings_file(tmp_path), env_file=".env")
+    error = info.value
+    assert (error.field, error.env, error.path) == (
+        "redis_sentinels",
+        "POLYGATEWAY_REDIS_SENTINELS",
+        ".env",
+    )
+
+
+def test_a_null_sentinels_override_says_a_json_list_is_due(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POLYGATEWAY_REDIS_SENTINELS=null`` is refused saying the setting is a JSON list."""
+    monkeypatch.setenv("POLYGATEWAY_REDIS_SENTINELS", "null")
+    error = load_error(settings_file(tmp_path))
+    assert (error.field, error.env, error.path) == (
+        "redis_sentinels",
+        "POLYGATEWAY_REDIS_SENTINELS",
+        None,
+    )
+    assert "JSON list" in problem(error)
+
+
+def test_a_null_inside_a_scopes_override_is_left_to_validation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a whole variable of ``null`` is refused: ``null`` for a key means that key's null."""
+    monkeypatch.setenv("POLYGATEWAY_SCOPES", '{"chat": {"exempt_429": null}}')
+    settings = GatewaySettings.load(settings_file(tmp_path), env_file=None)
+    assert settings.scope("chat").exempt_429 is True
+
+
 # --- the command line ----------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@
   environment or ``.env``, else the file).
 - ``override_error``: a variable pydantic-settings could not read (not JSON
   where JSON is due), naming that variable rather than the file.
+- ``check_null_overrides``: a list or table setting's variable holding JSON
+  ``null``, which pydantic-settings would drop without a word, refused.
 - ``check_env_names``: a ``POLYGATEWAY_*`` variable that names no setting is
   refused with the closest setting's variable, as an unknown key in the file is.
 """
@@ -16,12 +18,13 @@
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import (
@@ -44,6 +47,7 @@ __all__ = [
     "ENV_PREFIX",
     "Origin",
     "check_env_names",
+    "check_null_overrides",
     "config_error",
     "dotenv_not_text",
     "file_layer",
@@ -325,6 +329,48 @@ def override_error(
         path=shown,
         env=_setting_variable(names, field) or f"{ENV_PREFIX}{field.upper()}",
     )
+
+
+# What a variable of a list or table setting holds, as messages name it.
+_JSON_SHAPES: dict[object, str] = {dict: "a JSON object", list: "a JSON list"}
+
+
+def check_null_overrides(env_file: Any, *, settings_cls: type[BaseSettings]) -> None:
+    """Refuse a list or table setting's variable (environment or ``.env``) holding JSON ``null``.
+
+    pydantic-settings reads ``null`` as no value at all and drops it, so
+    ``POLYGATEWAY_SCOPES=null`` would keep the file's scopes (or none) without a
+    word, where ``[]`` or ``"text"`` is refused as the wrong type. Nothing makes
+    ``null`` mean "unset": unsetting the variable does that.
+    """
+    layers: tuple[tuple[str | None, Mapping[str, str | None]], ...] = (
+        (None, os.environ),
+        (_env_file_shown(env_file), _read_dotenv(env_file, settings_cls)),
+    )
+    for field, info in settings_cls.model_fields.items():
+        shape = _JSON_SHAPES.get(get_origin(info.annotation))
+        if shape is None:
+            continue
+        wanted = f"{ENV_PREFIX}{field.upper()}"
+        for shown, variables in layers:
+            for name, value in variables.items():
+                if name.upper() == wanted and value is not None and _is_json_null(value):
+                    raise ConfigError(
+                        f"invalid setting: the value is JSON null and {field} takes {shape} "
+                        "(to keep the file's value or the default, unset the variable rather "
+                        "than set it to null)",
+                        field=field,
+                        path=shown,
+                        env=name,
+                    )
+
+
+def _is_json_null(text: str) -> bool:
+    """Whether ``text`` is JSON ``null`` (blanks around it allowed, as ``json.loads`` allows)."""
+    try:
+        return json.loads(text) is None
+    except ValueError:
+        return False
 
 
 def resolve_api_keys(

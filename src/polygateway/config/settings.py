@@ -37,6 +37,7 @@ from pydantic_settings import (
 from polygateway.config.loading import (
     Origin,
     check_env_names,
+    check_null_overrides,
     config_error,
     dotenv_not_text,
     file_layer,
@@ -280,6 +281,7 @@ class GatewaySettings(BaseSettings):
             )
 
         try:
+            check_null_overrides(env_file, settings_cls=GatewaySettings)
             super().__init__(**values)
         except ValidationError as exc:
             # `from None`: pydantic's own message repeats input values, which may be secrets.
