@@ -119,23 +119,24 @@ class Wakeups:
     def start(self) -> None:
         """Start listening in the background (in the running event loop).
 
-        Started anew in a loop other than the last one's (a backend shared
-        across ``asyncio.run`` calls): a task of a loop that ended never runs
-        again, and its events may be bound to that loop.
+        Started anew after ``aclose`` (a backend used again, whose wire
+        reconnects as well) and in a loop other than the last one's (a backend
+        shared across ``asyncio.run`` calls: a task of a loop that ended never
+        runs again, and its events may be bound to that loop). Each start has
+        its own events, so a listener still stopping keeps seeing its own
+        ``closing`` flag set.
         """
-        if self._closing.is_set():
-            return
         loop = asyncio.get_running_loop()
         listening = self._listening
-        if listening is not None:
-            if listening.get_loop() is loop:
-                return
+        if listening is not None and listening.get_loop() is loop:
+            return
+        if listening is not None or self._closing.is_set():
             self._closing, self.subscribed = asyncio.Event(), asyncio.Event()
-        self._listening = loop.create_task(self._listen())
+        self._listening = loop.create_task(self._listen(self._closing, self.subscribed))
 
-    async def _listen(self) -> None:
+    async def _listen(self, closing: asyncio.Event, subscribed: asyncio.Event) -> None:
         """Subscribe, hand each message's scope to ``woken``; remake it after any failure."""
-        while not self._closing.is_set():
+        while not closing.is_set():
             try:
                 endpoint = await self._where()
                 client = pubsub_client(endpoint, self._timeout_s)
@@ -143,7 +144,7 @@ class Wakeups:
                 logger.debug("wake-up subscription: no server to subscribe on: %s", exc)
             else:
                 try:
-                    await self._session(client)
+                    await self._session(client, closing, subscribed)
                 except (RedisError, OSError, TimeoutError) as exc:
                     # Waiters poll meanwhile; the next attempt is a pause away.
                     # redis-py's words name the server and the reason, never a credential.
@@ -154,24 +155,26 @@ class Wakeups:
                     # module promises, and said louder: it may be a fault of ours as well.
                     logger.warning("wake-up subscription failed: %s: %s", type(exc).__name__, exc)
                 finally:
-                    self.subscribed.clear()
+                    subscribed.clear()
                     with contextlib.suppress(RedisError, OSError):
                         await client.aclose()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_RETRY_S):
-                    await self._closing.wait()
+                    await closing.wait()
 
-    async def _session(self, client: aioredis.Redis) -> None:
+    async def _session(
+        self, client: aioredis.Redis, closing: asyncio.Event, subscribed: asyncio.Event
+    ) -> None:
         async with client.pubsub() as pubsub:
             async with asyncio.timeout(self._timeout_s):
                 await pubsub.subscribe(self._channel)
                 while await pubsub.get_message(timeout=self._timeout_s) is None:
                     pass  # the subscription's confirmation
-            self.subscribed.set()
+            subscribed.set()
             loop = asyncio.get_running_loop()
             pinged_at: float | None = None
             heard_at = loop.time()
-            while not self._closing.is_set():
+            while not closing.is_set():
                 message = await pubsub.get_message(timeout=_TICK_S)
                 now = loop.time()
                 if message is not None:
@@ -189,7 +192,7 @@ class Wakeups:
         self._woken(codec.text(message.get("data", b"")))
 
     async def aclose(self) -> None:
-        """Stop listening and close the subscription's connection."""
+        """Stop listening and close the subscription's connection (``start`` listens again)."""
         self._closing.set()
         listening, self._listening = self._listening, None
         if listening is None or listening.done():
