@@ -142,6 +142,20 @@ def test_unknown_scope_and_unreadable_file_are_one_line_errors(run_cli: RunCli) 
     assert "cannot read missing.png" in line
 
 
+@pytest.mark.usefixtures("configured")
+def test_chat_without_a_prompt_is_a_usage_error(run_cli: RunCli) -> None:
+    """``chat`` with no prompt and nothing on stdin: exit 2 with chat's usage, no call made."""
+    ran = run_cli("chat", stdin="", env=ENV)
+    assert ran.code == 2, ran.output
+    assert ran.stderr.startswith("usage: polygateway chat ")
+    assert ran.stderr.splitlines()[-1] == (
+        "polygateway chat: error: nothing to send: give a prompt or pipe one on stdin"
+    )
+    assert ran.stdout == ""
+    doc = run_cli("--json", "chat", stdin="", env=ENV).json()
+    assert doc["error"]["type"] == "UsageError"
+
+
 def test_simulate_is_the_simulators_own_command_line(run_cli: RunCli) -> None:
     """``simulate --list-profiles`` reaches the simulator's parser and lists its profiles."""
     ran = run_cli("simulate", "--list-profiles")

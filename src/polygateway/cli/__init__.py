@@ -48,6 +48,7 @@ __all__ = [
     "main",
     "positive_float",
     "positive_int",
+    "refuse_usage",
 ]
 
 EXIT_OK = 0
@@ -74,12 +75,22 @@ def _version() -> str:
 
 
 class UsageError(Exception):
-    """A command line argparse refused; ``main`` reports it (as JSON under ``--json``)."""
+    """A command line argparse refused; ``main`` reports it (as JSON under ``--json``).
+
+    A command refuses its own arguments the same way, usage included, with
+    ``refuse_usage`` (its sub-command parser's ``error``).
+    """
 
     def __init__(self, message: str, usage: str, prog: str) -> None:
         super().__init__(message)
         self.usage = usage
         self.prog = prog
+
+
+def refuse_usage(args: argparse.Namespace, message: str) -> NoReturn:
+    """Refuse a command's arguments as argparse does: its usage, then ``message``; exit 2."""
+    usage_error: Callable[[str], NoReturn] = args.usage_error
+    usage_error(message)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -186,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ConfigError message when anything is wrong, an extra the settings need (redis, "
         "aiohttp) included.",
     )
-    check.set_defaults(handler=_lazy("check_config"))
+    check.set_defaults(handler=_lazy("check_config"), usage_error=check.error)
 
     status = sub.add_parser(
         "status",
@@ -218,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between two refreshes of --watch (default 1)",
     )
-    status.set_defaults(handler=_lazy("status"))
+    status.set_defaults(handler=_lazy("status"), usage_error=status.error)
 
     chat = sub.add_parser(
         "chat",
@@ -240,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most tokens the answer may have (default 256)",
     )
     chat.add_argument("--stream", action="store_true", help="stream the answer as it comes")
-    chat.set_defaults(handler=_lazy("run_chat"))
+    chat.set_defaults(handler=_lazy("run_chat"), usage_error=chat.error)
 
     embed = sub.add_parser(
         "embed",
@@ -259,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--file", default=None, metavar="FILE", help="read texts from FILE, one per line"
     )
     embed.add_argument("--scope", default="embed", help="scope to use (default embed)")
-    embed.set_defaults(handler=_lazy("run_embed"))
+    embed.set_defaults(handler=_lazy("run_embed"), usage_error=embed.error)
 
     ocr = sub.add_parser(
         "ocr",
@@ -277,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     ocr.add_argument(
         "--layout", action="store_true", help="parse the layout (blocks, markdown) instead"
     )
-    ocr.set_defaults(handler=_lazy("run_ocr"))
+    ocr.set_defaults(handler=_lazy("run_ocr"), usage_error=ocr.error)
     return parser
 
 

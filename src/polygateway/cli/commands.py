@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from polygateway.backends.base import Backend, ScopeSnapshot
 from polygateway.backends.factory import shared_backend
-from polygateway.cli import EXIT_INTERRUPTED, UsageError, jobs, render
+from polygateway.cli import EXIT_INTERRUPTED, jobs, refuse_usage, render
 from polygateway.cli.render import CliError
 from polygateway.cli.settings_report import origins_json, report_lines, setting_rows
 from polygateway.config import GatewaySettings
@@ -295,7 +295,8 @@ def run_chat(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     prompt = " ".join(args.prompt) if args.prompt else sys.stdin.read()
     if not prompt.strip():
-        raise CliError("nothing to send: give a prompt or pipe one on stdin")
+        # No prompt is a missing argument (stdin only stands in for it): bad usage, exit 2.
+        refuse_usage(args, "nothing to send: give a prompt or pipe one on stdin")
     messages: list[dict[str, Any]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -351,14 +352,16 @@ async def _chat(
 
 def run_embed(args: argparse.Namespace) -> int:
     """Embed texts through a configured scope (``cli/jobs.py``: progress, JSON lines)."""
-    jobs.check_output_options(args, "embed")
+    jobs.check_output_options(args)
     if args.texts and args.file:
         # Texts on the command line would win, and the file's be dropped without a word.
-        raise UsageError("give texts or --file FILE, not both", "", "polygateway embed")
+        refuse_usage(args, "give texts or --file FILE, not both")
     settings = load_settings(args)
     texts = _read_text_arg(args.texts, args.file)
     if not texts:
-        raise CliError("nothing to embed: give texts, --file or lines on stdin")
+        if args.file:
+            refuse_usage(args, f"nothing to embed: {args.file} has no text lines")
+        refuse_usage(args, "nothing to embed: give texts, --file FILE or lines on stdin")
     return asyncio.run(jobs.embed_job(settings, args, texts, _parts(args)))
 
 
@@ -368,7 +371,7 @@ def run_ocr(args: argparse.Namespace) -> int:
     One file prints its text; several (or ``--jsonl`` / ``--output``) run as a
     job of ``cli/jobs.py``: concurrently, with a progress bar, results in input order.
     """
-    jobs.check_output_options(args, "ocr")
+    jobs.check_output_options(args)
     settings = load_settings(args)
     if len(args.files) > 1 or jobs.wants_lines(args):
         return asyncio.run(jobs.ocr_job(settings, args, args.files, _parts(args)))

@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from polygateway.cli import render
+from polygateway.cli import refuse_usage, render
 from polygateway.cli.render import CliError
 from polygateway.errors import GatewayError
 
@@ -55,16 +55,13 @@ def wants_lines(args: argparse.Namespace) -> bool:
     return bool(args.jsonl or args.output)
 
 
-def check_output_options(args: argparse.Namespace, command: str) -> None:
+def check_output_options(args: argparse.Namespace) -> None:
     """Refuse ``--json --jsonl`` before any call is made: stdout cannot hold both."""
     if args.json and args.jsonl:
-        from polygateway.cli import UsageError
-
-        raise UsageError(
+        refuse_usage(
+            args,
             "--json prints one document and --jsonl prints lines on stdout: give --json "
             "--output FILE for both",
-            "",
-            f"polygateway {command}",
         )
 
 

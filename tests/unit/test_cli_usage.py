@@ -1,0 +1,128 @@
+"""The command line's usage errors: exit 2 with the sub-command's usage, before any call.
+
+Every run here is refused before a request could be sent (the sources point
+at the discard port, and no test reaches them).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from polygateway.cli import EXIT_CONFIG, main
+
+SETTINGS = """
+[scopes.chat]
+kind = "chat"
+[[scopes.chat.sources]]
+name = "a"
+protocol = "openai"
+base_url = "http://127.0.0.1:9/v1"
+model = "m"
+
+[scopes.embed]
+kind = "embed"
+[[scopes.embed.sources]]
+name = "a"
+protocol = "openai"
+base_url = "http://127.0.0.1:9/v1"
+"""
+
+
+@pytest.fixture(autouse=True)
+def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty directory (no stray .env or settings file), no PolyGateway variables, no stdin."""
+    for name in list(os.environ):
+        if name.upper().startswith("POLYGATEWAY_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    return tmp_path
+
+
+@pytest.fixture
+def configured(workdir: Path) -> Path:
+    """``polygateway.toml`` with a chat and an embed scope in the run's directory."""
+    path = workdir / "polygateway.toml"
+    path.write_text(SETTINGS, encoding="utf-8")
+    return path
+
+
+def usage_refusal(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    """The run printed ``command``'s usage then one ``polygateway COMMAND: error:`` line."""
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"usage: polygateway {command} "), captured.err
+    last = captured.err.splitlines()[-1]
+    assert last.startswith(f"polygateway {command}: error: "), captured.err
+    assert "Traceback" not in captured.err
+    return last
+
+
+def json_refusal(capsys: pytest.CaptureFixture[str]) -> str:
+    """The run printed one JSON failure of type ``UsageError``; returns its message."""
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    doc = json.loads(captured.out)
+    assert doc["ok"] is False
+    assert doc["error"]["type"] == "UsageError"
+    message: str = doc["error"]["message"]
+    return message
+
+
+# --- nothing to send -------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("configured")
+@pytest.mark.parametrize("args", [["chat"], ["chat", "  "], ["chat", "--stream"]])
+def test_chat_without_a_prompt_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """``chat`` with no prompt (nor any on stdin) exits 2 with the usage, as a missing argument."""
+    assert main(args) == EXIT_CONFIG
+    line = usage_refusal(capsys, "chat")
+    assert "nothing to send: give a prompt or pipe one on stdin" in line
+
+
+@pytest.mark.usefixtures("configured")
+def test_chat_without_a_prompt_under_json_is_one_usage_failure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--json chat`` with no prompt: exit 2 and one JSON ``UsageError`` document."""
+    assert main(["--json", "chat"]) == EXIT_CONFIG
+    assert json_refusal(capsys) == (
+        "polygateway chat: nothing to send: give a prompt or pipe one on stdin"
+    )
+
+
+@pytest.mark.usefixtures("configured")
+def test_embed_without_texts_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``embed`` with no texts, no --file and nothing on stdin exits 2 with the usage."""
+    assert main(["embed"]) == EXIT_CONFIG
+    line = usage_refusal(capsys, "embed")
+    assert "nothing to embed: give texts, --file FILE or lines on stdin" in line
+
+
+def test_embed_of_a_file_without_text_lines_is_a_usage_error(
+    configured: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``embed --file FILE`` where FILE holds only blank lines exits 2 naming FILE."""
+    (configured.parent / "blank.txt").write_text("\n  \n", encoding="utf-8")
+    assert main(["embed", "--file", "blank.txt"]) == EXIT_CONFIG
+    line = usage_refusal(capsys, "embed")
+    assert "nothing to embed: blank.txt has no text lines" in line
+
+
+# --- refusals of the commands themselves show the usage, as argparse's do --------------------
+
+
+@pytest.mark.usefixtures("configured")
+def test_embed_with_texts_and_a_file_shows_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """``embed a --file F``: exit 2, the embed usage and the conflict, before any settings."""
+    assert main(["embed", "a", "--file", "texts.txt"]) == EXIT_CONFIG
+    line = usage_refusal(capsys, "embed")
+    assert line.endswith("give texts or --file FILE, not both")
