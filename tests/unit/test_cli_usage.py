@@ -126,3 +126,27 @@ def test_embed_with_texts_and_a_file_shows_the_usage(capsys: pytest.CaptureFixtu
     assert main(["embed", "a", "--file", "texts.txt"]) == EXIT_CONFIG
     line = usage_refusal(capsys, "embed")
     assert line.endswith("give texts or --file FILE, not both")
+
+
+# --- flag values that name no file --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "command", "flag"),
+    [
+        (["check-config", "--config", ""], "check-config", "--config"),
+        (["status", "--env-file", ""], "status", "--env-file"),
+        (["chat", "--config", "", "hi"], "chat", "--config"),
+        (["embed", "--file", ""], "embed", "--file"),
+        (["embed", "a", "--output", ""], "embed", "--output/-o"),
+        (["ocr", "page.png", "-o", ""], "ocr", "--output/-o"),
+        (["ocr", ""], "ocr", "FILE"),
+    ],
+)
+def test_an_empty_file_name_is_a_usage_error_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], args: list[str], command: str, flag: str
+) -> None:
+    """``--config ''`` and friends exit 2 naming the flag: '' would be ignored or read as '.'."""
+    assert main(args) == EXIT_CONFIG
+    line = usage_refusal(capsys, command)
+    assert f"argument {flag}: expected a file name, not an empty string" in line

@@ -45,6 +45,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_PIPE_CLOSED",
     "build_parser",
+    "file_name",
     "main",
     "positive_float",
     "positive_int",
@@ -116,6 +117,7 @@ def _config_options() -> _Parser:
     config = _Parser(add_help=False)
     config.add_argument(
         "--config",
+        type=file_name,
         default="polygateway.toml",
         metavar="FILE",
         help="settings file (TOML; default: polygateway.toml)",
@@ -124,6 +126,7 @@ def _config_options() -> _Parser:
     # None: the optional .env of the current directory; a file named here must exist.
     dotenv.add_argument(
         "--env-file",
+        type=file_name,
         default=None,
         metavar="FILE",
         help="dotenv file read for POLYGATEWAY_* overrides and api_key_env (default: .env, "
@@ -154,6 +157,7 @@ def _output_options(item: str) -> _Parser:
     out.add_argument(
         "--output",
         "-o",
+        type=file_name,
         default=None,
         metavar="FILE",
         help="write the JSON lines to FILE instead (stdout: nothing, or the --json summary)",
@@ -267,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     embed.add_argument("texts", nargs="*", help="texts (default: one per line of --file or stdin)")
     embed.add_argument(
-        "--file", default=None, metavar="FILE", help="read texts from FILE, one per line"
+        "--file",
+        type=file_name,
+        default=None,
+        metavar="FILE",
+        help="read texts from FILE, one per line",
     )
     embed.add_argument("--scope", default="embed", help="scope to use (default embed)")
     embed.set_defaults(handler=_lazy("run_embed"), usage_error=embed.error)
@@ -283,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
         "line, or as JSON lines with --jsonl / --output FILE, in input order. A file that "
         "fails does not stop the others; the exit status is then 1.",
     )
-    ocr.add_argument("files", nargs="+", metavar="FILE", help="PNG, JPEG or PDF files")
+    ocr.add_argument(
+        "files", nargs="+", type=file_name, metavar="FILE", help="PNG, JPEG or PDF files"
+    )
     ocr.add_argument("--scope", default="ocr", help="scope to use (default ocr)")
     ocr.add_argument(
         "--layout", action="store_true", help="parse the layout (blocks, markdown) instead"
@@ -302,6 +312,13 @@ def _lazy(name: str) -> Handler:
         return handler(args)
 
     return run
+
+
+def file_name(text: str) -> str:
+    """An argparse type: a file name, not ``''`` (read as the current directory, or as no file)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name, not an empty string")
+    return text
 
 
 def positive_float(text: str) -> float:
