@@ -214,3 +214,24 @@ def test_constants_the_guides_state_are_the_codes() -> None:
         "(tracer_provider: 'Any' = None, meter_provider: 'Any' = None, *, "
         "propagate: 'bool' = False) -> 'None'"
     )
+
+
+def test_every_file_a_document_names_exists() -> None:
+    """Paths to pages, tests and modules resolve (from the root, the wiki, or their folders)."""
+    bases = [
+        REPO / base
+        for base in (
+            ".",
+            "research-wiki",
+            "research-wiki/guides",
+            "tests/integration",
+            "tests/e2e",
+            "src/polygateway",
+            "src/polygateway/backends/redis",
+        )
+    ]
+    for doc, text in DOCS.items():
+        for path in set(re.findall(r"[\w./-]+\.(?:py|md|toml)\b", text)):
+            if path == "polygateway.toml":
+                continue  # the reader's own settings file
+            assert any((base / path).exists() for base in bases), (doc, path)

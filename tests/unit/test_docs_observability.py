@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from polygateway import LoggingEmitter, OpenTelemetryEmitter, PrometheusEmitter
+from polygateway import AllSourcesExhausted, LoggingEmitter, OpenTelemetryEmitter, PrometheusEmitter
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.models import CallOutcome, FailureClass
@@ -33,6 +34,7 @@ from polygateway.testing import (
     FakeClock,
     FakeTransport,
     StreamScript,
+    TransientError,
     chat_chunk_events,
     chat_completion,
     gateway_settings,
@@ -214,3 +216,27 @@ async def test_the_log_line_shown_is_what_logging_emitter_writes(
     shape = re.sub(r"=\S+", "=", shown.group(1).removeprefix("WARNING ").split(" ", 2)[2])
     assert re.sub(r"=\S+", "=", line.getMessage().split(" ", 2)[2]) == shape
     assert "call_id" in line.polygateway  # type: ignore[attr-defined]
+
+
+async def test_the_outage_example_is_what_the_defaults_do() -> None:
+    """One source failing hard, ``fail_fast=True``, default settings: 50 calls end as the guide
+    says, 1 ``retry_exhausted`` and 49 ``no_runnable``."""
+    said = re.search(r"50 calls end\nas 1 `retry_exhausted` and 49 `no_runnable`", GUIDE)
+    assert said is not None
+    clock = FakeClock()
+    transport = FakeTransport(default=TransientError(status_code=503), clock=clock)
+    chat = closing(
+        ChatClient(
+            gateway_settings("bad"),
+            backend=MemoryBackend(now=clock),
+            transport=transport,
+            now=clock,
+            sleep=clock.sleep,
+        )
+    )
+    reasons: Counter[str] = Counter()
+    for _ in range(50):
+        with pytest.raises(AllSourcesExhausted) as caught:
+            await chat.complete(MESSAGES, fail_fast=True)
+        reasons[caught.value.reason] += 1
+    assert reasons == {"retry_exhausted": 1, "no_runnable": 49}
