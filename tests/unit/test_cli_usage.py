@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from polygateway.cli import EXIT_CONFIG, main
+from polygateway.cli import EXIT_CONFIG, EXIT_FAILURE, main
 
 SETTINGS = """
 [scopes.chat]
@@ -74,7 +74,7 @@ def json_refusal(capsys: pytest.CaptureFixture[str]) -> str:
     return message
 
 
-# --- nothing to send -------------------------------------------------------------------------
+# --- nothing to send --------------------------------------------------------------------------
 
 
 @pytest.mark.usefixtures("configured")
@@ -117,7 +117,7 @@ def test_embed_of_a_file_without_text_lines_is_a_usage_error(
     assert "nothing to embed: blank.txt has no text lines" in line
 
 
-# --- refusals of the commands themselves show the usage, as argparse's do --------------------
+# --- refusals of the commands themselves show the usage, as argparse's do ---------------------
 
 
 @pytest.mark.usefixtures("configured")
@@ -128,7 +128,7 @@ def test_embed_with_texts_and_a_file_shows_the_usage(capsys: pytest.CaptureFixtu
     assert line.endswith("give texts or --file FILE, not both")
 
 
-# --- flag values that name no file --------------------------------------------------------------
+# --- flag values that name no file ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -150,3 +150,34 @@ def test_an_empty_file_name_is_a_usage_error_naming_its_flag(
     assert main(args) == EXIT_CONFIG
     line = usage_refusal(capsys, command)
     assert f"argument {flag}: expected a file name, not an empty string" in line
+
+
+# --- input that cannot be read ----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("configured")
+def test_a_texts_file_that_is_not_utf8_is_one_error_line(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``embed --file`` of a Latin-1 file: exit 1, ``cannot read`` naming it, no exception name."""
+    (workdir / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    assert main(["embed", "--file", "latin1.txt"]) == EXIT_FAILURE
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "error: cannot read latin1.txt: not UTF-8 text (an undecodable byte at offset 3)\n"
+    )
+
+
+@pytest.mark.usefixtures("configured")
+@pytest.mark.parametrize("command", ["chat", "embed"])
+def test_stdin_that_is_not_utf8_is_one_error_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """A prompt or texts piped in another encoding: exit 1, ``cannot read stdin``, no exception."""
+    piped = io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdin", piped)
+    assert main([command]) == EXIT_FAILURE
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "error: cannot read stdin: not UTF-8 text (an undecodable byte at offset 3)\n"
+    )

@@ -274,15 +274,25 @@ async def _closing_backend(client: GovernedClient) -> AsyncIterator[None]:
         await backend.aclose()
 
 
+def _read_input(file: str | None) -> str:
+    """The text of ``file``, else of stdin; ``CliError`` naming it when it cannot be read."""
+    where = file or "stdin"
+    try:
+        return Path(file).read_text(encoding="utf-8") if file else sys.stdin.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {where}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(
+            f"cannot read {where}: not {exc.encoding.upper()} text (an undecodable byte at "
+            f"offset {exc.start})"
+        ) from None
+
+
 def _read_text_arg(values: Sequence[str], file: str | None) -> list[str]:
     """Texts from the command line, else from ``--file`` or stdin, one per non-empty line."""
     if values:
         return list(values)
-    try:
-        raw = Path(file).read_text(encoding="utf-8") if file else sys.stdin.read()
-    except OSError as exc:
-        raise CliError(f"cannot read {file}: {exc.strerror}") from None
-    return [line for line in raw.splitlines() if line.strip()]
+    return [line for line in _read_input(file).splitlines() if line.strip()]
 
 
 def _attempts_json(attempts: Sequence[Any]) -> list[dict[str, Any]]:
@@ -293,7 +303,7 @@ def _attempts_json(attempts: Sequence[Any]) -> list[dict[str, Any]]:
 def run_chat(args: argparse.Namespace) -> int:
     """One chat completion (or stream) through a configured scope."""
     settings = load_settings(args)
-    prompt = " ".join(args.prompt) if args.prompt else sys.stdin.read()
+    prompt = " ".join(args.prompt) if args.prompt else _read_input(None)
     if not prompt.strip():
         # No prompt is a missing argument (stdin only stands in for it): bad usage, exit 2.
         refuse_usage(args, "nothing to send: give a prompt or pipe one on stdin")
