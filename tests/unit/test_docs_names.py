@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 import polygateway
-from polygateway.backends.redis import RedisBackend
+from polygateway.backends.redis import RedisBackend, limiter
 from polygateway.cli import build_parser
-from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
+from polygateway.config import PROGRESS_TTL_S, GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.config.models import PriorityClassConfig
 from polygateway.middleware import gauges, otel
 
@@ -196,7 +196,7 @@ def test_a_toml_block_loads_as_settings(
 
 
 def test_constants_the_guides_state_are_the_codes() -> None:
-    """The scrape's 2 s wait, the 4,096 calls of OpenTelemetry's window, Redis's 1 s timeout."""
+    """Timeouts, windows and lifetimes the guides state are the code's constants."""
     guide = " ".join(DOCS["research-wiki/guides/observability.md"].split())
     assert gauges.SCRAPE_TIMEOUT_S == 2.0
     assert guide.count("at most 2 s") == 2
@@ -206,6 +206,14 @@ def test_constants_the_guides_state_are_the_codes() -> None:
     timeout = inspect.signature(RedisBackend).parameters["socket_timeout_s"].default
     assert timeout == GatewaySettings.model_fields["redis_socket_timeout_s"].default == 1.0
     assert "(`socket_timeout_s`, default 1 s," in fleet
+    assert limiter._HANDOFF_TTL_S == 1.0
+    assert "holds it `min(1 s, redis_socket_timeout_s)` at most" in fleet
+    assert limiter._WAITING_TTL_S == 60
+    assert "Registrations lapse 60 s after a process's last refused poll" in fleet
+    assert limiter._LATE_REPLY_S == 60.0
+    assert "a connection silent for 60 s with replies due is remade" in fleet
+    assert PROGRESS_TTL_S == 3600.0
+    assert "| when the scope last served; TTL 3600 s |" in fleet
     emitter = (
         "`OpenTelemetryEmitter(tracer_provider=None, meter_provider=None, *, propagate=False)`"
     )
