@@ -181,3 +181,24 @@ def test_stdin_that_is_not_utf8_is_one_error_line(
     assert captured.err == (
         "error: cannot read stdin: not UTF-8 text (an undecodable byte at offset 3)\n"
     )
+
+
+# --- flags that would be ignored without a word ------------------------------------------------
+
+
+def test_status_interval_without_watch_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``status --interval 5`` would show one snapshot, never refreshed: exit 2, before settings."""
+    assert main(["status", "--interval", "5"]) == EXIT_CONFIG
+    line = usage_refusal(capsys, "status")
+    assert line.endswith("--interval is only read with --watch")
+
+
+def test_status_watch_seconds_with_an_interval_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``status --watch 2 --interval 5``: two refresh periods, one would be dropped: exit 2."""
+    assert main(["status", "--watch", "2", "--interval", "5"]) == EXIT_CONFIG
+    line = usage_refusal(capsys, "status")
+    assert line.endswith("give --watch SECONDS or --watch --interval SECONDS, not both")

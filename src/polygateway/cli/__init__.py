@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--interval",
         type=positive_float,
-        default=1.0,
+        default=None,  # None: not given, so refused without --watch (commands.status)
         metavar="SECONDS",
         help="seconds between two refreshes of --watch (default 1)",
     )

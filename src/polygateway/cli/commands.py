@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MEMORY_STATUS_NOTE",
     "WATCH_AT_INTERVAL",
+    "WATCH_INTERVAL_S",
     "check_config",
     "env_file_of",
     "load_settings",
@@ -169,6 +170,10 @@ def status(args: argparse.Namespace) -> int:
     single snapshot is ``status --json``). ``--watch`` into a pipe prints the
     tables once per refresh.
     """
+    if args.interval is not None and args.watch is None:
+        refuse_usage(args, "--interval is only read with --watch")
+    if args.interval is not None and args.watch != WATCH_AT_INTERVAL:
+        refuse_usage(args, "give --watch SECONDS or --watch --interval SECONDS, not both")
     settings = load_settings(args)
     if settings.backend == "memory":
         raise ConfigError(MEMORY_STATUS_NOTE, field="backend", path=str(args.config))
@@ -179,7 +184,9 @@ def status(args: argparse.Namespace) -> int:
         settings.scope(name)  # an unknown scope is a ConfigError listing the known ones
     every: float | None = None
     if args.watch is not None:
-        every = args.interval if args.watch == WATCH_AT_INTERVAL else args.watch
+        every = args.watch
+        if every == WATCH_AT_INTERVAL:
+            every = WATCH_INTERVAL_S if args.interval is None else args.interval
     try:
         return asyncio.run(_status(settings, scopes, args.json, every))
     except KeyboardInterrupt:
@@ -190,6 +197,8 @@ def status(args: argparse.Namespace) -> int:
 
 WATCH_AT_INTERVAL = -1.0
 """``--watch`` given without seconds: refresh every ``--interval`` seconds."""
+WATCH_INTERVAL_S = 1.0
+"""Seconds between two refreshes of ``--watch`` when neither it nor ``--interval`` says."""
 
 
 async def _status(
