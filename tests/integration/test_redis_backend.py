@@ -159,12 +159,10 @@ async def test_a_call_that_does_not_wait_costs_exactly_two_round_trips(
     sent: list[str] = []
     send = wire.Link.send
 
-    def counting(
-        link: wire.Link, data: bytes, on_reply: wire.OnReply, script: wire.Script | None = None
-    ) -> None:
+    def counting(link: wire.Link, data: bytes, on_reply: wire.OnReply, *rest: Any) -> None:
         # RESP: *<n>\r\n$<len>\r\n<name>\r\n...
         sent.append(data.split(b"\r\n", 3)[2].decode())
-        send(link, data, on_reply, script)
+        send(link, data, on_reply, *rest)
 
     monkeypatch.setattr(wire.Link, "send", counting)
     pool = aioredis.ConnectionPool.from_url(redis_url)

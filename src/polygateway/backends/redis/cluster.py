@@ -16,7 +16,10 @@ command's callback):
   background (a resharding seldom moves one slot alone).
 - ``ASK slot host:port``: the slot is migrating and the node that answered
   lacks one of the keys; the command is sent once to the named node behind
-  ``ASKING``, and the map is left alone.
+  ``ASKING``, and the map is left alone. Answered ``NOSCRIPT`` there (its
+  scripts flushed), it is loaded and sent once more to that node, behind
+  ``ASKING`` again (``wire.ASKING_FIRST``): without it the node would answer
+  ``MOVED`` back to the migrating one, which answers ``ASK`` again.
 - ``TRYAGAIN``: the migrating node has some of the keys the script names
   but not all (Redis 7), or the importing node, after ``ASK``, lacks some
   (scripts name keys that may not exist yet, so during a migration of its
@@ -58,7 +61,14 @@ from redis.exceptions import RedisError, ResponseError
 
 from polygateway.backends.redis import codec
 from polygateway.backends.redis.endpoint import Endpoint
-from polygateway.backends.redis.wire import NON_LOCAL_KEY, OnReply, Script, Wire, command
+from polygateway.backends.redis.wire import (
+    ASKING_FIRST,
+    NON_LOCAL_KEY,
+    OnReply,
+    Script,
+    Wire,
+    command,
+)
 
 __all__ = ["SLOTS", "Cluster", "read_shards", "read_slots"]
 
@@ -69,7 +79,6 @@ _MAX_REDIRECTS: Final = 32
 """Redirections one command follows; TRYAGAIN pauses add up to about 6 s before that."""
 _TRYAGAIN_FIRST_S: Final = 0.01
 _TRYAGAIN_MAX_S: Final = 0.2
-_ASKING: Final = command("ASKING")
 _SHARDS: Final = command("CLUSTER", "SHARDS")
 _SLOTS: Final = command("CLUSTER", "SLOTS")
 _MAX_SCOPES: Final = 4096
@@ -265,9 +274,9 @@ class Cluster:
         if kind == "MOVED":
             self._owners[slot] = target
             self.refresh()
+            target.send(data, hop, script)
         else:
-            target.send(_ASKING, _ignore)
-        target.send(data, hop, script)
+            target.send(data, hop, script, ASKING_FIRST)
 
     def _resend(self, replier: Address, data: bytes, hop: _Hop, script: Script | None) -> None:
         """Send a command again to its slot's owner (after ``TRYAGAIN``)."""
@@ -361,7 +370,3 @@ class Cluster:
                 await refreshing
         for wire in list(self._wires.values()):
             await wire.aclose()
-
-
-def _ignore(reply: Any) -> None:
-    """``ASKING``'s reply: if it failed, the command sent behind it says so."""

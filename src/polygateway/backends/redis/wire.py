@@ -59,7 +59,9 @@ classes, nothing else. What this module does:
   anyway (a ``SCRIPT FLUSH`` mid-connection) loads its script and runs once
   more, as redis-py's ``Script`` does: after everything written before that
   answer came, which after a flush are mostly EVALSHAs answered ``NOSCRIPT``
-  too and so run again in their order.
+  too and so run again in their order. It runs again as it was sent: behind
+  ``ASKING`` when it followed a Cluster's ``ASK`` (``ASKING_FIRST``), and as
+  its script's command, which ``cluster.py`` asks before following ``ASK``.
 - A server silent for ``late_reply_s`` while replies are due (frozen, or
   gone without a reset) has its connection closed by a watchdog: what was
   pending fails with ``ConnectionError`` and the next command reconnects. So
@@ -104,6 +106,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from polygateway.backends.redis.endpoint import Endpoint
 
 __all__ = [
+    "ASKING",
+    "ASKING_FIRST",
     "Arg",
     "Link",
     "Locate",
@@ -155,6 +159,13 @@ Locate = Callable[[], Awaitable[Endpoint]]
 Arg = NewType("Arg", bytes)
 """One command argument, packed (a RESP bulk string): a command counts its ``Arg``s."""
 
+ASKING_FIRST: Final = 1
+"""A ``send`` flag: the command follows ``ASK`` (Redis Cluster), so ``ASKING`` goes right
+before it, and again before it is sent once more after ``NOSCRIPT``: the importing node
+serves the slot to the one command after ``ASKING``, and answers ``MOVED`` to any other."""
+_RELOADED: Final = 2
+"""A ``send`` flag: the command is sent once more after ``NOSCRIPT``; a second is its answer."""
+
 
 class Unanswered(RedisConnectionError):
     """A command written, whose connection was lost before its reply: it may have run.
@@ -183,6 +194,10 @@ def bulks(values: Sequence[str]) -> tuple[Arg, ...]:
 def command(*args: str) -> bytes:
     """A whole command of plain arguments (rare paths: ``ZRANGE``, ``SCRIPT LOAD``, connecting)."""
     return b"".join((b"*%d\r\n" % len(args), *map(bulk, args)))
+
+
+ASKING: Final = command("ASKING")
+"""Sent right before a command that follows a Cluster's ``ASK`` (``ASKING_FIRST``)."""
 
 
 def handshake(
@@ -239,10 +254,11 @@ class Script:
 
 
 def _ignore(reply: Any) -> None:
-    """A ``SCRIPT LOAD``'s reply: if it failed, the command run after it says so."""
+    """A ``SCRIPT LOAD``'s or an ``ASKING``'s reply: if it failed, the command after it says so."""
 
 
-_Pending = tuple[OnReply, bytes, Script | None]
+_Pending = tuple[OnReply, bytes, Script | None, int]
+"""A command's callback, its bytes, its script, and its ``send`` flags."""
 
 
 class Link(asyncio.Protocol):
@@ -315,13 +331,15 @@ class Link(asyncio.Protocol):
             if not pending:
                 self._fail("a reply nobody asked for")
                 return
-            on_reply, data_sent, script = pending.popleft()
+            on_reply, data_sent, script, flags = pending.popleft()
             if type(reply) is ResponseError:
                 message = str(reply)
-                if script is not None and message.startswith("NOSCRIPT"):
-                    # Flushed or restarted: load the script and run the command once more.
+                if script is not None and not flags & _RELOADED and message.startswith("NOSCRIPT"):
+                    # Flushed or restarted: load the script and run the command once more, as
+                    # it was sent (behind ASKING after ASK) and still as the script's command
+                    # (whether it may follow a later ASK: cluster.py).
                     self.send(script.load, _ignore)
-                    self.send(data_sent, on_reply)
+                    self.send(data_sent, on_reply, script, flags | _RELOADED)
                     continue
                 if self._redirect is not None and message.startswith(REDIRECTS):
                     self._redirect(reply, data_sent, on_reply, script)
@@ -344,20 +362,29 @@ class Link(asyncio.Protocol):
             self._watchdog.cancel()
         reason = "connection closed" if exc is None else f"connection lost: {exc}"
         pending, self._pending = self._pending, deque()
-        for on_reply, _, _ in pending:
+        for on_reply, _, _, _ in pending:
             on_reply(Unanswered(reason))
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         if self._on_down is not None:
             self._on_down()
 
-    def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> None:
-        """Write a command; its reply (or the link's failure) goes to ``on_reply``."""
+    def send(
+        self, data: bytes, on_reply: OnReply, script: Script | None = None, flags: int = 0
+    ) -> None:
+        """Write a command; its reply (or the link's failure) goes to ``on_reply``.
+
+        ``flags``: ``ASKING_FIRST`` writes ``ASKING`` right before it.
+        """
         pending = self._pending
         if not pending and not self._heard:
             self._heard = self._clock()  # silence counts from now
-        pending.append((on_reply, data, script))
-        cast(asyncio.Transport, self._transport).write(data)
+        transport = cast(asyncio.Transport, self._transport)
+        if flags & ASKING_FIRST:
+            pending.append((_ignore, ASKING, None, 0))
+            transport.write(ASKING)
+        pending.append((on_reply, data, script, flags))
+        transport.write(data)
 
     async def drained(self) -> None:
         """Return once no reply is due."""
@@ -412,7 +439,7 @@ class Link(asyncio.Protocol):
             if not loop.is_closed():
                 transport.abort()
         pending, self._pending = self._pending, deque()
-        for on_reply, _, _ in pending:
+        for on_reply, _, _, _ in pending:
             # A caller still waiting there has a future of that loop, which, closed, refuses
             # to wake it: nobody would read the outcome anyway.
             with contextlib.suppress(RuntimeError):
@@ -613,17 +640,20 @@ class Wire:
         """Replies due, and commands waiting for the connection to be made."""
         return len(self._queue) + (self._link.pending if self._link is not None else 0)
 
-    def send(self, data: bytes, on_reply: OnReply, script: Script | None = None) -> None:
+    def send(
+        self, data: bytes, on_reply: OnReply, script: Script | None = None, flags: int = 0
+    ) -> None:
         """Write a command now, or once the connection is up; ``on_reply`` gets its reply.
 
-        With ``script``, a ``NOSCRIPT`` answer loads it and runs the command once more.
+        With ``script``, a ``NOSCRIPT`` answer loads it and runs the command once
+        more. ``flags``: ``ASKING_FIRST`` sends ``ASKING`` right before it.
         """
         link = self._link
         if link is not None and link.open and link.loop is asyncio.get_running_loop():
-            link.send(data, on_reply, script)
+            link.send(data, on_reply, script, flags)
             return
         self._settle()
-        self._queue.append((on_reply, data, script))
+        self._queue.append((on_reply, data, script, flags))
         if self._connecting is None:
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
@@ -675,8 +705,8 @@ class Wire:
         for loaded in self._scripts:
             link.send(loaded.load, _ignore)
         queue, self._queue = self._queue, []
-        for on_reply, data, script in queue:
-            link.send(data, on_reply, script)
+        for on_reply, data, script, flags in queue:
+            link.send(data, on_reply, script, flags)
 
     def _failed(self, link: Link, exc: BaseException) -> None:
         """A connection could not be made: the commands queued for it fail with its error."""
@@ -688,7 +718,7 @@ class Wire:
             error = RedisConnectionError("the backend closed while connecting")
         self._connecting = None
         queue, self._queue = self._queue, []
-        for on_reply, _, _ in queue:
+        for on_reply, _, _, _ in queue:
             on_reply(error)
 
     def _settle(self) -> None:

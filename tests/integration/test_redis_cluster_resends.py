@@ -1,0 +1,94 @@
+"""The Redis backend on a real 3-master Cluster: commands sent again, and a backend reused.
+
+A command that follows ``ASK`` to a node whose scripts were flushed is
+loaded and sent again there, behind ``ASKING``; a backend used again after
+its ``aclose`` reads the slot map again, as a new one does; a cluster none
+of whose nodes answers fails every call with the backend's typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from _redis_topologies import Cluster, Process, running, slot_of
+
+from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.redis import RedisBackend
+
+SUCCESS = AttemptOutcome("success")
+SPEC = SourceSpec(name="a", max_concurrency=4)
+BOUND_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A 3-master cluster for the module, stopped at its end."""
+    yield from running(Cluster(tmp_path_factory.mktemp("cluster")))
+
+
+@pytest.fixture
+async def backend(cluster: Cluster) -> AsyncIterator[RedisBackend]:
+    """A cluster-mode backend seeded with the first node, on an emptied cluster."""
+    cluster.flush()
+    made = RedisBackend(cluster.seed_url, mode="cluster", socket_timeout_s=5.0)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def evalsha_stats(node: Process) -> tuple[int, int]:
+    """EVALSHA commands ``node`` ran, and refused before running (``MOVED``, ``ASK``), so far
+    (``INFO commandstats``)."""
+    with node.client() as client:
+        stats = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0)), int(stats.get("rejected_calls", 0))
+
+
+def noscripts(node: Process) -> int:
+    """``NOSCRIPT`` errors ``node`` answered so far (``INFO errorstats``)."""
+    with node.client() as client:
+        return int(client.info("errorstats").get("errorstat_NOSCRIPT", {}).get("count", 0))
+
+
+async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """The scope's keys moved, the importing node's scripts flushed: PROGRESS is sent on
+    ``ASK``, answered NOSCRIPT, then loaded and run on that node behind ``ASKING``, never
+    bounced back to the migrating node by a ``MOVED`` (which answers ``ASK`` again).
+
+    PROGRESS names one key: the importing node runs it behind ``ASKING``. A script naming
+    several keys, some not made yet, gets ``TRYAGAIN`` there instead, and ACQUIRE never
+    follows ``ASK`` (``cluster.py``), so neither reaches a flushed importing node.
+    """
+    scopes = cluster.scopes_per_node()
+    (scope,), (on_the_target,) = scopes[0], scopes[2]
+    await backend.progress_age_s(on_the_target)  # connected there: its scripts loaded
+    got = await backend.acquire(scope, [SPEC], ttl_s=30)
+    assert got.lease is not None
+    await backend.release(got.lease, SUCCESS)
+    assert await backend.progress_age_s(scope) < 60
+    slot, source, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
+    await asyncio.to_thread(cluster.begin_migration, slot, source, target)
+    try:
+        while await asyncio.to_thread(cluster.move_keys, slot, source, target):
+            pass
+        with target.client() as client:
+            client.script_flush()
+        on_source = await asyncio.to_thread(evalsha_stats, source)
+        on_target = await asyncio.to_thread(evalsha_stats, target)
+        flushed = await asyncio.to_thread(noscripts, target)
+        async with asyncio.timeout(BOUND_S):
+            assert await backend.progress_age_s(scope) < 60
+        assert await asyncio.to_thread(noscripts, target) == flushed + 1
+        ran, refused = await asyncio.to_thread(evalsha_stats, target)
+        assert ran == on_target[0] + 2  # answered NOSCRIPT, then run
+        assert refused == on_target[1]  # before: one MOVED, back to the migrating node
+        assert (await asyncio.to_thread(evalsha_stats, source))[1] == on_source[1] + 1  # one ASK
+    finally:
+        await asyncio.to_thread(cluster.flush)
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        await asyncio.to_thread(cluster.migrate, slot, source)

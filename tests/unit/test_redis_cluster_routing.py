@@ -1,0 +1,118 @@
+"""A Redis Cluster's redirections and slot-map reads, each node's connection a fake.
+
+Every node's ``Wire`` carries a ``Link`` over a transport that records what
+is written and is fed the replies a node would send, so what the cluster
+sends where, and in which order, is read back without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from polygateway.backends.redis import cluster as cluster_module
+from polygateway.backends.redis.cluster import Cluster
+from polygateway.backends.redis.endpoint import Endpoint
+from polygateway.backends.redis.wire import Link, Script, command
+
+SEED = ("127.0.0.1", 7000)
+OTHER = ("127.0.0.1", 7001)
+ASKING = command("ASKING")
+SCRIPT = Script("return 1", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db")
+MAKES_KEYS = Script("return 2", "7f923f79fe76194c868d7e1d0820de36700eb649", makes_keys=True)
+COMMAND = SCRIPT.command([], [])
+
+
+class _Transport(asyncio.Transport):
+    """Records every write; closing reports the connection lost, as the event loop does."""
+
+    def __init__(self, link: Link) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self._link = link
+        self._closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._link.connection_lost(None)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+def _node(cluster: Cluster, address: tuple[str, int]) -> tuple[Link, _Transport]:
+    """The node's wire, connected over a fake transport."""
+    wire = cluster._wire(address)
+    link = Link(5.0, wire._redirect)  # no on_down: a lost fake must not make a real connection
+    transport = _Transport(link)
+    link.connection_made(transport)
+    wire._link = link
+    return link, transport
+
+
+def _cluster() -> Cluster:
+    return Cluster(Endpoint(host=SEED[0], port=SEED[1]), late_reply_s=5.0, timeout_s=1.0)
+
+
+async def test_a_noscript_after_ask_loads_the_script_and_asks_again_on_the_ask_target() -> None:
+    """NOSCRIPT from the importing node: SCRIPT LOAD, ASKING, the command, all on that node.
+
+    Without ``ASKING`` the importing node answers ``MOVED`` to the migrating
+    node, which answers ``ASK`` again: the command bounces, costing hops.
+    """
+    cluster = _cluster()
+    seed, _ = _node(cluster, SEED)
+    other, to_other = _node(cluster, OTHER)
+    replies: list[Any] = []
+    cluster._wire(SEED).send(COMMAND, replies.append, SCRIPT)
+    seed.data_received(b"-ASK 5 127.0.0.1:7001\r\n")
+    assert to_other.written == [ASKING, COMMAND]
+    other.data_received(b"+OK\r\n-NOSCRIPT No matching script.\r\n")
+    assert to_other.written[2:] == [SCRIPT.load, ASKING, COMMAND]  # before: no ASKING
+    other.data_received(b"$40\r\n" + b"0" * 40 + b"\r\n+OK\r\n:1\r\n")
+    assert replies == [1]
+    await cluster.aclose()
+
+
+async def test_a_script_that_makes_keys_still_does_not_follow_ask_after_a_noscript(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ACQUIRE answered NOSCRIPT, then ASK once loaded: it is sent again to the slot's owner,
+    as after TRYAGAIN, never to the importing node, where keys not migrated yet would read
+    as absent."""
+    monkeypatch.setattr(cluster_module, "_TRYAGAIN_FIRST_S", 0.0)  # sent again at once
+    cluster = _cluster()
+    seed, to_seed = _node(cluster, SEED)
+    _, to_other = _node(cluster, OTHER)
+    acquire = MAKES_KEYS.command([], [])
+    cluster._wire(SEED).send(acquire, lambda reply: None, MAKES_KEYS)
+    seed.data_received(b"-NOSCRIPT No matching script.\r\n")
+    assert to_seed.written == [acquire, MAKES_KEYS.load, acquire]
+    seed.data_received(b"$40\r\n" + b"0" * 40 + b"\r\n-ASK 5 127.0.0.1:7001\r\n")
+    assert to_other.written == []  # before: ASKING and the acquire, on the importing node
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert to_seed.written[3:] == [acquire]
+    await cluster.aclose()
+
+
+async def test_a_second_noscript_for_one_command_on_one_node_is_its_answer() -> None:
+    """A script that cannot be loaded is not loaded for ever: the second NOSCRIPT fails it."""
+    cluster = _cluster()
+    seed, to_seed = _node(cluster, SEED)
+    replies: list[Any] = []
+    cluster._wire(SEED).send(COMMAND, replies.append, SCRIPT)
+    seed.data_received(b"-NOSCRIPT No matching script.\r\n")
+    seed.data_received(b"-ERR denied\r\n-NOSCRIPT No matching script.\r\n")
+    assert to_seed.written == [COMMAND, SCRIPT.load, COMMAND]
+    assert [str(reply) for reply in replies] == ["NOSCRIPT No matching script."]
+    await cluster.aclose()
