@@ -2,8 +2,7 @@
 
 A command that follows ``ASK`` to a node whose scripts were flushed is
 loaded and sent again there, behind ``ASKING``; a backend used again after
-its ``aclose`` reads the slot map again, as a new one does; a cluster none
-of whose nodes answers fails every call with the backend's typed error.
+its ``aclose`` reads the slot map again, as a new one does.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from _redis_topologies import Cluster, Process, running, slot_of
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
+from polygateway.backends.redis.cluster import Cluster as RedisCluster
 
 SUCCESS = AttemptOutcome("success")
 SPEC = SourceSpec(name="a", max_concurrency=4)
@@ -92,3 +92,19 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
         await asyncio.to_thread(cluster.flush)
         await asyncio.to_thread(cluster.end_migration, slot, target)
         await asyncio.to_thread(cluster.migrate, slot, source)
+
+
+async def test_a_cluster_backend_used_again_after_aclose_reads_the_slot_map(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """Closed before its first use, then used: the map of every node is read, not only the
+    one slot a ``MOVED`` named."""
+    await backend.aclose()
+    for (scope,) in cluster.scopes_per_node().values():
+        await backend.snapshot(scope)
+    topology = backend._wire
+    assert isinstance(topology, RedisCluster)
+    async with asyncio.timeout(BOUND_S):
+        while None in topology._owners:  # before: only the two slots MOVED named
+            await asyncio.sleep(0.01)
+    assert len(topology.nodes()) == len(cluster.nodes)

@@ -204,6 +204,7 @@ class Cluster:
             slot = self.slot_of(scope)
         wire = self._owners[slot]
         if wire is None:
+            self._closed = False  # used again after aclose, which forgot the map
             self.refresh()
             wire = self._wire((self._seed.host, self._seed.port))
         return wire
@@ -361,8 +362,14 @@ class Cluster:
             await wire.drain()
 
     async def aclose(self) -> None:
-        """Close every node's connection (and stop reading the map)."""
+        """Close every node's connection and forget the map (stop reading it).
+
+        Used again, the cluster is read anew, as when it was made: the next
+        ``route`` finds no owner, and reading the map is allowed again.
+        Meanwhile the connections lost here do not read it.
+        """
         self._closed = True
+        self._owners = [None] * SLOTS
         refreshing, self._refreshing = self._refreshing, None
         if refreshing is not None:
             refreshing.cancel()
