@@ -2,7 +2,8 @@
 
 A command that follows ``ASK`` to a node whose scripts were flushed is
 loaded and sent again there, behind ``ASKING``; a backend used again after
-its ``aclose`` reads the slot map again, as a new one does.
+its ``aclose`` reads the slot map again, as a new one does; a cluster none
+of whose nodes answers fails every call with the backend's typed error.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from _redis_topologies import Cluster, Process, running, slot_of
 
+from _ports import free_port
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.backends.redis.cluster import Cluster as RedisCluster
+from polygateway.errors import GovernanceBackendError
 
 SUCCESS = AttemptOutcome("success")
 SPEC = SourceSpec(name="a", max_concurrency=4)
@@ -108,3 +111,45 @@ async def test_a_cluster_backend_used_again_after_aclose_reads_the_slot_map(
         while None in topology._owners:  # before: only the two slots MOVED named
             await asyncio.sleep(0.01)
     assert len(topology.nodes()) == len(cluster.nodes)
+
+
+async def test_a_cluster_no_node_of_which_answers_fails_calls_typed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every node unreachable: each call fails closed with ``GovernanceBackendError``, and the
+    map's reading, in the background, says so in the log without an exception escaping."""
+    backend = RedisBackend(f"redis://127.0.0.1:{free_port()}", mode="cluster", socket_timeout_s=1.0)
+    try:
+        for _ in range(2):
+            with pytest.raises(GovernanceBackendError, match="ConnectionError"):
+                await backend.acquire("nowhere", [SPEC], ttl_s=30)
+        async with asyncio.timeout(BOUND_S):
+            while "cannot read the Redis Cluster's slot map" not in caplog.text:
+                await asyncio.sleep(0.01)
+    finally:
+        await backend.aclose()
+
+
+async def test_reading_the_map_passes_a_frozen_node_for_the_next(cluster: Cluster) -> None:
+    """A node that owns slots stops answering: the map's reading waits one timeout for it,
+    then reads the map from the next node, without an error escaping."""
+    cluster.flush()
+    backend = RedisBackend(cluster.seed_url, mode="cluster", socket_timeout_s=0.3)
+    topology = backend._wire
+    assert isinstance(topology, RedisCluster)
+    frozen = cluster.nodes[1]
+    try:
+        for (scope,) in cluster.scopes_per_node().values():
+            await backend.snapshot(scope)  # the map read, every node connected
+        async with asyncio.timeout(BOUND_S):
+            while len(topology.nodes()) < len(cluster.nodes):
+                await asyncio.sleep(0.01)
+        frozen.pause()
+        reading = asyncio.ensure_future(topology._read_any())
+        async with asyncio.timeout(1.5):  # below the cluster's node timeout (3 s)
+            await reading
+        frozen.resume()
+        assert len(topology.nodes()) == len(cluster.nodes)
+    finally:
+        frozen.resume()
+        await backend.aclose()

@@ -11,11 +11,12 @@ import asyncio
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from polygateway.backends.redis import cluster as cluster_module
-from polygateway.backends.redis.cluster import Cluster
+from polygateway.backends.redis.cluster import SLOTS, Cluster
 from polygateway.backends.redis.endpoint import Endpoint
-from polygateway.backends.redis.wire import Link, Script, command
+from polygateway.backends.redis.wire import Link, Script, Wire, command
 
 SEED = ("127.0.0.1", 7000)
 OTHER = ("127.0.0.1", 7001)
@@ -116,3 +117,80 @@ async def test_a_second_noscript_for_one_command_on_one_node_is_its_answer() -> 
     assert to_seed.written == [COMMAND, SCRIPT.load, COMMAND]
     assert [str(reply) for reply in replies] == ["NOSCRIPT No matching script."]
     await cluster.aclose()
+
+
+def _shards(port: int) -> bytes:
+    """``CLUSTER SHARDS`` (RESP2): one shard owning every slot, its primary at ``port``."""
+    node = (
+        b"*8\r\n$2\r\nip\r\n$9\r\n127.0.0.1\r\n$4\r\nport\r\n:%d\r\n"
+        b"$4\r\nrole\r\n$6\r\nmaster\r\n$6\r\nhealth\r\n$6\r\nonline\r\n" % port
+    )
+    slots = b"*2\r\n:0\r\n:%d\r\n" % (SLOTS - 1)
+    return b"*1\r\n*4\r\n$5\r\nslots\r\n" + slots + b"$5\r\nnodes\r\n*1\r\n" + node
+
+
+def _owners(cluster: Cluster) -> set[tuple[str, int]]:
+    return {(w.endpoint.host, w.endpoint.port) for w in cluster._owners if w is not None}
+
+
+async def _read_map(cluster: Cluster, answers: dict[Link, list[bytes]]) -> None:
+    """Read the map, each node answering its questions in turn with ``answers``'s bytes
+    (``b""``: the connection is lost instead)."""
+    reading = asyncio.ensure_future(cluster._read_any())
+    while not reading.done():
+        await asyncio.sleep(0)
+        for link, replies in answers.items():
+            if link.pending and replies:
+                reply = replies.pop(0)
+                if reply:
+                    link.data_received(reply)
+                else:
+                    link.close()
+    await reading
+
+
+async def _owned_by_other(cluster: Cluster) -> tuple[Link, Link]:
+    """Every slot owned by OTHER (its map read from the seed): OTHER is asked first next time."""
+    seed, _ = _node(cluster, SEED)
+    other, _ = _node(cluster, OTHER)
+    await _read_map(cluster, {seed: [_shards(OTHER[1])]})
+    assert _owners(cluster) == {OTHER}
+    return seed, other
+
+
+async def test_a_map_naming_a_port_out_of_range_is_refused_and_the_next_node_read() -> None:
+    """A primary at port 70000 is a malformed reply: the next node's map is used instead.
+
+    Applied, it made every command of those slots fail with ``OverflowError``
+    (``connect(): port must be 0-65535``), which no boundary translates.
+    """
+    cluster = _cluster()
+    seed, other = await _owned_by_other(cluster)
+    await _read_map(cluster, {other: [_shards(70000)], seed: [_shards(SEED[1])]})
+    assert _owners(cluster) == {SEED}  # before: 127.0.0.1:70000
+    await cluster.aclose()
+
+
+async def test_a_node_lost_or_answering_nonsense_while_the_map_is_read_passes_to_the_next() -> None:
+    """A connection lost, an error, or replies of the wrong shape: the seed is read next."""
+    nonsense = [b"", b"-ERR no\r\n", b":5\r\n", b"+OK\r\n", b"*1\r\n:1\r\n", b"*1\r\n*1\r\n:1\r\n"]
+    for reply in nonsense:
+        cluster = _cluster()
+        seed, other = await _owned_by_other(cluster)
+        # CLUSTER SHARDS refused: CLUSTER SLOTS is asked next, and refused too.
+        mine = [reply, reply] if reply.startswith(b"-") else [reply]
+        await _read_map(cluster, {other: mine, seed: [_shards(SEED[1])]})
+        assert _owners(cluster) == {SEED}, reply
+        await cluster.aclose()
+
+
+async def test_a_node_at_a_port_out_of_range_fails_its_commands_as_a_connection_error() -> None:
+    """A ``MOVED`` or a map naming port 70000: redis-py's ``ConnectionError``, which the
+    backend translates, not the ``OverflowError`` the socket raises."""
+    wire = Wire(Endpoint(host="127.0.0.1", port=70000, connect_timeout_s=1.0), late_reply_s=1.0)
+    replied: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    wire.send(command("PING"), replied.set_result)
+    got = await replied
+    await wire.aclose()
+    assert isinstance(got, RedisConnectionError), repr(got)  # before: OverflowError
+    assert "127.0.0.1:70000" in str(got)

@@ -44,6 +44,10 @@ the commands of one scope reach their new node in the order they were sent.
 A node that cannot be reached, or whose connection is lost, makes the map be
 read again from any node that answers (the seed node last), so a failover
 inside the cluster is followed as soon as the cluster has promoted a replica.
+A node that fails to answer in time, or answers what is not a slot map (a
+shape Redis does not send, a port no socket takes), passes the reading to
+the next; when none answers it is logged, and the commands, sent where the
+map last said, fail on their own (``GovernanceBackendError``, fail closed).
 """
 
 from __future__ import annotations
@@ -120,6 +124,19 @@ def _host(endpoint: Any, ip: Any, replier: str) -> str | None:
     return None
 
 
+def _port(value: Any) -> int:
+    """A node's port as a slot map gives it.
+
+    One no socket takes (past 65535) makes the whole reply malformed:
+    ``ValueError``, so the map is read from the next node instead of routing
+    slots to an address no connection can be made to.
+    """
+    port = int(value)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} out of range")
+    return port
+
+
 def read_shards(reply: Sequence[Any], replier: str, *, tls: bool) -> Ranges:
     """``CLUSTER SHARDS``'s reply as slot ranges of each shard's online primary."""
     ranges: Ranges = []
@@ -136,9 +153,8 @@ def read_shards(reply: Sequence[Any], replier: str, *, tls: bool) -> Ranges:
             host = _host(info.get("endpoint"), info.get("ip"), replier)
             if host is None or port is None:
                 continue
-            ranges += (
-                (slots[i], slots[i + 1], (host, int(port))) for i in range(0, len(slots) - 1, 2)
-            )
+            address = (host, _port(port))
+            ranges += ((slots[i], slots[i + 1], address) for i in range(0, len(slots) - 1, 2))
             break
     return ranges
 
@@ -150,7 +166,7 @@ def read_slots(reply: Sequence[Any], replier: str) -> Ranges:
         first, last, primary = int(row[0]), int(row[1]), row[2]
         host = _host(primary[0], None, replier)
         if host is not None:
-            ranges.append((first, last, (host, int(primary[1]))))
+            ranges.append((first, last, (host, _port(primary[1]))))
     return ranges
 
 

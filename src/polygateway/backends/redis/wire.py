@@ -471,6 +471,10 @@ async def _connect(endpoint: Endpoint, link: Link) -> None:
         )
     except OSError as exc:  # refused, unreachable, TLS refused (ssl.SSLError is an OSError)
         raise RedisConnectionError(_connect_error(endpoint.address, exc)) from exc
+    except (ValueError, OverflowError) as exc:
+        # An address no socket takes (a port past 65535, a host IDNA refuses), as a Cluster's
+        # MOVED or slot map may name one: a connect error too, for the backend to translate.
+        raise RedisConnectionError(f"Error connecting to {endpoint.address}. {exc}") from exc
     sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
