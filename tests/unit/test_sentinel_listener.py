@@ -90,3 +90,48 @@ async def test_a_fault_of_one_sentinel_round_does_not_end_the_listener(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_primary_located_after_aclose_waits_for_the_listener_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Used again after ``aclose``: the first connection waits, as the very first did, until
+    the restarted listener is subscribed, so a failover from then on is heard."""
+    subscribed: list[str] = []
+    done = asyncio.Event()
+    gate = asyncio.Event()
+    gate.set()
+
+    class _Gated(_PubSub):
+        async def subscribe(self, channel: str) -> None:
+            await gate.wait()
+            await super().subscribe(channel)
+
+    monkeypatch.setattr(
+        sentinel_module,
+        "pubsub_client",
+        lambda endpoint, timeout_s: _Client(_Gated(None, subscribed, done)),
+    )
+
+    async def named(self: SentinelPrimary, sentinel: object) -> list[bytes]:
+        return [b"127.0.0.1", b"6379"]
+
+    monkeypatch.setattr(SentinelPrimary, "_ask", named)
+    primary = SentinelPrimary(
+        [("127.0.0.1", 1)], "mymaster", Endpoint(), late_reply_s=1.0, timeout_s=30.0
+    )
+    try:
+        await primary.locate(Endpoint())
+        assert subscribed == ["+switch-master"]
+        await primary.aclose()
+        gate.clear()
+        locating = asyncio.ensure_future(primary.locate(Endpoint()))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not locating.done()  # before: located at once, the listener not subscribed yet
+        gate.set()
+        await locating
+        assert subscribed == ["+switch-master", "+switch-master"]
+    finally:
+        done.set()
+        await primary.aclose()

@@ -154,10 +154,10 @@ class SentinelPrimary:
         loop = asyncio.get_running_loop()
         if self._listening is None or self._listening.get_loop() is not loop:
             # Listening before the first connection: a failover from then on is heard. Again
-            # in a new event loop (a backend shared across asyncio.run calls): the last
-            # loop's task never runs again.
-            if self._listening is not None:
-                self._subscribed = asyncio.Event()
+            # after aclose (a backend used again), and in a new event loop (a backend shared
+            # across asyncio.run calls): the last loop's task never runs again. Each start
+            # waits for its own subscription, never one an earlier listener made.
+            self._subscribed = asyncio.Event()
             self._listening = loop.create_task(self._listen())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._timeout_s):
