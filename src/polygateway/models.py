@@ -126,7 +126,14 @@ class CallRecord:
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """A complete tool call of a chat answer."""
+    """A complete tool call of a chat answer.
+
+    ``type`` says how the call is sent back: ``function`` (a tool call),
+    ``custom`` (a free-form tool's, ``arguments`` its plain-text input), or
+    ``function_call`` (the answer to a request's legacy ``functions``: the
+    message's ``function_call``, without an id, answered by a ``function``
+    message).
+    """
 
     id: str
     name: str
@@ -136,12 +143,17 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallDelta:
-    """A piece of a tool call in a stream; ``index`` ties the pieces together."""
+    """A piece of a tool call in a stream; ``index`` ties the pieces together.
+
+    ``type`` is the call's ``ToolCall.type`` when the piece names it (a
+    legacy ``delta.function_call`` piece always does), ``None`` otherwise.
+    """
 
     index: int
     id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    type: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,12 @@ from pydantic import SecretStr
 
 from polygateway.config import SourceConfig
 from polygateway.models import ToolCall, ToolCallDelta, Usage
+from polygateway.transport.assembly import assemble_chat
 from polygateway.transport.http import TransientError
 from polygateway.transport.openai import (
     DEFAULT_MAX_TOKENS_ESTIMATE,
     IMAGE_PART_TOKENS,
+    ChatChunkReader,
     _walk_chat_chunk,
     _walk_chat_response,
     chat_request,
@@ -274,7 +276,7 @@ def test_first_role_only_chunk_has_empty_text() -> None:
 
 
 def test_chunk_with_tool_call_deltas() -> None:
-    """Tool-call pieces keep their index, id, name and argument fragment."""
+    """Tool-call pieces keep their index, id, name, argument fragment and type if named."""
     chunk = parse_chat_chunk(
         {
             "choices": [
@@ -295,7 +297,7 @@ def test_chunk_with_tool_call_deltas() -> None:
         }
     )
     assert chunk.tool_calls == (
-        ToolCallDelta(index=0, id="call_1", name="get_weather", arguments=""),
+        ToolCallDelta(index=0, id="call_1", name="get_weather", arguments="", type="function"),
         ToolCallDelta(index=1, arguments='{"ci'),
     )
 
@@ -547,3 +549,41 @@ def test_chat_estimate_counts_images_as_fixed_cost() -> None:
 def test_embedding_estimate_is_chars_over_four_at_least_one_each() -> None:
     """Per text ceil(chars / 4), at least 1."""
     assert estimate_embedding_tokens(["abcdefgh", "", "abc"]) == 2 + 1 + 1
+
+
+def test_streamed_custom_tool_call_assembles_as_the_completion_reads_it() -> None:
+    """A custom tool's pieces (``custom: {name, input}``) join into the completion's call."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    head = {"index": 0, "id": "call_c", "type": "custom", "custom": {"name": "sql", "input": ""}}
+    events = [
+        chunk({"role": "assistant", "tool_calls": [head]}),
+        chunk({"tool_calls": [{"index": 0, "custom": {"input": "SELECT "}}]}),
+        chunk({"tool_calls": [{"index": 0, "custom": {"input": "1"}}]}),
+        chunk({}, "tool_calls"),
+    ]
+    completion = {
+        "choices": [
+            {
+                "message": {
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_c",
+                            "type": "custom",
+                            "custom": {"name": "sql", "input": "SELECT 1"},
+                        }
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ]
+    }
+    reader = ChatChunkReader()
+    assembled = assemble_chat(reader.read(event) for event in events)
+    expected = (ToolCall("call_c", "sql", "SELECT 1", type="custom"),)
+    assert parse_chat_response(completion).tool_calls == expected
+    assert assembled.tool_calls == expected
+    assert parse_chat_response(assembled.raw).tool_calls == expected

@@ -8,8 +8,9 @@ answer, whichever kind of source served:
 - text: the chunks' text, joined; refusal: the chunks' refusal pieces
   (``delta.refusal``), joined, ``None`` when none came;
 - tool calls: the ``ToolCallDelta`` pieces grouped by ``index``, in index
-  order; a call's id and name are the first ones sent (OpenAI sends each
-  once; servers that repeat them on every piece do not get them doubled),
+  order; a call's id, name and type are the first ones sent (OpenAI sends
+  each once; servers that repeat them on every piece do not get them
+  doubled), the type ``function`` when no piece names one,
   its arguments the pieces joined, then written by the protocol's
   ``arguments`` function (the Anthropic wire re-writes its partial JSON as a
   completion writes a tool input: ``streamed_arguments``);
@@ -20,7 +21,9 @@ answer, whichever kind of source served:
 ``raw`` cannot be the provider's JSON (there is none for a whole stream): it
 is a ``chat.completion`` object in OpenAI's shape built from the assembled
 fields, the same shape whichever protocol served (no ``id``, ``model`` or
-``created``, which chunks do not carry to the caller).
+``created``, which chunks do not carry to the caller). Each call is written
+where a completion holds it by its type: a custom tool's as ``custom``, a
+legacy ``function_call`` as the message's ``function_call``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ __all__ = ["assemble_chat"]
 class _Call:
     """One tool call's pieces so far."""
 
-    __slots__ = ("arguments", "id", "name")
+    __slots__ = ("arguments", "id", "name", "type")
 
     def __init__(self) -> None:
         self.id = ""
         self.name = ""
+        self.type = ""
         self.arguments: list[str] = []
 
 
@@ -73,6 +77,8 @@ def assemble_chat(
                 call.id = delta.id
             if delta.name and not call.name:
                 call.name = delta.name
+            if delta.type and not call.type:
+                call.type = delta.type
             if delta.arguments:
                 call.arguments.append(delta.arguments)
         if chunk.finish_reason is not None:
@@ -82,7 +88,12 @@ def assemble_chat(
     text = "".join(texts)
     refusal = "".join(refusals) or None
     tool_calls = tuple(
-        ToolCall(id=c.id, name=c.name, arguments=_written("".join(c.arguments), arguments))
+        ToolCall(
+            id=c.id,
+            name=c.name,
+            arguments=_written("".join(c.arguments), arguments),
+            type=c.type or "function",
+        )
         for _, c in sorted(calls.items())
     )
     counted = usage if usage is not None else Usage()
@@ -114,15 +125,12 @@ def _completion(
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if refusal is not None:
         message["refusal"] = refusal
-    if tool_calls:
-        message["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": call.type,
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in tool_calls
-        ]
+    written = [_written_call(call) for call in tool_calls if call.type != "function_call"]
+    if written:
+        message["tool_calls"] = written
+    for call in tool_calls:
+        if call.type == "function_call":
+            message["function_call"] = {"name": call.name, "arguments": call.arguments}
     completion: dict[str, Any] = {
         "object": "chat.completion",
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
@@ -134,3 +142,18 @@ def _completion(
             "total_tokens": usage.total_tokens,
         }
     return completion
+
+
+def _written_call(call: ToolCall) -> dict[str, Any]:
+    """One entry of a message's ``tool_calls``: a custom tool's input under ``custom``."""
+    if call.type == "custom":
+        return {
+            "id": call.id,
+            "type": "custom",
+            "custom": {"name": call.name, "input": call.arguments},
+        }
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.name, "arguments": call.arguments},
+    }

@@ -302,7 +302,12 @@ def parse_chat_response(body: Any) -> ParsedChat:
         return _walk_chat_response(body)
     message = choice.get("message")
     # OpenAI sends "refusal": null in every message: only a refusal takes the walk.
-    if type(message) is not dict or message.get("tool_calls") or message.get("refusal") is not None:
+    if (
+        type(message) is not dict
+        or message.get("tool_calls")
+        or message.get("refusal") is not None
+        or message.get("function_call")
+    ):
         return _walk_chat_response(body)
     content = message.get("content")
     finish = choice.get("finish_reason")
@@ -346,6 +351,8 @@ def _walk_choice(raw_choice: Any, i: int) -> Choice:
 
     The first choice's message fields keep their short names (``message.content``).
     ``index`` is the one sent, or the position when none is sent as an integer.
+    A legacy ``function_call`` (the answer to a request's ``functions``) is
+    read as a tool call of type ``function_call``, after any tool calls.
     """
     choice = req_obj(raw_choice, f"choices[{i}]")
     message = req_obj(choice.get("message"), f"choices[{i}].message")
@@ -357,6 +364,8 @@ def _walk_choice(raw_choice: Any, i: int) -> Choice:
             req_list(message.get("tool_calls") or [], f"{where}.tool_calls")
         )
     ]
+    if message.get("function_call"):
+        calls.append(_function_call(message["function_call"], f"{where}.function_call"))
     index = choice.get("index")
     if type(index) is not int:
         # Never read before n > 1 was: a server that numbers its choices oddly is not faulted.
@@ -404,6 +413,21 @@ def _tool_call(raw_call: Any, what: str) -> ToolCall:
         name=req_str(function.get("name"), f"{what}.function.name"),
         arguments=_arguments(function.get("arguments"), f"{what}.function.arguments"),
         type=kind,
+    )
+
+
+def _function_call(raw_call: Any, what: str) -> ToolCall:
+    """A message's legacy ``function_call`` (``{name, arguments}``), as a ``function_call`` call.
+
+    The legacy protocol names no call id: the id is empty, and the type tells
+    the caller to send the call back as the message's ``function_call``.
+    """
+    call = req_obj(raw_call, what)
+    return ToolCall(
+        id="",
+        name=req_str(call.get("name"), f"{what}.name"),
+        arguments=_arguments(call.get("arguments"), f"{what}.arguments"),
+        type="function_call",
     )
 
 
@@ -487,7 +511,12 @@ def parse_chat_chunk(
         return _walk_chat_chunk(event, source, calls)
     delta = choice.get("delta") or {}
     # A refusal piece is rare (OpenAI's first delta sends "refusal": null): the walk reads it.
-    if type(delta) is not dict or delta.get("tool_calls") or delta.get("refusal") is not None:
+    if (
+        type(delta) is not dict
+        or delta.get("tool_calls")
+        or delta.get("refusal") is not None
+        or delta.get("function_call")
+    ):
         return _walk_chat_chunk(event, source, calls)
     content = delta.get("content")
     finish = choice.get("finish_reason")
@@ -504,6 +533,10 @@ def _walk_chat_chunk(event: Any, source: str, calls: ChatChunkReader | None = No
 
     A tool-call ``index`` that is absent or null is ``calls``' to give (else
     the delta's place in the chunk); one sent is noted there as it is kept.
+    A piece of a custom tool's call carries ``custom: {name, input}`` in
+    place of ``function``. A legacy ``delta.function_call`` piece (openai-python's
+    ``ChoiceDeltaFunctionCall``: a name, argument fragments) is a delta of
+    call 0, typed ``function_call``: the legacy protocol streams one call.
     """
     chunk = req_obj(event, "chunk")
     if (error := _error_event(chunk)) is not None:
@@ -518,7 +551,6 @@ def _walk_chat_chunk(event: Any, source: str, calls: ChatChunkReader | None = No
     for i, raw_call in enumerate(req_list(delta.get("tool_calls") or [], "delta.tool_calls")):
         what = f"delta.tool_calls[{i}]"
         call = req_obj(raw_call, what)
-        function = req_obj(call.get("function") or {}, f"{what}.function")
         call_id = opt_str(call.get("id"), f"{what}.id")
         index = call.get("index")
         if index is None:
@@ -527,17 +559,25 @@ def _walk_chat_chunk(event: Any, source: str, calls: ChatChunkReader | None = No
             raise malformed_body(f"{what}.index is not an integer")
         elif calls is not None:
             calls.seen(index, call_id)
-        arguments = function.get("arguments")
+        kind = call.get("type")
+        name, arguments = _call_piece(call, what)
         deltas.append(
             ToolCallDelta(
                 index=index,
                 id=call_id,
-                name=opt_str(function.get("name"), f"{what}.function.name"),
-                arguments=None
-                if arguments is None
-                else _arguments(arguments, f"{what}.function.arguments"),
+                name=name,
+                arguments=arguments,
+                type=kind if type(kind) is str and kind else None,
             )
         )
+    legacy = delta.get("function_call")
+    if legacy:
+        where = "delta.function_call"
+        name, arguments = _function_piece(req_obj(legacy, where), where)
+        if name or arguments:
+            deltas.append(
+                ToolCallDelta(index=0, name=name, arguments=arguments, type="function_call")
+            )
     return ChatChunk(
         text=_content_text(delta.get("content"), "delta.content"),
         tool_calls=tuple(deltas),
@@ -545,6 +585,33 @@ def _walk_chat_chunk(event: Any, source: str, calls: ChatChunkReader | None = No
         source=source,
         usage=usage,
         refusal=_refusal(delta.get("refusal")),
+    )
+
+
+def _call_piece(call: dict[str, Any], what: str) -> tuple[str | None, str | None]:
+    """The name and arguments a tool-call delta carries, each ``None`` when not in this piece.
+
+    A function's are under ``function``; a custom tool's under ``custom``
+    (``name``, plain-text ``input``), on its first piece named by ``type`` and
+    on the later ones by that key alone.
+    """
+    custom = call.get("custom")
+    if call.get("type") == "custom" or (custom is not None and call.get("function") is None):
+        piece = req_obj(custom or {}, f"{what}.custom")
+        return (
+            opt_str(piece.get("name"), f"{what}.custom.name"),
+            opt_str(piece.get("input"), f"{what}.custom.input"),
+        )
+    where = f"{what}.function"
+    return _function_piece(req_obj(call.get("function") or {}, where), where)
+
+
+def _function_piece(function: dict[str, Any], what: str) -> tuple[str | None, str | None]:
+    """The name and argument fragment of ``function`` (at ``what``), ``None`` when not sent."""
+    arguments = function.get("arguments")
+    return (
+        opt_str(function.get("name"), f"{what}.name"),
+        None if arguments is None else _arguments(arguments, f"{what}.arguments"),
     )
 
 
