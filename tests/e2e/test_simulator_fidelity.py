@@ -1,4 +1,4 @@
-"""The simulator against the providers' public references: what OpenAI and Anthropic really send.
+"""The simulator against the providers' public references: what OpenAI, Anthropic, Azure send.
 
 ``polygateway simulate`` runs as a user starts it (a subprocess on
 127.0.0.1), and its answers are read over real sockets with httpx. Faults no
@@ -18,6 +18,9 @@ import httpx
 import pytest
 from cli_run import serve_simulator
 
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 
 MESSAGES = [{"role": "user", "content": "hello simulator"}]
@@ -29,6 +32,12 @@ TIMEOUT_S = 10.0
 def anthropic_sim() -> Iterator[str]:
     """``polygateway simulate --wire anthropic`` with one healthy source ``a``."""
     yield from serve_simulator("--sources", "a", "--wire", "anthropic")
+
+
+@pytest.fixture(scope="module")
+def azure_sim() -> Iterator[str]:
+    """``polygateway simulate --wire azure`` with one healthy source ``a``."""
+    yield from serve_simulator("--sources", "a", "--wire", "azure")
 
 
 @pytest.fixture
@@ -268,3 +277,76 @@ async def test_openai_embeddings_are_a_list_of_embedding_objects_with_usage(
     usage = answer["usage"]
     assert usage["prompt_tokens"] == usage["total_tokens"] > 0
     assert OPENAI_REQUEST_ID.match(r.headers["x-request-id"])
+
+
+AZURE_DEPLOYMENT = "/a/openai/deployments/gpt-4o"
+AZURE_QUERY = {"api-version": "2024-10-21"}
+SAFE = {"filtered": False, "severity": "safe"}
+RATED = {"hate": SAFE, "self_harm": SAFE, "sexual": SAFE, "violence": SAFE}
+
+
+async def test_azure_stream_opens_with_the_prompts_filter_results_and_rates_each_chunk(
+    client: httpx.AsyncClient, azure_sim: str
+) -> None:
+    """First a chunk of ``prompt_filter_results`` (no choices), then every choice rated."""
+    body = {"messages": MESSAGES, "stream": True}
+    url = f"{azure_sim}{AZURE_DEPLOYMENT}/chat/completions"
+    r = await client.post(url, json=body, params=AZURE_QUERY)
+    assert r.status_code == 200
+    events = _data(r.text)
+    assert events[-1] == "[DONE]"
+    prompt, role, *texts, finish = events[:-1]
+    assert (prompt["choices"], prompt["id"], prompt["model"], prompt["object"]) == ([], "", "", "")
+    assert prompt["created"] == 0
+    (result,) = prompt["prompt_filter_results"]
+    assert result["prompt_index"] == 0
+    assert result["content_filter_results"] == {
+        **RATED,
+        "jailbreak": {"filtered": False, "detected": False},
+    }
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert role["choices"][0]["content_filter_results"] == {}
+    assert texts
+    assert all(c["choices"][0]["delta"]["content"] for c in texts)
+    assert all(c["choices"][0]["content_filter_results"] == RATED for c in texts)
+    assert finish["choices"][0]["finish_reason"] == "stop"
+    assert finish["choices"][0]["content_filter_results"] == {}
+
+
+async def test_azure_completion_carries_the_prompts_and_the_choices_filter_results(
+    client: httpx.AsyncClient, azure_sim: str
+) -> None:
+    """A completion: ``prompt_filter_results`` at the top, ``content_filter_results`` per choice."""
+    url = f"{azure_sim}{AZURE_DEPLOYMENT}/chat/completions"
+    r = await client.post(url, json={"messages": MESSAGES}, params=AZURE_QUERY)
+    assert r.status_code == 200
+    completion = r.json()
+    assert completion["prompt_filter_results"][0]["prompt_index"] == 0
+    assert completion["choices"][0]["content_filter_results"] == RATED
+
+
+async def test_library_streams_an_azure_answer_as_it_completes_one(azure_sim: str) -> None:
+    """Through the annotated Azure stream: the chunks' text, the response, equal to complete()."""
+    source = SourceConfig(
+        name="azure",
+        base_url=f"{azure_sim}{AZURE_DEPLOYMENT}",
+        protocol="openai",
+        model="gpt-4o",
+        api_key="sk-test",
+        api_key_header="api-key",
+        query=AZURE_QUERY,
+        timeout_s=TIMEOUT_S,
+    )
+    settings = GatewaySettings(
+        _env_file=None, scopes={"chat": ScopeConfig(kind="chat", sources=[source])}
+    )
+    async with ChatClient.from_settings(settings, "chat", backend=MemoryBackend()) as chat:
+        plain = await chat.complete(MESSAGES)
+        async with chat.stream(MESSAGES) as stream:
+            chunks = [chunk async for chunk in stream]
+            streamed = await stream.response()
+    assert plain.text
+    assert all(chunk.text or chunk.finish_reason or chunk.usage for chunk in chunks)
+    assert "".join(chunk.text for chunk in chunks) == streamed.text == plain.text
+    assert (streamed.finish_reason, streamed.usage) == ("stop", plain.usage)
+    assert [a.outcome for a in stream.attempts] == ["success"]

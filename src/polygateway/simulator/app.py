@@ -87,6 +87,7 @@ from polygateway.simulator.wires import (
     OPENAI_SHAPED,
     Style,
     back_off_headers,
+    content_filtered,
     error_in_200,
     error_response,
     forwarded,
@@ -378,13 +379,19 @@ async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | 
         # Azure names the model by its deployment, in the path.
         data = {**data, "model": deployment}
     reply = _reply(data, source)
+    filtered = content_filtered(wire)
     plan = None
     if data.get("stream"):
         options = data.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        plan = chat_chunks(reply, chunks=source.profile.stream_chunks, include_usage=include_usage)
+        plan = chat_chunks(
+            reply,
+            chunks=source.profile.stream_chunks,
+            include_usage=include_usage,
+            content_filter=filtered,
+        )
     return _Job(
-        build=lambda: chat_completion(reply),
+        build=lambda: chat_completion(reply, content_filter=filtered),
         error_body=error_in_200(wire),
         plan=plan,
         reply_id=reply.id,

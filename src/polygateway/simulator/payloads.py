@@ -7,6 +7,15 @@ visible in the output). One ``ChatReply`` is shaped either as an OpenAI
 ``chat.completion`` (and its chunks) or as an Anthropic ``message`` (and its
 events), so every wire says the same words.
 
+Azure OpenAI's answers carry its content filter's annotations besides
+(``content_filter=True``): ``prompt_filter_results`` for the prompt, at the
+top of a completion or in a chunk of their own that opens a stream (empty
+``choices``, empty ``id``, ``model`` and ``object``, ``created`` 0), and
+``content_filter_results`` in each choice, every category ``safe`` where
+there is text to rate, ``{}`` where there is none (the role, tool-call and
+finish chunks). This is Azure's default (buffered) filter mode; the
+asynchronous filter's annotation-only chunks are not played.
+
 A request that asks for JSON of a schema gets an instance of it
 (``schema_instance``): ``response_format`` ``json_schema`` makes the reply
 text that JSON, and a tool call's arguments are an instance of the called
@@ -49,6 +58,9 @@ OCR_SUFFIXES = frozenset({".pdf", ".jpg", ".jpeg", ".png"})
 
 SYSTEM_FINGERPRINT = "fp_5e1f0c7a2b"
 """The ``system_fingerprint`` of every OpenAI-shaped answer: one simulated backend configuration."""
+
+_FILTER_CATEGORIES = ("hate", "self_harm", "sexual", "violence")
+"""The categories Azure's default content filter rates, prompt and completion alike."""
 
 _FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
 
@@ -273,11 +285,24 @@ _PLAIN: dict[str, Any] = {"string": "lorem", "integer": 1, "number": 1, "boolean
 """The value of each plain JSON type in a ``schema_instance``."""
 
 
-def chat_completion(reply: ChatReply) -> dict[str, Any]:
+def _content_filter_results() -> dict[str, Any]:
+    """Azure's ``content_filter_results`` of text that passed every default category."""
+    return {c: {"filtered": False, "severity": "safe"} for c in _FILTER_CATEGORIES}
+
+
+def _prompt_filter_results() -> list[dict[str, Any]]:
+    """Azure's ``prompt_filter_results``: the prompt passed, prompt shields (jailbreak) too."""
+    results = _content_filter_results()
+    results["jailbreak"] = {"filtered": False, "detected": False}
+    return [{"prompt_index": 0, "content_filter_results": results}]
+
+
+def chat_completion(reply: ChatReply, *, content_filter: bool = False) -> dict[str, Any]:
     """A non-streamed ``chat.completion`` object.
 
     As OpenAI sends it: the ``system_fingerprint``, ``"logprobs": null`` in the
     choice and ``"refusal": null`` in a message the model did not refuse.
+    ``content_filter`` adds Azure's annotations (module docstring).
     """
     message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
     if reply.tool_name is not None:
@@ -287,13 +312,13 @@ def chat_completion(reply: ChatReply) -> dict[str, Any]:
             "refusal": None,
             "tool_calls": [reply.tool_call()],
         }
-    choice = {
+    choice: dict[str, Any] = {
         "index": 0,
         "message": message,
         "logprobs": None,
         "finish_reason": reply.finish_reason,
     }
-    return {
+    completion: dict[str, Any] = {
         "id": reply.id,
         "object": "chat.completion",
         "created": reply.created,
@@ -302,6 +327,12 @@ def chat_completion(reply: ChatReply) -> dict[str, Any]:
         "choices": [choice],
         "usage": reply.usage(),
     }
+    if content_filter:
+        choice["content_filter_results"] = (
+            {} if reply.tool_name is not None else _content_filter_results()
+        )
+        completion["prompt_filter_results"] = _prompt_filter_results()
+    return completion
 
 
 Event = tuple[str | None, Any]
@@ -326,11 +357,15 @@ class StreamPlan:
     tail: tuple[Event, ...]
 
 
-def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> StreamPlan:
+def chat_chunks(
+    reply: ChatReply, *, chunks: int, include_usage: bool, content_filter: bool = False
+) -> StreamPlan:
     """The ``chat.completion.chunk`` objects of a stream: role, deltas, finish, then usage.
 
     As OpenAI sends them: every chunk names the ``system_fingerprint`` and its
     choice says ``"logprobs": null``; the role chunk says ``"refusal": null``.
+    ``content_filter`` adds Azure's annotations (module docstring): the prompt's
+    chunk first, sent at once, and each choice's ``content_filter_results``.
 
     The usage chunk (empty ``choices``) comes only when the request set
     ``stream_options.include_usage``, and then every other chunk carries
@@ -340,6 +375,9 @@ def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> Stream
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> Event:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if content_filter:
+            rated = bool(delta.get("content"))
+            choice["content_filter_results"] = _content_filter_results() if rated else {}
         body: dict[str, Any] = {
             "id": reply.id,
             "object": "chat.completion.chunk",
@@ -367,6 +405,18 @@ def chat_chunks(reply: ChatReply, *, chunks: int, include_usage: bool) -> Stream
     else:
         head = (chunk({"role": "assistant", "content": "", "refusal": None}),)
         body = tuple(chunk({"content": text}) for text in reply.runs(chunks))
+    if content_filter:
+        prompt: dict[str, Any] = {
+            "choices": [],
+            "created": 0,
+            "id": "",
+            "model": "",
+            "object": "",
+            "prompt_filter_results": _prompt_filter_results(),
+        }
+        if include_usage:
+            prompt["usage"] = None
+        head = ((None, prompt), *head)
     tail = [chunk({}, reply.finish_reason)]
     if include_usage:
         _, last = chunk({})

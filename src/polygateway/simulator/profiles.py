@@ -50,7 +50,8 @@ class FaultProfile:
 
     Attributes:
         wire: the provider imitated: ``openai``, ``azure`` (deployment routes,
-            ``api-version``, ``api-key``), ``anthropic`` (Messages API),
+            ``api-version``, ``api-key``, content filter annotations in chat
+            answers), ``anthropic`` (Messages API),
             ``litellm`` (OpenAI shapes, provider headers forwarded as
             ``llm_provider-*``, stream errors in band) or ``vllm`` (OpenAI
             shapes, no rate-limit headers, ``: keep-alive`` comments before the

@@ -10,8 +10,10 @@ research-wiki/guides/providers.md:
   {requests,tokens}`` (resets as Go durations: ``17ms``, ``1s``, ``6m0s``);
   back-off in ``retry-after`` and ``retry-after-ms``; every answer names its
   request in ``x-request-id`` and its time in ``openai-processing-ms``.
-- ``azure``: the same bodies, but its gateway errors (401, 404, 429) are
-  ``{"error": {"code": "<status>", "message"}}``; only
+- ``azure``: the same bodies annotated by its content filter
+  (``prompt_filter_results``, a stream's first chunk holding them alone;
+  ``content_filter_results`` in each choice), but its gateway errors (401,
+  404, 429) are ``{"error": {"code": "<status>", "message"}}``; only
   ``x-ratelimit-remaining-{requests,tokens}``.
 - ``anthropic``: errors ``{"type": "error", "error": {type, message},
   "request_id"}``; ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,
@@ -46,6 +48,7 @@ __all__ = [
     "OPENAI_SHAPED",
     "Style",
     "back_off_headers",
+    "content_filtered",
     "error_body",
     "error_in_200",
     "error_response",
@@ -85,6 +88,11 @@ KEEPALIVE = b": keep-alive\n\n"
 
 DONE: Event = (None, "[DONE]")
 """The sentinel that ends an OpenAI-shaped stream."""
+
+
+def content_filtered(wire: Wire) -> bool:
+    """Whether ``wire``'s chat answers carry content filter annotations: Azure's do."""
+    return wire == "azure"
 
 
 def go_duration(seconds: float) -> str:
