@@ -856,17 +856,21 @@ class Call:
         """The stall rule: this call's non-productive time AND the scope's progress age exceed it.
 
         The local measure comes first, so a call that has not waited long
-        never asks the backend; the age is read at most once per iteration
-        of the loop. ``inf`` (never served) counts as exceeded
-        (research-wiki/designs/stall-budget.md, "Never served counts as stale").
-        A backend failure reading the age fails the call closed.
+        never asks the backend; the age is asked at most once per iteration
+        of the loop, of the scope's waiting room, which shares one backend
+        read among the calls that ask (``WaitingRoom.progress_age``). ``inf``
+        (never served) counts as exceeded (research-wiki/designs/stall-budget.md,
+        "Never served counts as stale"). A backend failure reading the age
+        fails the call closed.
         """
         mw = self._mw
         window = mw._policy.stall_window_s
         if self.clock.stalled_s() <= window:
             return False
         if self._age is None:
-            self._age = await mw._backend.progress_age_s(mw._scope)
+            self._age = await mw._room.progress_age(
+                mw._backend, mw._scope, mw._now, known_below=window
+            )
         return self._age > window
 
     def _stall_timer_s(self) -> float:

@@ -11,6 +11,13 @@ behind the head sleep until they become head, or until a timer of their own
 fires (their stall deadline), so waiting costs at most one backend poll per
 scope per poll interval per process, whatever the number of waiters.
 
+The stall rule's question, how long ago the scope last served
+(``Backend.progress_age_s``, a round trip on Redis), has one answer for every
+call of the scope, so the room asks it for them all (``progress_age``): calls
+that ask while a read is in flight share it, and a past read, aged by the time
+since, answers them for as long as it proves the scope fresh. A crowd waiting
+past its stall window costs what one call costs.
+
 Arrival order: a call takes a ticket when it starts looking for a permit,
 and the queue is ordered by ticket. A call that asked at once (nobody was
 waiting) and was refused takes its place by its ticket, ahead of calls that
@@ -34,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import math
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -155,6 +163,9 @@ class WaitingRoom:
     """
 
     __slots__ = (
+        "_age",
+        "_age_at",
+        "_age_read",
         "_classes",
         "_count",
         "_head",
@@ -195,6 +206,11 @@ class WaitingRoom:
         # Acquires in flight for this scope in this process (kept by the loop): past
         # MAX_ASKING a new call queues instead of asking too.
         self.asking = 0
+        # The scope's last progress age read and when that read began (``progress_age``),
+        # and the read in flight, if any: its age, or ``None`` if its reader was cancelled.
+        self._age = math.inf
+        self._age_at = -math.inf
+        self._age_read: asyncio.Future[float | None] | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -454,6 +470,45 @@ class WaitingRoom:
         if head is not None:
             self.wakeups += 1
             head._fire()
+
+    async def progress_age(
+        self, backend: Backend, scope: str, now: Callable[[], float], *, known_below: float
+    ) -> float:
+        """The scope's progress age for the stall rule: one backend read for every call asking.
+
+        The last read, aged by the time since it began, is an upper bound of
+        the age now (progress only ever lowers it); while that bound is at most
+        ``known_below`` it is the answer, and ``age > known_below`` comes out as
+        a fresh read would have it. Otherwise the answer is a fresh read: the
+        one in flight if any, else one this call makes and the calls that ask
+        meanwhile share. A read that fails fails every call waiting on it
+        (research-wiki/designs/stall-budget.md, "Reading the progress age") and
+        is not kept; a reader cancelled mid-read leaves the others to read anew.
+        """
+        bound = self._age + (now() - self._age_at)
+        if bound <= known_below:
+            return bound
+        while (reading := self._age_read) is not None:
+            # Shielded: this call's cancellation must not cancel the read the others await.
+            shared = await asyncio.shield(reading)
+            if shared is not None:
+                return shared
+        began = now()
+        reading = self._age_read = asyncio.get_running_loop().create_future()
+        try:
+            age = await backend.progress_age_s(scope)
+        except Exception as exc:
+            reading.set_exception(exc)
+            reading.exception()  # delivered to the calls waiting on it, if any; not logged
+            raise
+        except BaseException:
+            reading.set_result(None)
+            raise
+        finally:
+            self._age_read = None
+        self._age, self._age_at = age, began
+        reading.set_result(age)
+        return age
 
     async def wait(self, waiter: Waiter, timeout_s: float, sleep: Sleep) -> None:
         """Sleep until woken (release, or promotion to head) or until ``timeout_s`` passes.
