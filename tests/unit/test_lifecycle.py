@@ -213,6 +213,23 @@ class TestSharedBackend:
         assert three is not one
         assert "hunter2" not in repr(one)
 
+    def test_settings_with_another_socket_timeout_get_a_backend_of_their_own(self) -> None:
+        """A URL shared with another socket timeout would silently run on the first one's."""
+        url = "redis://127.0.0.1:6396/0"
+        short = shared_backend(
+            gateway_settings("a", backend="redis", redis_url=url, redis_socket_timeout_s=1.0)
+        )
+        same = shared_backend(
+            gateway_settings("b", backend="redis", redis_url=url, redis_socket_timeout_s=1.0)
+        )
+        long = shared_backend(
+            gateway_settings("a", backend="redis", redis_url=url, redis_socket_timeout_s=5.0)
+        )
+        assert same is short
+        assert long is not short
+        assert long._timeout_s == 5.0  # type: ignore[attr-defined]
+        assert short._timeout_s == 1.0  # type: ignore[attr-defined]
+
     def test_redis_without_the_extra_is_a_config_error(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -3,7 +3,8 @@
 Two clients of one scope in one process must draw on one budget, or they
 would double its limits: ``shared_backend`` hands every client built from
 the same settings the same ``MemoryBackend``, and every client pointed at the
-same Redis URL the same ``RedisBackend`` (one pipelined connection).
+same Redis URL, with the same connection settings, the same ``RedisBackend``
+(one pipelined connection).
 
 The memory backends are keyed by the settings object's identity and dropped
 when it is garbage-collected (``weakref.finalize``), so a long-lived process
@@ -29,8 +30,12 @@ __all__ = ["shared_backend"]
 _MEMORY: dict[int, Backend] = {}
 """``id(settings)`` -> its memory backend, for as long as the settings object lives."""
 
-_REDIS: dict[tuple[str, str, tuple[str, ...], str, str, str, int, float], Backend] = {}
-"""Redis URL, Sentinels' password and user (never printed), topology, replica acks -> backend."""
+_REDIS: dict[tuple[str, str, tuple[str, ...], str, str, str, int, float, float], Backend] = {}
+"""Every setting the backend is built from (Sentinels' password and user never printed) -> backend.
+
+A setting left out of the key would let settings that differ in it share a backend
+built with the first one's value.
+"""
 
 
 def shared_backend(settings: GatewaySettings) -> Backend:
@@ -58,6 +63,7 @@ def shared_backend(settings: GatewaySettings) -> Backend:
         settings.redis_sentinel_username.get_secret_value(),
         settings.redis_replica_acks,
         settings.redis_replica_ack_timeout_s,
+        settings.redis_socket_timeout_s,
     )
     backend = _REDIS.get(topology)
     if backend is None:
