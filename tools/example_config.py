@@ -29,7 +29,8 @@ HEADER = """\
 # PolyGateway settings: the full shape, every key with its default or an example value.
 # Generated from the settings model by `make example-config` (tools/example_config.py);
 # a test fails when a key is missing here or its default differs, so edit the generator.
-# Copy to polygateway.toml and load with `GatewaySettings.load("polygateway.toml")`.
+# Copy to polygateway.toml, check it with `polygateway check-config --config polygateway.toml`
+# and load it with `GatewaySettings.load("polygateway.toml")`.
 # Precedence (highest first): keyword arguments > POLYGATEWAY_* environment > .env > this file.
 # Secrets never go here: name the environment variable that holds a key with `api_key_env`.
 """
@@ -62,7 +63,7 @@ SCOPE_NOTES: dict[str, str] = {
     "kind": "chat | embed | ocr",
     "exempt_429": "default: true for chat, false for embed and ocr",
     "sources": "one [[scopes.NAME.sources]] table per source, below",
-    "priority_classes": "none: one queue, arrival order; else shares (+ reserved permits)",
+    "priority_classes": "none: one queue, arrival order; else shares (+ reserved floors)",
     "default_priority_class": "a call's class when it names none",
 }
 
