@@ -23,7 +23,8 @@ batches); without it the first failure in input order is raised, its
 same result. Two things still stop every batch at once: the call's
 cancellation, and a ``GovernanceBackendError`` (the shared state failed, so
 nothing may run ungoverned); that error carries ``.partial`` too. A call
-never returns misordered vectors.
+never returns misordered vectors, nor vectors of two sizes or of a size other
+than the ``dimensions`` asked: such an answer is malformed (``_Dimensions``).
 
 ``on_progress`` is called once per finished batch, from the event loop and
 never concurrently with itself; a callback that raises is logged and the
@@ -61,7 +62,7 @@ from polygateway.transport.openai import (
     parse_embedding_response,
 )
 from polygateway.transport.params import check_embedding_params
-from polygateway.transport.wire import response_model
+from polygateway.transport.wire import malformed_body, response_model
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
@@ -87,6 +88,47 @@ class _Batch:
 
     vectors: list[list[float]]
     usage: Usage
+
+
+class _Dimensions:
+    """The one vector size every batch of a call must answer with.
+
+    The caller's ``dimensions`` when asked (a server that ignores it answers
+    full-size vectors, which must not pass for the asked ones); otherwise the
+    size of the first batch answered, so batches served by sources of
+    different models never mix sizes in one result. A batch of another size
+    is a malformed answer: retried like one, then a failed span.
+    """
+
+    __slots__ = ("asked", "size")
+
+    def __init__(self, asked: int | None) -> None:
+        self.asked = asked
+        self.size = asked
+
+    def check(self, vectors: list[list[float]]) -> None:
+        """Fix the call's size on its first answer, then refuse any other size."""
+        got = len(vectors[0])
+        if self.size is None:
+            self.size = got
+        elif got != self.size:
+            wanted = (
+                f"dimensions={self.asked} was asked (does the source ignore it?)"
+                if self.asked is not None
+                else f"this call's other batches have {self.size}"
+            )
+            raise malformed_body(f"vectors of {got} dimensions, where {wanted}")
+
+
+def _asked_dimensions(params: Mapping[str, Any]) -> int | None:
+    """The ``dimensions`` the request carries: ``extra_body``'s wins, as it is merged last."""
+    extra = params.get("extra_body")
+    asked = extra.get("dimensions") if isinstance(extra, Mapping) else None
+    if asked is None:
+        asked = params.get("dimensions")
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+        return asked
+    return None
 
 
 def _total(usages: Iterable[Usage]) -> Usage:
@@ -462,12 +504,15 @@ class EmbeddingClient(GovernedClient):
             items, max_batch_size=self._max_batch_size, max_batch_tokens=self._max_batch_tokens
         )
         outcomes = _Outcomes(spans, len(items), on_progress, self._scope)
+        dimensions = _Dimensions(_asked_dimensions(params))
         if spans:
             deadline_at = None if deadline_s is None else self._now() + deadline_s
             call = self._life.begin()
             try:
                 async with call.running():
-                    await self._run_batches(items, outcomes, params, fail_fast, deadline_at, flow)
+                    await self._run_batches(
+                        items, outcomes, params, fail_fast, deadline_at, flow, dimensions
+                    )
             except GatewayError as exc:
                 # Fail closed, or closed under the call: what was computed still goes back.
                 exc.partial = outcomes.partial()
@@ -493,6 +538,7 @@ class EmbeddingClient(GovernedClient):
         fail_fast: bool,
         deadline_at: float | None,
         flow: tuple[str, str],
+        dimensions: _Dimensions,
     ) -> None:
         """Every batch through the loop, concurrently, each to its end; a backend failure stops all.
 
@@ -524,7 +570,14 @@ class EmbeddingClient(GovernedClient):
                         return
                 try:
                     served = await self._embed_batch(
-                        items, span, params, fail_fast and index == 0, deadline_at, admit, flow
+                        items,
+                        span,
+                        params,
+                        fail_fast and index == 0,
+                        deadline_at,
+                        admit,
+                        flow,
+                        dimensions,
                     )
                 except GovernanceBackendError as exc:
                     exc.batch = span
@@ -564,8 +617,9 @@ class EmbeddingClient(GovernedClient):
         deadline_at: float | None,
         on_admitted: Callable[[], None],
         flow: tuple[str, str],
+        dimensions: _Dimensions,
     ) -> Served[_Batch]:
-        """One batch through the governance loop; a wrong vector count is a malformed answer."""
+        """One batch through the governance loop; a wrong vector count or size is malformed."""
         start, stop = span
         texts = items[start:stop]
         transport = self._transport
@@ -582,6 +636,7 @@ class EmbeddingClient(GovernedClient):
             )
             body = await transport.send(request)
             vectors, usage = parse_embedding_response(body, len(texts))
+            dimensions.check(vectors)
             ctx.usage = usage
             ctx.response_model = response_model(body)
             return _Batch(vectors, usage)
