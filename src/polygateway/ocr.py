@@ -14,7 +14,9 @@ Two protocols serve an OCR scope:
   file name, so the name always comes from the detected content (the
   caller's ``filename`` is only a hint for messages).
 - ``vision_ocr``: an OpenAI-compatible vision model given the image as a
-  data URL; images only, and ``recognize_text`` only.
+  data URL; images only, and ``recognize_text`` only. A transcription cut at
+  the token limit, filtered or refused is a transient failure, never a
+  shorter text passed off as the whole.
 
 Each call runs on the sources that can take it: a PDF or a ``parse_layout``
 call goes to ``monkey_ocr`` sources only, and a source whose
@@ -139,7 +141,9 @@ class OcrClient(GovernedClient):
             RequestRejected: not an image or PDF, too large for every source, a
                 PDF in a scope of vision sources only (all before any
                 request), or a source answered 400/413/422.
-            AllSourcesExhausted: the loop gave up (``reason`` says why).
+            AllSourcesExhausted: the loop gave up (``reason`` says why; a vision
+                transcription cut at the token limit, filtered or refused on
+                every attempt ends here, its cause in ``attempts``).
             GovernanceBackendError: the shared state failed (fail closed).
             GatewayError: the client is closed.
         """
@@ -288,7 +292,7 @@ class OcrClient(GovernedClient):
                 ctx.usage = parsed.usage
                 ctx.response_model = parsed.response_model()
                 ctx.finish_reasons = parsed.finish_reasons()
-                return _Read(parsed.text, (), "", parsed.raw)
+                return _Read(vision_ocr.transcription(parsed), (), "", parsed.raw)
             name = filename_for(kind)
             if op == "parse_layout":
                 request = monkey_ocr.parse_request(

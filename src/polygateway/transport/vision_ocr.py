@@ -4,6 +4,11 @@ A thin layer over ``openai.py`` (no second copy of the chat wire format): a
 fixed transcription instruction plus the image as a ``data:`` URL content
 part, read back as the completion's text. Images only: PDFs are MonkeyOCR's
 job, and the OCR client rejects them before any request is built.
+
+A transcription is the answer only when it is whole: one cut at the token
+limit, withheld by a content filter or refused would pass for the full text
+of the image, so each is a transient failure naming its cause (retried, maybe
+on a source with a larger limit, then ``AllSourcesExhausted``).
 """
 
 from __future__ import annotations
@@ -13,19 +18,32 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from polygateway.transport.files import FileKind, media_type_for
-from polygateway.transport.http import HintSink, HttpRequest
-from polygateway.transport.openai import chat_request, parse_chat_response
+from polygateway.transport.http import HintSink, HttpRequest, TransientError, excerpt
+from polygateway.transport.openai import ParsedChat, chat_request, parse_chat_response
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
-__all__ = ["INSTRUCTION", "image_messages", "parse_text_response", "text_request"]
+__all__ = [
+    "INSTRUCTION",
+    "image_messages",
+    "parse_text_response",
+    "text_request",
+    "transcription",
+]
 
 INSTRUCTION: Final = "Transcribe all text in this image exactly. Output only the text."
 """What the model is asked to do: verbatim text, no commentary."""
 
 # Transcription wants the most likely reading, not a creative one.
 _PARAMS: Final = {"temperature": 0}
+
+# Finish reasons of an answer that is not the image's whole text, and what each means.
+_NOT_WHOLE: Final[dict[str, str]] = {
+    "length": "cut at the token limit",
+    "max_tokens": "cut at the token limit",
+    "content_filter": "withheld by a content filter",
+}
 
 
 def image_messages(data: bytes, kind: FileKind) -> list[dict[str, Any]]:
@@ -71,6 +89,21 @@ def text_request(
     )
 
 
+def transcription(parsed: ParsedChat) -> str:
+    """The text of a read answer, if whole; a cut, filtered or refused one is transient."""
+    if parsed.refusal is not None:
+        raise TransientError(
+            f"vision OCR: the model refused: {excerpt(parsed.refusal)}", failure="transient"
+        )
+    reason = parsed.finish_reason
+    if reason is not None and (why := _NOT_WHOLE.get(reason)) is not None:
+        raise TransientError(
+            f"vision OCR: the transcription was {why} (finish_reason={reason})",
+            failure="transient",
+        )
+    return parsed.text
+
+
 def parse_text_response(body: Any) -> str:
-    """The transcription of a chat completion answer; malformed answers are transient."""
-    return parse_chat_response(body).text
+    """The whole transcription of a chat completion answer; any other answer is transient."""
+    return transcription(parse_chat_response(body))

@@ -1,0 +1,232 @@
+"""OcrClient against answers real vision models and MonkeyOCR give, over httpx's wire.
+
+A transcription is only handed back when it is the whole text the model
+read: one cut at the token limit, filtered or refused is a named failure,
+never a short ``TextResult`` that looks complete. Uploads are named and
+routed by their content, whatever their file name says.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from _closing import closing
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.config import GatewaySettings
+from polygateway.errors import AllSourcesExhausted, RequestRejected
+from polygateway.ocr import OcrClient
+from polygateway.testing import FakeClock
+from polygateway.transport.httpx_client import HttpxTransport
+
+SCOPE = "ocr"
+DATA = Path(__file__).resolve().parents[1] / "data"
+PNG = (DATA / "page.png").read_bytes()
+PDF = (DATA / "invoice.pdf").read_bytes()
+JPEG = (DATA / "grey.jpg").read_bytes()
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def monkey(name: str = "monkey", **fields: Any) -> dict[str, Any]:
+    """A MonkeyOCR source."""
+    return {
+        "name": name,
+        "protocol": "monkey_ocr",
+        "base_url": f"http://127.0.0.1:7861/{name}",
+        **fields,
+    }
+
+
+def vision(name: str = "vision", **fields: Any) -> dict[str, Any]:
+    """A vision-model source behind an OpenAI-compatible API."""
+    return {
+        "name": name,
+        "protocol": "vision_ocr",
+        "base_url": f"http://127.0.0.1:8002/{name}/v1",
+        "model": "Qwen2.5-VL-7B-Instruct",
+        **fields,
+    }
+
+
+def make_settings(*sources: dict[str, Any], **gateway: Any) -> GatewaySettings:
+    """Settings with one ocr scope; no .env is read."""
+    scope = {"kind": "ocr", "sources": list(sources) or [monkey()]}
+    return GatewaySettings(_env_file=None, scopes={SCOPE: scope}, **gateway)
+
+
+def client(settings: GatewaySettings, upstream: Handler) -> OcrClient:
+    """An OcrClient whose real httpx transport sends through httpx.MockTransport."""
+    clock = FakeClock()
+    transport = HttpxTransport(
+        settings.scope(SCOPE).sources,
+        max_connections=4,
+        mock_transport=httpx.MockTransport(upstream),
+    )
+    return closing(
+        OcrClient(
+            settings,
+            SCOPE,
+            backend=MemoryBackend(now=clock),
+            transport=transport,
+            now=clock,
+            sleep=clock.sleep,
+            rng=random.Random(3),
+        )
+    )
+
+
+def completion(
+    content: str | None, finish_reason: str = "stop", refusal: str | None = None
+) -> dict[str, Any]:
+    """A chat completion as an OpenAI-compatible vision model answers it."""
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1733000000,
+        "model": "Qwen2.5-VL-7B-Instruct",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "refusal": refusal},
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": {"prompt_tokens": 101, "completion_tokens": 12, "total_tokens": 113},
+    }
+
+
+class Upstream:
+    """Plays the vision answers in turn (the last one again); MonkeyOCR always reads the text."""
+
+    def __init__(self, *answers: dict[str, Any]) -> None:
+        self.answers = list(answers) or [completion("Invoice No. 2024-0117")]
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if request.url.path.endswith("/chat/completions"):
+            body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+            return httpx.Response(200, json=body)
+        return httpx.Response(
+            200,
+            json={"success": True, "task_type": "text", "content": "from monkey", "message": ""},
+        )
+
+    def part_filename(self, index: int) -> str | None:
+        """The multipart file name of request ``index``."""
+        found = re.search(rb'name="file"; filename="([^"]*)"', self.requests[index].content)
+        return found.group(1).decode() if found else None
+
+    def data_url_type(self, index: int) -> str:
+        """The media type of the image data URL request ``index`` sent."""
+        body = json.loads(self.requests[index].content)
+        url: str = body["messages"][0]["content"][1]["image_url"]["url"]
+        return url.split(";", 1)[0].removeprefix("data:")
+
+
+# --- A transcription is whole, or a named failure ----------------------------------------
+
+
+async def test_whole_transcription_is_served() -> None:
+    """``finish_reason: stop`` is the whole text, served as is."""
+    upstream = Upstream(completion("Invoice No. 2024-0117"))
+    ocr = client(make_settings(vision()), upstream)
+    result = await ocr.recognize_text(PNG)
+    assert result.text == "Invoice No. 2024-0117"
+    assert result.source == "vision"
+
+
+async def test_image_without_text_is_served_empty() -> None:
+    """An image with nothing to read is an empty transcription, not a failure."""
+    ocr = client(make_settings(vision()), Upstream(completion("")))
+    assert (await ocr.recognize_text(PNG)).text == ""
+
+
+@pytest.mark.parametrize(
+    ("answer", "cause"),
+    [
+        (completion("Invoice No. 20", finish_reason="length"), "finish_reason=length"),
+        (completion("", finish_reason="content_filter"), "finish_reason=content_filter"),
+        (completion(None, refusal="I can't help with that."), "refused"),
+    ],
+)
+async def test_cut_filtered_or_refused_transcription_is_never_served_as_whole(
+    answer: dict[str, Any], cause: str
+) -> None:
+    """A transcription cut, filtered or refused fails typed, its cause named, after retries."""
+    upstream = Upstream(answer)
+    ocr = client(make_settings(vision(), max_attempts=2), upstream)
+    with pytest.raises(AllSourcesExhausted) as caught:
+        await ocr.recognize_text(PNG)
+    assert caught.value.reason == "retry_exhausted"
+    assert len(upstream.requests) == 2
+    assert cause in str(caught.value.attempts[-1].error)
+
+
+async def test_cut_transcription_is_retried_and_a_whole_one_served() -> None:
+    """A cut answer is not final: the next attempt's whole transcription is served."""
+    upstream = Upstream(
+        completion("Invoice No. 20", finish_reason="length"), completion("Invoice No. 2024-0117")
+    )
+    ocr = client(make_settings(vision(), max_attempts=3), upstream)
+    result = await ocr.recognize_text(PNG)
+    assert result.text == "Invoice No. 2024-0117"
+    assert [a.outcome for a in result.attempts] == ["transient", "success"]
+
+
+# --- Named and routed by content, whatever the file name --------------------------------
+
+
+async def test_png_named_pdf_goes_to_a_vision_source_as_png() -> None:
+    """A PNG called ``scan.pdf`` is sent as ``image/png``: the name is only a hint."""
+    upstream = Upstream()
+    ocr = client(make_settings(vision()), upstream)
+    await ocr.recognize_text(PNG, "scan.pdf")
+    assert upstream.data_url_type(0) == "image/png"
+
+
+async def test_pdf_named_png_goes_only_to_monkey_ocr_named_as_a_pdf() -> None:
+    """A PDF called ``photo.png`` in a mixed scope skips the vision source, its part .pdf."""
+    upstream = Upstream()
+    ocr = client(make_settings(vision(priority=0), monkey(priority=1)), upstream)
+    result = await ocr.recognize_text(PDF, "photo.png")
+    assert result.source == "monkey"
+    assert [r.url.path for r in upstream.requests] == ["/monkey/ocr/text"]
+    assert upstream.part_filename(0) == "document.pdf"
+
+
+async def test_pdf_named_png_in_a_vision_only_scope_is_refused_naming_the_pdf() -> None:
+    """The refusal says the upload is a PDF, though its name says PNG, before any request."""
+    upstream = Upstream()
+    ocr = client(make_settings(vision()), upstream)
+    with pytest.raises(RequestRejected, match=r"\('photo.png'\) is a PDF"):
+        await ocr.recognize_text(PDF, "photo.png")
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize(
+    ("data", "looks_like"),
+    [
+        (b"<html><body>Not found</body></html>", "text"),
+        (b"GIF89a\x01\x00\x01\x00", "a GIF image"),
+        (b"PK\x03\x04rest-of-a-docx", "a ZIP archive"),
+        (b"", "empty input"),
+    ],
+)
+async def test_not_an_image_or_pdf_named_pdf_is_refused_before_any_request(
+    data: bytes, looks_like: str
+) -> None:
+    """An error page or archive saved as ``.pdf`` is refused, naming what it looks like."""
+    upstream = Upstream()
+    ocr = client(make_settings(monkey()), upstream)
+    with pytest.raises(RequestRejected, match=looks_like):
+        await ocr.recognize_text(data, "report.pdf")
+    assert upstream.requests == []
