@@ -15,7 +15,7 @@ import pytest
 from _redis_topologies import Cluster, Process, running, slot_of
 
 from _ports import free_port
-from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.base import AcquireResult, AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.backends.redis.cluster import Cluster as RedisCluster
 from polygateway.errors import GovernanceBackendError
@@ -92,6 +92,48 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
         assert refused == on_target[1]  # before: one MOVED, back to the migrating node
         assert (await asyncio.to_thread(evalsha_stats, source))[1] == on_source[1] + 1  # one ASK
     finally:
+        await asyncio.to_thread(cluster.flush)
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        await asyncio.to_thread(cluster.migrate, slot, source)
+
+
+async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_moved(
+    cluster: Cluster, backend: RedisBackend
+) -> None:
+    """The scope's keys moved to a node whose scripts were flushed, its slot still migrating:
+    ACQUIRE, which makes keys, never follows ``ASK`` there; once the slot moved it follows
+    ``MOVED``, is answered NOSCRIPT, loaded, and granted on the new owner."""
+    scopes = cluster.scopes_per_node()
+    (scope,), (on_the_target,) = scopes[0], scopes[2]
+    await backend.progress_age_s(on_the_target)  # connected there: its scripts loaded
+    held = await backend.acquire(scope, [SPEC], ttl_s=30)
+    assert held.lease is not None
+    slot, source, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
+    acquiring: asyncio.Future[AcquireResult] | None = None
+    await asyncio.to_thread(cluster.begin_migration, slot, source, target)
+    try:
+        while await asyncio.to_thread(cluster.move_keys, slot, source, target):
+            pass
+        with target.client() as client:
+            client.script_flush()
+        flushed = await asyncio.to_thread(noscripts, target)
+        ran = (await asyncio.to_thread(evalsha_stats, target))[0]
+        asked = (await asyncio.to_thread(evalsha_stats, source))[1]
+        acquiring = asyncio.ensure_future(backend.acquire(scope, [SPEC], ttl_s=30))
+        async with asyncio.timeout(BOUND_S):
+            while (await asyncio.to_thread(evalsha_stats, source))[1] < asked + 3:
+                await asyncio.sleep(0.01)  # ASK, taken as TRYAGAIN: sent again to the source
+        assert not acquiring.done()
+        assert (await asyncio.to_thread(evalsha_stats, target))[0] == ran  # never behind ASKING
+        await asyncio.to_thread(cluster.end_migration, slot, target)
+        async with asyncio.timeout(BOUND_S):
+            got = await acquiring
+        assert got.lease is not None
+        assert await asyncio.to_thread(noscripts, target) == flushed + 1
+        assert (await backend.snapshot(scope)).sources[0].in_flight == 2
+    finally:
+        if acquiring is not None and not acquiring.done():
+            acquiring.cancel()
         await asyncio.to_thread(cluster.flush)
         await asyncio.to_thread(cluster.end_migration, slot, target)
         await asyncio.to_thread(cluster.migrate, slot, source)
