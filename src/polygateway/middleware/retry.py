@@ -488,6 +488,7 @@ class Call:
         "_mw",
         "_pick_started_at",
         "_refused",
+        "_releases",
         "_started_at",
         "_ticket",
         "_tried",
@@ -544,6 +545,8 @@ class Call:
         self._waited_s = 0.0  # in the queue and in back-offs
         self._ticket = mw._room.ticket()  # the call's place in the arrival order
         self._waiter: Waiter | None = None
+        # The room's count of releases as the call last asked from outside the queue.
+        self._releases: int | None = None
         self._held: ClassState | None = None  # the class the held permit is counted in, if any
         self._last: AcquireResult | None = None  # the latest acquire, for retry_after_s
         self._last_at = 0.0
@@ -655,6 +658,8 @@ class Call:
         # A call outside the queue counts as asking in its class: a fleet's backend
         # registers the process under the classes with calls waiting or asking.
         outside = int(waiter is None)
+        # Outside the queue no release can wake this call: ``wait`` looks for one it missed.
+        self._releases = room.releases if outside else None
         room.asking += 1
         slot.asking += outside
         specs = [spec for _, spec in candidates]
@@ -701,7 +706,9 @@ class Call:
         earliest source that refused it reopens by time (a pause's end, a
         breaker's cool-down, a rate window) if that comes sooner. A call behind
         the head sleeps until promoted or until the stall rule could next hold
-        for it (one timer, no polling).
+        for it (one timer, no polling). A call that asked from outside the
+        queue and was refused while a release was announced asks again at
+        once if it queues as head: that wake-up could not reach it.
         """
         if self.fail_fast:
             # Never the stall rule: the caller asked not to wait at all.
@@ -715,7 +722,13 @@ class Call:
             waiter = self._waiter = room.enter(
                 self._ticket, priority_class=self.priority_class, tenant=self.tenant
             )
+        releases, self._releases = self._releases, None
         if room.is_head(waiter):
+            if releases is not None and releases != room.releases:
+                # A permit was freed while this call asked from outside the queue: its
+                # wake-up went to nobody, or to a call this one now queues ahead of by
+                # arrival. Ask again now rather than a poll later.
+                return
             poll = mw._policy.poll_interval_s
             timeout = mw._rng.uniform(0.5 * poll, poll)
             reopen = self._reopen_in()

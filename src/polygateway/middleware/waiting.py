@@ -21,7 +21,11 @@ past its stall window costs what one call costs.
 Arrival order: a call takes a ticket when it starts looking for a permit,
 and the queue is ordered by ticket. A call that asked at once (nobody was
 waiting) and was refused takes its place by its ticket, ahead of calls that
-arrived after it and queued while its acquire was in flight.
+arrived after it and queued while its acquire was in flight. A release
+announced while such a call's acquire was in flight woke nobody, or woke a
+call it now queues ahead of: it counts the room's releases (``releases``)
+and, queued as head after one, asks again at once instead of waiting a poll
+for a permit that is already free.
 
 At most ``MAX_ASKING`` acquires of a scope are in flight at once in a
 process: past that a new call queues, so a burst reaches a shared backend
@@ -178,6 +182,7 @@ class WaitingRoom:
         "fleet_floors",
         "floors",
         "named_tenants",
+        "releases",
         "shares",
         "wakeups",
     )
@@ -203,6 +208,9 @@ class WaitingRoom:
         self.named_tenants = False
         self._tickets = itertools.count()
         self.wakeups = 0  # releases that found a head to wake; for tests and telemetry
+        # Releases announced (``notify``). A call that asked from outside the queue and was
+        # refused while one came was not there to be woken: ``Call.wait`` asks again.
+        self.releases = 0
         # Acquires in flight for this scope in this process (kept by the loop): past
         # MAX_ASKING a new call queues instead of asking too.
         self.asking = 0
@@ -466,6 +474,7 @@ class WaitingRoom:
             self._turn = priority_class
             self._turn_tenant = tenant
             self._stale = True
+        self.releases += 1
         head = self.head()
         if head is not None:
             self.wakeups += 1
