@@ -54,9 +54,11 @@ def test_detect_kind_by_magic_bytes(data: bytes, kind: str, name: str, media: st
     assert media_type_for(detected) == media
 
 
-@pytest.mark.parametrize("data", [b"", b"hello world", b"GIF89a....", b"PK\x03\x04", b" %PDF-1.4"])
+@pytest.mark.parametrize(
+    "data", [b"", b"hello world", b"GIF89a....", b"PK\x03\x04", b"notes: %PDF-1.4"]
+)
 def test_detect_kind_refuses_other_content(data: bytes) -> None:
-    """Text, GIF, ZIP, empty input: not an image or PDF."""
+    """Text (even quoting a PDF header), GIF, ZIP, empty input: not an image or PDF."""
     assert detect_kind(data) is None
 
 

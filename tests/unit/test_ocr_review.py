@@ -230,3 +230,36 @@ async def test_not_an_image_or_pdf_named_pdf_is_refused_before_any_request(
     with pytest.raises(RequestRejected, match=looks_like):
         await ocr.recognize_text(data, "report.pdf")
     assert upstream.requests == []
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [b"\xef\xbb\xbf", b"\r\n\r\n", b"\x1b%-12345X@PJL JOB\r\n", b" " * 1000],
+    ids=["utf8-bom", "blank-lines", "pjl-header", "1000-spaces"],
+)
+async def test_pdf_with_leading_bytes_readers_accept_is_sent_as_a_pdf(prefix: bytes) -> None:
+    """A PDF whose header comes within its first 1024 bytes (as Acrobat reads it) is a PDF."""
+    upstream = Upstream()
+    ocr = client(make_settings(monkey()), upstream)
+    result = await ocr.recognize_text(prefix + PDF, "report.pdf")
+    assert result.text == "from monkey"
+    assert upstream.part_filename(0) == "document.pdf"
+    assert prefix + PDF in upstream.requests[0].content
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b" " * 1025 + PDF,
+        b"Notes on the %PDF- header, which any text may quote.\n",
+        b"Our spec: a file starts with %PDF-1.7 then a binary comment line.\n",
+    ],
+    ids=["header-past-1024", "header-without-version", "quoted-in-text"],
+)
+async def test_text_quoting_a_pdf_header_is_still_refused(data: bytes) -> None:
+    """Only a versioned header within 1024 bytes, after no text, makes a PDF: prose is refused."""
+    upstream = Upstream()
+    ocr = client(make_settings(monkey()), upstream)
+    with pytest.raises(RequestRejected, match="not an image"):
+        await ocr.recognize_text(data, "notes.pdf")
+    assert upstream.requests == []
