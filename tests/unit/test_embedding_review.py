@@ -22,7 +22,8 @@ from polygateway.config import GatewaySettings
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.models import Usage
-from polygateway.testing import FakeClock
+from polygateway.testing import FakeClock, FakeTransport, Hang, Outcome, embedding_body
+from polygateway.transport.http import HttpRequest
 from polygateway.transport.httpx_client import HttpxTransport
 
 SCOPE = "embed"
@@ -260,3 +261,57 @@ async def test_batches_from_sources_of_different_dimensions_never_mix_in_one_res
     assert len(sizes) == 1
     served = [v for v in result.vectors if v is not None]
     assert served, "at least the first batch is served"
+
+
+async def test_dimensions_in_extra_body_are_the_asked_ones() -> None:
+    """``extra_body={"dimensions": n}`` is merged last, so vectors are checked against it."""
+
+    def ignores_dimensions(request: httpx.Request) -> httpx.Response:
+        return answer(items(inputs_of(request), dims=4), usage=USAGE)
+
+    emb = client(make_settings(max_attempts=1), ignores_dimensions)
+    result = await emb.embed(texts(2), extra_body={"dimensions": 2}, partial=True)
+    assert result.failed_spans == ((0, 2),)
+    served = await emb.embed(texts(2), extra_body={"dimensions": 4})
+    assert {len(v) for v in served.vectors} == {4}
+
+
+# --- A deadline keeps the work; a cancellation is the caller's ------------------------
+
+
+def fake_client(transport: FakeTransport, clock: FakeClock, settings: GatewaySettings) -> Any:
+    """An EmbeddingClient on a FakeTransport and a FakeClock."""
+    return closing(
+        EmbeddingClient(
+            settings,
+            SCOPE,
+            backend=MemoryBackend(now=clock),
+            transport=transport,
+            now=clock,
+            sleep=clock.sleep,
+            rng=random.Random(5),
+        )
+    )
+
+
+def hang_on_t1(request: HttpRequest) -> Outcome:
+    """Batch ``t0`` is served at once; batch ``t1`` never answers."""
+    if request.json["input"] == ["t1"]:
+        return Hang()
+    return embedding_body([vector_of(t) for t in request.json["input"]])
+
+
+async def test_deadline_mid_call_keeps_every_vector_already_computed() -> None:
+    """``deadline_s`` running out while a batch hangs returns the served batch's vectors."""
+    clock = FakeClock()
+    transport = FakeTransport(default=hang_on_t1, clock=clock)
+    settings = make_settings(source(max_batch_size=1, timeout_s=60))
+    emb = fake_client(transport, clock, settings)
+    result = await emb.embed(texts(2), deadline_s=5.0, partial=True)
+    assert result.vectors == [vector_of("t0"), None]
+    assert result.failed_spans == ((1, 2),)
+    with pytest.raises(AllSourcesExhausted) as caught:
+        await emb.embed(texts(2), deadline_s=5.0)
+    assert caught.value.reason == "deadline"
+    assert caught.value.partial is not None
+    assert caught.value.partial.vectors == [vector_of("t0"), None]
