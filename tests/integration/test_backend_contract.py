@@ -572,6 +572,48 @@ async def test_aimd_success_grows_the_limit_up_to_max(backend_env: BackendEnv) -
     assert (await _source(env, "wide")).limit == pytest.approx(10.0)
 
 
+async def test_a_lowered_max_concurrency_clamps_the_limit_at_once(backend_env: BackendEnv) -> None:
+    """A spec lowering ``max_concurrency`` brings the limit down to it at that acquire."""
+    env = backend_env
+    await env.backend.release(await _grant(env, SourceSpec(name="s", max_concurrency=8)), SUCCESS)
+    assert (await _source(env, "s")).limit == pytest.approx(8.0)
+    narrow = SourceSpec(name="s", max_concurrency=2)
+    await _grant(env, narrow)
+    assert (await _source(env, "s")).limit == pytest.approx(2.0)
+    await _grant(env, narrow)
+    assert (await _refused(env, narrow)).reason == "concurrency"
+    assert (await _source(env, "s")).limit == pytest.approx(2.0)
+
+
+async def test_a_lowered_max_concurrency_is_where_the_next_decrease_starts(
+    backend_env: BackendEnv,
+) -> None:
+    """After max 8 -> 2, an overload lowers 2 to 1.4 (one permit), not 8 to 5.6 (still two)."""
+    env = backend_env
+    await _grant(env, SourceSpec(name="s", max_concurrency=8))
+    narrow = SourceSpec(name="s", max_concurrency=2, breaker_failures=100)
+    lease = await _grant(env, narrow)
+    await env.backend.release(lease, AttemptOutcome("transient", aimd_decrease=True))
+    assert (await _source(env, "s")).limit == pytest.approx(1.4)
+    env.clock.advance(TTL)  # the first lease lapses: only the limit holds permits back
+    await _grant(env, narrow)
+    assert (await _refused(env, narrow)).reason == "concurrency"
+
+
+async def test_a_limit_below_a_lowered_max_is_left_where_it_is(backend_env: BackendEnv) -> None:
+    """A limit already inside the new bounds is not moved, and a raised max is grown into."""
+    env = backend_env
+    wide = SourceSpec(name="s", max_concurrency=10)
+    await env.backend.release(
+        await _grant(env, wide), AttemptOutcome("transient", aimd_decrease=True)
+    )
+    assert (await _source(env, "s")).limit == pytest.approx(7.0)
+    await _grant(env, SourceSpec(name="s", max_concurrency=9))
+    assert (await _source(env, "s")).limit == pytest.approx(7.0)
+    await _grant(env, SourceSpec(name="s", max_concurrency=20))
+    assert (await _source(env, "s")).limit == pytest.approx(7.0)
+
+
 async def test_pacer_is_checked_before_concurrency(backend_env: BackendEnv) -> None:
     """A source both paced and full reports ``paced``; once the pace ends, ``concurrency``."""
     env = backend_env

@@ -3,7 +3,8 @@
 The same random sequence of operations (acquires over random candidate lists
 of up to eight of six sources, costs and TTLs; releases with random outcomes,
 Retry-After and token usage; renewals; a source's limits changed between two
-acquires, as a fleet mid-deploy or a reloaded config sends them; clock steps)
+acquires, as a fleet mid-deploy or a reloaded config sends them, its
+``max_concurrency`` raised or lowered; clock steps)
 drives a ``MemoryBackend`` and a ``RedisBackend``, each
 on its own ``FakeClock``, advanced together. After every step both must agree
 on every decision (granted source, each rejection's source, reason and reopen
@@ -145,8 +146,12 @@ async def _drive(data: st.DataObject, url: str) -> None:
             elif op == "respec":
                 # The next acquires carry other limits for one source; its state stays.
                 name = data.draw(st.sampled_from(NAMES))
+                old_max = specs[name].max_concurrency
                 specs[name] = data.draw(_spec(name), label=f"new spec {name}")
                 event("limits changed")
+                if specs[name].max_concurrency < old_max:
+                    # Both twins must lower the AIMD limit to the new max at its next acquire.
+                    event("max_concurrency lowered")
             elif op == "advance":
                 step = data.draw(st.one_of(st.sampled_from(STEPS), st.floats(0.0, 3.0)))
                 mem_clock.advance(step)

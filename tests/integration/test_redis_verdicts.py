@@ -129,12 +129,15 @@ async def test_a_release_at_a_marked_source_clears_its_mark(
 
 
 async def test_a_changed_spec_reads_no_mark_made_under_the_old_one(
-    fleet: Callable[[], RedisBackend],
+    fleet: Callable[[], RedisBackend], admin: aioredis.Redis
 ) -> None:
-    """a, first seen at max_concurrency 4 (AIMD's limit 4), is asked for at 1 with one lease
-    live: refused and marked. Asked for at 4 again, it is examined, and granted."""
+    """a, first seen at max_concurrency 4, is asked for at 1 with one lease live: refused and
+    marked. Asked for at 4 again, it is examined (the new spec stored), and still full: the
+    lowered max lowered AIMD's limit to 1, which only successes raise."""
     _, p, _ = await marked(fleet, one("a", max_concurrency=4))
-    assert await granted_at(p, [one("a", max_concurrency=4), B]) == "a"
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "max_concurrency") == "1"
+    assert await reasons(p, [one("a", max_concurrency=4), B]) == ["concurrency", "concurrency"]
+    assert await admin.hget(f"pgw:{{{SCOPE}}}:src:a", "max_concurrency") == "4"
 
 
 async def test_no_mark_stands_where_a_permit_is_held_for_a_waiting_process(

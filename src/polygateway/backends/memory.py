@@ -138,6 +138,7 @@ class MemoryBackend:
                 # A client builds its specs once, so this identity test almost always holds.
                 src.spec = spec
                 src.limits = _Limits.of(spec)
+                source_state.new_limits(src.state, src.limits)
             state = src.state
             limits = src.limits
             verdict = source_state.admit(state, limits, now, cost_tokens)

@@ -5,6 +5,9 @@ successes) and multiplicative decrease (``x0.7`` on 429, timeout, 503, 529),
 kept inside ``[1, max_concurrency]``. A decrease is allowed at most once per
 ``AIMD_COOLOFF_S``: the 50 attempts in flight when an upstream starts
 shedding load all come back 429 together, and that is one signal, not 50.
+A spec that lowers ``max_concurrency`` brings the limit down to it at once, so
+that the limit reported is the one that admits, and the next decrease starts
+from the new max; a raised max is grown into by successes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ __all__ = [
     "AIMD_FACTOR",
     "Aimd",
     "concurrency_cap",
+    "on_max_change",
     "on_overload",
     "on_success",
 ]
@@ -61,3 +65,9 @@ def on_overload(a: Aimd, now: float) -> bool:
     a.limit = max(1.0, a.limit * AIMD_FACTOR)
     a.last_decrease = now
     return True
+
+
+def on_max_change(a: Aimd, max_concurrency: int) -> None:
+    """A new spec's max: a limit above it comes down to it; one below it stays where it is."""
+    if a.limit > max_concurrency:
+        a.limit = float(max_concurrency)

@@ -14,6 +14,8 @@ passed in. A backend makes each operation atomic around these functions.
 - ``apply_outcome`` is release: remove the lease, then breaker, AIMD, pacer
   and tpm reconciliation. The caller records scope progress on success.
 - ``renew`` extends a live lease (and the probe slots it may hold).
+- ``new_limits`` brings the state inside a changed spec's limits, before
+  that spec's first check (a lowered ``max_concurrency`` lowers the AIMD limit).
 - ``view`` is the read-only, relative-time picture for snapshots
   (``SourceSnapshot``, which ``backends.base`` re-exports).
 
@@ -48,6 +50,7 @@ __all__ = [
     "apply_outcome",
     "commit",
     "drop_expired",
+    "new_limits",
     "new_source_state",
     "renew",
     "view",
@@ -176,6 +179,17 @@ def new_source_state(limits: SourceLimits, now: float) -> SourceState:
         tpm=ratelimit.new_bucket(limits.tpm_capacity, now) if limits.tpm is not None else None,
         next_expiry=math.inf,  # no lease yet: nothing can expire
     )
+
+
+def new_limits(state: SourceState, limits: SourceLimits) -> None:
+    """A source about to be examined with limits other than the last ones seen: fit its state.
+
+    Only the AIMD limit is bounded by a limit this way (``aimd.on_max_change``):
+    a bucket is brought under its capacity by every refill, and one that a new
+    rate adds starts full. A backend calls this only when the spec changed,
+    which a healthy fleet never does between two deploys.
+    """
+    aimd.on_max_change(state.aimd, limits.max_concurrency)
 
 
 def drop_expired(state: SourceState, now: float) -> None:

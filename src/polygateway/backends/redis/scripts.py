@@ -345,8 +345,14 @@ local function examine(c, off)
       pprobe_id, pprobe_until = p[4] or '', num(p[5]) or 0
     end
   end
-  -- The last spec seen, which release and snapshot work from: written when it changed.
+  -- The last spec seen, which release and snapshot work from: written when it changed,
+  -- and then the state brought inside it (source_state.new_limits): a lowered max lowers
+  -- the limit to it (aimd.on_max_change).
   if h[9] ~= spec then
+    if limit > maxc then
+      limit = maxc
+      put('limit', fmt(limit))
+    end
     put('max_concurrency', c[2])
     put('rpm', c[3])
     put('rpm_cap', c[4])
