@@ -25,6 +25,7 @@ asked of each in its own way too (``transport/structured.py``), and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -146,6 +147,20 @@ _WIRES: dict[str, _ChatWire] = {
     ),
 }
 """The wire of each chat protocol, looked up once per attempt (never per chunk)."""
+
+
+def _connection_ended(exc: TransientError) -> bool:
+    """Whether a stream failed by its connection ending (closed, reset), not by a stall.
+
+    After a ``finish_reason`` such an end loses nothing of the answer: a
+    socket dropped without the body's last chunk (httpx's
+    ``RemoteProtocolError``, aiohttp's ``ClientPayloadError``) ends it as
+    surely as a clean close without ``[DONE]``. A timeout is not one: the
+    source held the caller waiting.
+    """
+    return exc.truncated or (
+        exc.status_code is None and not exc.timeout and exc.failure == "transient"
+    )
 
 
 def _cost(messages: Messages, params: Mapping[str, Any]) -> int:
@@ -370,9 +385,11 @@ class ChatStream:
         "_loop_call",
         "_messages",
         "_params",
+        "_reader",
         "_response",
         "_served",
         "_started",
+        "_stopped",
     )
 
     def __init__(
@@ -401,6 +418,10 @@ class ChatStream:
         self._in_flight: InFlight | None = None
         self._loop_call: Call | None = None
         self._served: Served[_Opened] | None = None
+        self._reader: asyncio.Task[Any] | None = None
+        """The task inside a read right now (``None`` between reads)."""
+        self._stopped: asyncio.Future[None] | None = None
+        """Set when a close from another task stopped the reader; done once it has closed."""
 
     def __repr__(self) -> str:
         state = "open" if self._served is not None else "started" if self._started else "new"
@@ -462,9 +483,10 @@ class ChatStream:
                 opened.ended = True
                 break
             except TransientError as exc:
-                if exc.truncated and opened.finish_seen:
+                if opened.finish_seen and _connection_ended(exc):
                     # Closed without [DONE] but after a finish_reason (how every
-                    # Anthropic stream ends): the answer is whole.
+                    # Anthropic stream ends, cleanly or by a dropped socket): the
+                    # answer is whole.
                     opened.ended = True
                     break
                 raise
@@ -534,7 +556,16 @@ class ChatStream:
 
         Runs once; later calls do nothing. A stream cut at the call's deadline
         raises ``AllSourcesExhausted(reason="deadline")`` from here.
+
+        Called from another task while one waits inside a read (``aclose()``
+        behind a "stop" button), it stops that read instead of closing the
+        connection under it, and returns once the reader has closed the
+        stream: the reader's iteration ends, quietly, as a closed stream's does.
         """
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task():
+            await self._stop(reader)
+            return
         loop_call, self._loop_call = self._loop_call, None
         served = self._served
         try:
@@ -547,6 +578,17 @@ class ChatStream:
             in_flight, self._in_flight = self._in_flight, None
             if in_flight is not None:
                 self._client._life.end(in_flight)
+            stopped = self._stopped
+            if stopped is not None and not stopped.done():
+                stopped.set_result(None)
+
+    async def _stop(self, reader: asyncio.Task[Any]) -> None:
+        """Cancel ``reader``'s read, then wait (shielded) until it has closed the stream."""
+        stopped = self._stopped
+        if stopped is None:
+            stopped = self._stopped = asyncio.get_running_loop().create_future()
+            reader.cancel()
+        await asyncio.shield(stopped)
 
     def _interrupted(self, exc: TransientError) -> StreamInterrupted:
         source = self._served.source if self._served is not None else ""
@@ -578,13 +620,29 @@ class ChatStream:
         in_flight, served = self._in_flight, self._served
         if in_flight is None or served is None:
             return
+        task = asyncio.current_task()
         while self._loop_call is not None:
             try:
                 async with in_flight.running():
-                    chunk = await self._read(served)
+                    baseline = task.cancelling() if task is not None else 0
+                    self._reader = task
+                    try:
+                        chunk = await self._read(served)
+                    finally:
+                        self._reader = None
             except TransientError as exc:
                 await self._close(exc)
                 raise self._interrupted(exc) from exc
+            except asyncio.CancelledError as exc:
+                # A close from another task (``_stop``) is not this task's cancellation:
+                # withdrawn as asyncio.timeout withdraws its own, and the iteration ends.
+                stopped = (
+                    self._stopped is not None and task is not None and task.uncancel() <= baseline
+                )
+                await self._close(None if stopped else exc)
+                if stopped:
+                    return
+                raise
             except BaseException as exc:
                 # Clean-up only (cancelled, client closed): release, re-raise.
                 await self._close(exc)
@@ -616,7 +674,11 @@ class ChatStream:
         await self._close(exc)
 
     async def aclose(self) -> None:
-        """Stop the stream and release its permit (as cancelled unless it had ended)."""
+        """Stop the stream and release its permit (as cancelled unless it had ended).
+
+        Safe from another task than the one iterating: a read waiting there
+        is stopped and that iteration ends without an error.
+        """
         await self._close(None)
 
     # --- the whole answer ----------------------------------------------------------

@@ -1,0 +1,260 @@
+"""ChatStream under the ways real consumers leave a stream: the permit comes back once,
+the backend hears the right outcome, the connection closes, the caller gets a typed error."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+from typing import Any
+
+import pytest
+from _closing import closing
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.errors import StreamInterrupted
+from polygateway.testing import (
+    BoundedSleep,
+    FakeClock,
+    FakeTimers,
+    FakeTransport,
+    Recorder,
+    StreamScript,
+    TransientError,
+    chat_chunk_events,
+    gateway_settings,
+    settle,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def make_chat(
+    clock: FakeClock, script: Any, *, timers: FakeTimers | None = None, **gateway: Any
+) -> tuple[ChatClient, FakeTransport, MemoryBackend, Recorder]:
+    """A chat client on a fake clock and a scripted transport, with a telemetry recorder."""
+    settings = gateway_settings("primary", **gateway)
+    backend = MemoryBackend(now=clock)
+    sleep = timers.sleep if timers is not None else None
+    transport = FakeTransport(script, clock=clock, sleep=sleep)
+    recorder = Recorder()
+    chat = closing(
+        ChatClient(
+            settings,
+            backend=backend,
+            transport=transport,
+            now=clock,
+            sleep=sleep if sleep is not None else BoundedSleep(clock),
+            rng=random.Random(5),
+            emitter=recorder,
+        )
+    )
+    return chat, transport, backend, recorder
+
+
+async def permits(backend: MemoryBackend) -> int:
+    """Permits held in the chat scope right now."""
+    return (await backend.snapshot("chat")).in_flight
+
+
+class TestConnectionEndsAfterTheFinish:
+    """After a finish_reason the answer is whole, however the connection then ends."""
+
+    @pytest.mark.parametrize(
+        "error",
+        [
+            TransientError("connection reset at primary: RemoteProtocolError"),
+            TransientError("connection broken at primary: ClientPayloadError"),
+        ],
+        ids=["reset", "broken"],
+    )
+    async def test_connection_lost_after_finish_reason_is_a_clean_end(
+        self, error: TransientError
+    ) -> None:
+        """A socket closed without its last chunk (no [DONE]) after the finish is a success."""
+        clock = FakeClock()
+        events = chat_chunk_events(["Hel", "lo"])
+        chat, transport, backend, recorder = make_chat(
+            clock, [StreamScript(events, fail_after=len(events), error=error)]
+        )
+        async with chat.stream(MESSAGES) as stream:
+            chunks = [c async for c in stream]
+            response = await stream.response()
+        assert "".join(c.text for c in chunks) == "Hello"
+        assert response.finish_reason == "stop"
+        assert recorder.outcomes() == ["success"]
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+
+    async def test_connection_lost_before_the_finish_is_still_interrupted(self) -> None:
+        """Without a finish_reason the same loss is a StreamInterrupted and a transient attempt."""
+        clock = FakeClock()
+        events = chat_chunk_events(["Hel", "lo"], finish_reason=None)
+        chat, transport, backend, recorder = make_chat(
+            clock, [StreamScript(events, fail_after=len(events))]
+        )
+        with pytest.raises(StreamInterrupted, match="after 2 chunks"):
+            _ = [c async for c in chat.stream(MESSAGES)]
+        assert recorder.outcomes() == ["transient"]
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+
+    async def test_idle_timeout_after_the_finish_is_still_a_timeout(self) -> None:
+        """A source that stalls after its finish still fails as a timeout: it held the caller."""
+        clock = FakeClock()
+        events = chat_chunk_events(["a"])
+        chat, _, backend, recorder = make_chat(
+            clock, [StreamScript(events, hang_after=len(events))]
+        )
+        with pytest.raises(StreamInterrupted, match="stream idle"):
+            _ = [c async for c in chat.stream(MESSAGES)]
+        assert recorder.outcomes() == ["transient"]
+        assert await permits(backend) == 0
+
+
+class TestCloseFromAnotherTask:
+    """aclose() while another task waits for the next chunk (a "stop" button)."""
+
+    async def test_aclose_while_another_task_reads_ends_that_iteration_quietly(self) -> None:
+        """The reader's loop ends without an error; the attempt is released once, as cancelled."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        words = [f"w{i}" for i in range(5)]
+        chat, transport, backend, recorder = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(words, role_first=False), gap_s=5.0)],
+            timers=timers,
+        )
+        received: list[str] = []
+        async with chat.stream(MESSAGES) as stream:
+
+            async def read() -> None:
+                async for chunk in stream:
+                    received.append(chunk.text)
+
+            reader = asyncio.create_task(read())
+            await settle()
+            assert received == ["w0"]  # the reader now waits 5 s of fake time
+            await stream.aclose()
+            assert await permits(backend) == 0
+            assert transport.open_streams == 0
+            await reader  # ends, raises nothing
+            assert not reader.cancelled()
+        assert received == ["w0"]
+        assert recorder.outcomes() == ["cancelled"]
+        with pytest.raises(RuntimeError, match="did not reach its end"):
+            await stream.response()
+
+    async def test_aclose_from_another_task_leaves_the_reader_task_uncancelled(self) -> None:
+        """The reader task can go on awaiting after its stream was stopped under it."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        chat, _, _, _ = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(["a", "b"], role_first=False), gap_s=5.0)],
+            timers=timers,
+        )
+        after: list[str] = []
+        async with chat.stream(MESSAGES) as stream:
+
+            async def read() -> None:
+                async for _chunk in stream:
+                    pass
+                await asyncio.sleep(0)
+                after.append("went on")
+
+            reader = asyncio.create_task(read())
+            await settle()
+            await stream.aclose()
+            await reader
+        assert after == ["went on"]
+        assert reader.cancelling() == 0
+
+    async def test_caller_cancelling_the_reader_still_gets_cancelled_error(self) -> None:
+        """A real cancellation of the reader passes through as CancelledError, released once."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        chat, transport, backend, recorder = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(["a", "b"], role_first=False), gap_s=5.0)],
+            timers=timers,
+        )
+        async with chat.stream(MESSAGES) as stream:
+
+            async def read() -> None:
+                async for _chunk in stream:
+                    pass
+
+            reader = asyncio.create_task(read())
+            await settle()
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            await stream.aclose()
+        assert recorder.outcomes() == ["cancelled"]
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+
+
+class TestAbandonedStreams:
+    """Streams dropped without a close give their permit back, once."""
+
+    async def test_iterator_dropped_after_one_chunk_releases_once(self) -> None:
+        """A bare iterator collected mid-stream releases as cancelled when the loop finalizes it."""
+        clock = FakeClock()
+        chat, transport, backend, recorder = make_chat(
+            clock, [StreamScript(chat_chunk_events(["a", "b", "c"]))]
+        )
+        iterator = aiter(chat.stream(MESSAGES))
+        first = await anext(iterator)
+        assert first.text == "a"
+        assert await permits(backend) == 1
+        del iterator
+        gc.collect()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+        assert recorder.outcomes() == ["cancelled"]
+
+    async def test_stream_never_iterated_sends_nothing_and_holds_nothing(self) -> None:
+        """A ChatStream made and dropped costs no request and no permit."""
+        clock = FakeClock()
+        chat, transport, backend, _ = make_chat(clock, [])
+        stream = chat.stream(MESSAGES)
+        del stream
+        gc.collect()
+        assert transport.requests == []
+        assert await permits(backend) == 0
+
+    async def test_response_without_iterating_releases_once_as_success(self) -> None:
+        """await stream.response() alone reads the stream, releases it once as a success."""
+        clock = FakeClock()
+        chat, transport, backend, recorder = make_chat(
+            clock, [StreamScript(chat_chunk_events(["a", "b"]))]
+        )
+        response = await chat.stream(MESSAGES).response()
+        assert response.text == "ab"
+        assert recorder.outcomes() == ["success"]
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+
+    async def test_response_cancelled_while_waiting_for_the_first_chunk(self) -> None:
+        """Cancelled inside response() before any chunk: released as cancelled, connection shut."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        chat, transport, backend, recorder = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(["a"]), hang_before_first=True)],
+            timers=timers,
+        )
+        task = asyncio.create_task(chat.stream(MESSAGES).response())
+        await settle()
+        assert await permits(backend) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+        assert recorder.outcomes() == ["cancelled"]
