@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from _closing import closing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -20,7 +23,8 @@ from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
-from polygateway.middleware.waiting import room_for
+from polygateway.middleware import waiting
+from polygateway.middleware.waiting import WaitingRoom, room_for
 from polygateway.testing import (
     CountingBackend,
     Delay,
@@ -240,3 +244,97 @@ async def test_a_permit_freed_while_a_call_asked_at_once_is_taken_without_a_poll
     finally:
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
+
+
+class ScanCountingDeque(deque[Any]):
+    """A deque that counts the elements its searches and copies walk through."""
+
+    walked = 0
+
+    def remove(self, value: Any) -> None:
+        ScanCountingDeque.walked += self.index(value) + 1
+        super().remove(value)
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in super().__iter__():
+            ScanCountingDeque.walked += 1
+            yield item
+
+
+@pytest.mark.parametrize("tenants", [1, 3])
+def test_calls_leaving_a_deep_queue_in_any_order_cost_a_bounded_walk_each(
+    monkeypatch: pytest.MonkeyPatch, tenants: int
+) -> None:
+    """Ten thousand waiting calls cancelled in random order, a grant now and then: the room
+    walks a bounded number of queued calls per call that leaves, however deep the queue."""
+    monkeypatch.setattr(waiting, "deque", ScanCountingDeque)
+    ScanCountingDeque.walked = 0
+    room = WaitingRoom()
+    waiters = [room.enter(tenant=f"t{i % tenants}") for i in range(10_000)]
+    order = random.Random(7).sample(waiters, len(waiters))
+    for i, waiter in enumerate(order):
+        if i % 10 == 0 and room.head() is not None:
+            head = room.head()
+            assert head is not None
+            assert not head.left
+            room.leave(head, granted=True)
+        room.leave(waiter)
+    assert room.empty
+    assert room.head() is None
+    assert ScanCountingDeque.walked <= 4 * len(waiters)
+
+
+_ROOM_OP = st.one_of(
+    st.tuples(st.just("enter"), st.sampled_from(["hi", "lo"]), st.sampled_from(["", "t1", "t2"])),
+    st.tuples(st.just("enter_early"), st.sampled_from(["hi", "lo"]), st.sampled_from(["", "t1"])),
+    st.tuples(st.just("leave"), st.integers(0, 60), st.just("")),
+    st.tuples(st.just("grant"), st.just(""), st.just("")),
+    st.tuples(st.just("turn"), st.sampled_from(["hi", "lo"]), st.sampled_from(["", "t1", "t2"])),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=st.lists(_ROOM_OP, max_size=120))
+def test_calls_left_in_place_never_become_head_and_keep_their_order(
+    ops: list[tuple[str, Any, str]],
+) -> None:
+    """Arrivals (some by an earlier ticket), cancellations from anywhere, grants and a fleet's
+    turns: the head is always a call still waiting, the first of its flow by ticket; the
+    counts and the calls ``fail_all`` reaches are exactly the calls still waiting."""
+    room = WaitingRoom({"hi": 3.0, "lo": 1.0})
+    waiting_now: list[Any] = []
+    early = -1
+    for op, arg, tenant in ops:
+        if op == "enter":
+            waiting_now.append(room.enter(priority_class=arg, tenant=tenant))
+        elif op == "enter_early":
+            # A call refused outside the queue comes in by the ticket it took earlier.
+            ticket = min((w.ticket for w in waiting_now), default=0) + early
+            early -= 1
+            waiting_now.append(room.enter(ticket, priority_class=arg, tenant=tenant))
+        elif op == "leave" and waiting_now:
+            room.leave(waiting_now.pop(arg % len(waiting_now)))
+        elif op == "grant" and waiting_now:
+            head = room.head()
+            assert head is not None
+            waiting_now.remove(head)
+            room.leave(head, granted=True)
+        elif op == "turn":
+            room.notify(arg, tenant or None)
+        head = room.head()
+        assert len(room) == len(waiting_now)
+        assert (head is None) == (not waiting_now)
+        if head is not None:
+            assert not head.left
+            flow = [
+                w.ticket
+                for w in waiting_now
+                if (w.priority_class, w.tenant) == (head.priority_class, head.tenant)
+            ]
+            assert head.ticket == min(flow)
+        assert {id(w) for w in room._waiters()} == {id(w) for w in waiting_now}
+        counted = {name: n for name, (n, _) in room.by_class().items() if n}
+        expected: dict[str, int] = {}
+        for w in waiting_now:
+            expected[w.priority_class] = expected.get(w.priority_class, 0) + 1
+        assert counted == expected

@@ -64,6 +64,9 @@ The head of the queue asks whatever the count (nobody else would ask for
 it), so the fast path stops one short of this bound.
 """
 
+_COMPACT_ABOVE: Final = 16
+"""Calls left in place a flow holds beyond its live ones before it is swept."""
+
 _ROOMS: weakref.WeakKeyDictionary[Backend, dict[str, WaitingRoom]] = weakref.WeakKeyDictionary()
 """Every waiting room of the process, per backend object and scope; gone with the backend."""
 
@@ -117,7 +120,17 @@ class Waiter:
 class ClassState:
     """One priority class in a room: a queue per tenant, tenants served in turn, and its counts."""
 
-    __slots__ = ("asking", "flows", "in_use", "pass_", "reserved", "rotation", "share", "waiting")
+    __slots__ = (
+        "asking",
+        "flows",
+        "in_use",
+        "live",
+        "pass_",
+        "reserved",
+        "rotation",
+        "share",
+        "waiting",
+    )
 
     def __init__(self, share: float, reserved: int = 0) -> None:
         self.share = share
@@ -125,7 +138,11 @@ class ClassState:
         self.reserved = reserved
         # Per tenant, sorted by ticket. A deque: the head leaves in O(1) however many
         # wait (the target "10,000 waiting calls cost no more CPU per call than 1,000").
+        # A call that leaves from behind the first stays in place, marked ``left``, until
+        # the first reaches it or the dead outnumber the live: no walk of the queue per
+        # call that leaves (``WaitingRoom.leave``). The first of a flow is never left.
         self.flows: dict[str, deque[Waiter]] = {}
+        self.live: dict[str, int] = {}  # per tenant, the calls of its flow not left
         self.rotation: deque[str] = deque()  # tenants with waiters, the next served first
         self.pass_ = 0.0  # the class's virtual time: 1/share more per permit it got
         self.waiting = 0
@@ -336,6 +353,7 @@ class WaitingRoom:
         flow = klass.flows.get(tenant)
         if flow is None:
             flow = klass.flows[tenant] = deque()
+            klass.live[tenant] = 0
             klass.rotation.append(tenant)
             if tenant:
                 self.named_tenants = True
@@ -344,6 +362,7 @@ class WaitingRoom:
             flow.append(waiter)
         else:
             flow.insert(bisect.bisect(flow, ticket, key=_ticket_of), waiter)
+        klass.live[tenant] += 1
         klass.waiting += 1
         self._count += 1
         self._stale = True
@@ -412,10 +431,7 @@ class WaitingRoom:
         klass = self._classes[waiter.priority_class]
         tenant = waiter.tenant
         flow = klass.flows[tenant]
-        if flow[0] is waiter:
-            flow.popleft()
-        else:
-            flow.remove(waiter)
+        live = klass.live[tenant] - 1
         klass.waiting -= 1
         self._count -= 1
         if granted:
@@ -424,10 +440,23 @@ class WaitingRoom:
         if granted and (klass.in_use >= klass.reserved or self.fleet_floors):
             self._vtime = klass.pass_
             klass.pass_ += 1.0 / klass.share
-        if not flow:
+        if not live:
             del klass.flows[tenant]
+            del klass.live[tenant]
             klass.rotation.remove(tenant)
-        elif granted and len(klass.rotation) > 1:
+        else:
+            klass.live[tenant] = live
+            if flow[0] is waiter:
+                # The calls behind it that left meanwhile go too, each once: the first
+                # of a flow is always one still waiting.
+                flow.popleft()
+                while flow[0].left:
+                    flow.popleft()
+            elif len(flow) > 2 * live + _COMPACT_ABOVE:
+                # Left in place (no walk per call that leaves); swept once they outnumber
+                # the live, so a long-lived first call cannot pile them up without bound.
+                klass.flows[tenant] = deque(w for w in flow if not w.left)
+        if live and granted and len(klass.rotation) > 1:
             klass.rotation.remove(tenant)
             klass.rotation.append(tenant)
         self._stale = True
@@ -437,7 +466,13 @@ class WaitingRoom:
                 head._fire()
 
     def _waiters(self) -> list[Waiter]:
-        return [w for klass in self._classes.values() for f in klass.flows.values() for w in f]
+        return [
+            w
+            for klass in self._classes.values()
+            for f in klass.flows.values()
+            for w in f
+            if not w.left
+        ]
 
     def fail_all(self, failure: BaseException, *, but: Waiter | None = None) -> None:
         """The backend failed: wake every waiter (but ``but``) to fail closed at once.
