@@ -154,7 +154,9 @@ def origins_json(rows: Mapping[str, Any]) -> dict[str, Any]:
 
 def _line(indent: int, row: Row) -> list[str]:
     """One setting as ``key  value  origin``; a long one keeps its origin right-aligned below."""
-    head = f"{' ' * indent}{row.key:<{_KEY_WIDTH - indent}}{row.value}"
+    # A name wider than its column keeps two spaces before its value.
+    key_width = max(_KEY_WIDTH - indent, len(row.key) + 2)
+    head = f"{' ' * indent}{row.key:<{key_width}}{row.value}"
     if len(head) > WIDTH:
         # A value too long for its column (a URL) gets a line of its own below its key.
         return [*_line(indent, Row(row.key, "", row.origin)), f"{' ' * (indent + 2)}{row.value}"]
