@@ -140,8 +140,10 @@ class TestIntegerMinimums:
     async def test_positive_dimensions_is_sent(self) -> None:
         """dimensions=1, the smallest the API takes, still goes out as given."""
         client, transport = embedder()
-        await client.embed(["a"], dimensions=1)
+        transport.add(embedding_body([[0.5]]))  # a source honouring it: one float
+        result = await client.embed(["a"], dimensions=1)
         assert [r.json["dimensions"] for r in transport.requests] == [1]
+        assert result.vectors == [[0.5]]
 
     @pytest.mark.parametrize(
         ("params", "needle"),
