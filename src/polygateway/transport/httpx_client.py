@@ -84,6 +84,10 @@ sources of 64 share a pool (~800 us), about 11 for one source of 64.
 """
 
 
+_EVENT_STREAM_ENCODING = "utf-8-sig"
+"""How an event stream's body is decoded: UTF-8, a leading BOM dropped, as ``SSEParser`` does."""
+
+
 class HttpxClientFactory(Protocol):
     """Builds one pooled client (one shard) for a (verify, proxy) combination."""
 
@@ -300,6 +304,10 @@ class HttpxTransport:
                 raise _translate(exc, request, secrets) from exc
             if request.on_hint is not None:
                 deliver_hint(request, response.headers)
+            # An event stream is UTF-8 whatever its charset says, and a leading BOM is
+            # dropped (WHATWG event stream interpretation); httpx-sse decodes with the
+            # response's encoding, where a BOM would hide the first field.
+            response.encoding = _EVENT_STREAM_ENCODING
             sse = source.aiter_sse()
             # LIFO: the event generator is closed before its response.
             stack.push_async_callback(sse.aclose)
