@@ -202,3 +202,16 @@ def test_status_watch_seconds_with_an_interval_is_a_usage_error(
     assert main(["status", "--watch", "2", "--interval", "5"]) == EXIT_CONFIG
     line = usage_refusal(capsys, "status")
     assert line.endswith("give --watch SECONDS or --watch --interval SECONDS, not both")
+
+
+# --- demo ---------------------------------------------------------------------------------------
+
+
+def test_demo_redis_url_without_the_redis_backend_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``demo --redis-url URL`` on the memory backend would ignore the URL without a word."""
+    assert main(["demo", "--redis-url", "redis://:hunter2@127.0.0.1:9/0"]) == EXIT_CONFIG
+    line = usage_refusal(capsys, "demo")
+    assert "--redis-url needs --backend redis" in line
+    assert "hunter2" not in line

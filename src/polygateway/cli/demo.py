@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from polygateway.cli import positive_float, render
+from polygateway.cli import positive_float, refuse_usage, render
 from polygateway.cli.demo_report import (
     LEGEND,
     CallResult,
@@ -73,6 +73,9 @@ ROLES = ("healthy", "rate_limited", "failing")
 CONCURRENCY = {"healthy": 16, "rate_limited": 4, "failing": 4}
 """Each role's ``max_concurrency`` (the same in every demo scope)."""
 
+_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""The Redis ``--backend redis`` uses when no ``--redis-url`` names one."""
+
 _SAMPLE_EVERY_S = 0.2
 """Snapshot period of the breaker-trip sampler (a trip stays open for seconds)."""
 _PLAIN_PROGRESS_EVERY_S = 2.0
@@ -98,8 +101,8 @@ def add_demo_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> Non
     )
     demo.add_argument(
         "--redis-url",
-        default="redis://127.0.0.1:6379/0",
-        help="Redis for --backend redis (a password in it is never printed)",
+        default=None,
+        help=f"Redis for --backend redis (default {_REDIS_URL}; a password in it is never printed)",
     )
     demo.add_argument(
         "--transport", choices=("httpx", "aiohttp"), default="httpx", help="HTTP client"
@@ -118,7 +121,7 @@ def add_demo_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> Non
         metavar="SECONDS",
         help="show the backend's live state (permits, breakers, pacing, AIMD) every SECONDS",
     )
-    demo.set_defaults(handler=run_demo)
+    demo.set_defaults(handler=run_demo, usage_error=demo.error)
 
 
 # -- the upstream and the settings ------------------------------------------------------------
@@ -397,6 +400,8 @@ async def _sample(
 
 def run_demo(args: argparse.Namespace) -> int:
     """The ``demo`` sub-command."""
+    if args.redis_url is not None and args.backend != "redis":
+        refuse_usage(args, "--redis-url needs --backend redis (the demo runs in memory otherwise)")
     try:
         import polygateway.simulator  # noqa: F401
     except ImportError:
@@ -412,7 +417,10 @@ async def _demo(args: argparse.Namespace, out: Console | None) -> int:
 
     async with SimulatedUpstream(demo_profiles(), seed=args.seed) as sim:
         settings = demo_settings(
-            sim, backend=args.backend, redis_url=args.redis_url, transport=args.transport
+            sim,
+            backend=args.backend,
+            redis_url=args.redis_url or _REDIS_URL,
+            transport=args.transport,
         )
         if out is not None:
             where = "in memory" if args.backend == "memory" else f"on {settings.redis_where}"
