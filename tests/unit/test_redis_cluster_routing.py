@@ -194,3 +194,50 @@ async def test_a_node_at_a_port_out_of_range_fails_its_commands_as_a_connection_
     await wire.aclose()
     assert isinstance(got, RedisConnectionError), repr(got)  # before: OverflowError
     assert "127.0.0.1:70000" in str(got)
+
+
+async def test_a_command_paused_by_tryagain_fails_at_aclose_instead_of_reconnecting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TRYAGAIN pause that ends after ``aclose`` would reopen the node's connection.
+
+    The command is failed as every command pending at ``aclose`` is: with
+    ``ConnectionError``, once, and nothing is written after the close.
+    """
+    monkeypatch.setattr(cluster_module, "_TRYAGAIN_FIRST_S", 0.0)  # due at the next turn
+    cluster = _cluster()
+    seed, to_seed = _node(cluster, SEED)
+    replies: list[Any] = []
+    cluster._wire(SEED).send(COMMAND, replies.append, SCRIPT)
+    seed.data_received(b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n")
+    assert replies == []
+    await cluster.aclose()
+    assert len(replies) == 1
+    assert isinstance(replies[0], RedisConnectionError)
+    written = list(to_seed.written)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert to_seed.written == written
+    assert cluster._wires[SEED]._connecting is None  # no connection made again
+    assert len(replies) == 1
+
+
+async def test_drain_waits_for_a_command_paused_by_tryagain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A paused command's reply is due: ``drain`` returns only once it came."""
+    monkeypatch.setattr(cluster_module, "_TRYAGAIN_FIRST_S", 0.0)  # sent again at the next turn
+    cluster = _cluster()
+    seed, to_seed = _node(cluster, SEED)
+    replies: list[Any] = []
+    cluster._wire(SEED).send(COMMAND, replies.append, SCRIPT)
+    seed.data_received(b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n")
+    drained = asyncio.ensure_future(cluster.drain())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert to_seed.written == [COMMAND, COMMAND]  # sent again, its reply due
+    assert not drained.done()
+    seed.data_received(b":1\r\n")
+    await asyncio.wait_for(drained, 1.0)
+    assert replies == [1]
+    await cluster.aclose()

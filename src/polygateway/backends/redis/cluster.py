@@ -61,6 +61,7 @@ from dataclasses import replace
 from typing import Any, Final
 
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from polygateway.backends.redis import codec
@@ -105,6 +106,19 @@ class _Hop:
 
     def __call__(self, reply: Any) -> None:
         self.on_reply(reply)
+
+
+class _Paused:
+    """A command waiting out a ``TRYAGAIN`` pause: sent again when its timer fires."""
+
+    __slots__ = ("data", "handle", "hop", "replier", "script")
+
+    def __init__(self, replier: Address, data: bytes, hop: _Hop, script: Script | None) -> None:
+        self.replier = replier
+        self.data = data
+        self.hop = hop
+        self.script = script
+        self.handle: asyncio.TimerHandle | None = None
 
 
 def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
@@ -186,11 +200,13 @@ class Cluster:
         "_closed",
         "_late_reply_s",
         "_owners",
+        "_paused",
         "_refreshing",
         "_scripts",
         "_seed",
         "_slots",
         "_timeout_s",
+        "_unpaused",
         "_wires",
     )
 
@@ -212,6 +228,9 @@ class Cluster:
         self._refreshing: asyncio.Task[None] | None = None
         self._again = False
         self._closed = False
+        self._paused: set[_Paused] = set()
+        self._unpaused: asyncio.Event | None = None
+        """Set when the last paused command was sent again (what ``drain`` waits for)."""
 
     def route(self, scope: str) -> Wire:
         """The wire of the node owning ``scope``'s slot (the seed's until the map is known)."""
@@ -275,10 +294,10 @@ class Cluster:
             # one: either way the slot's owner is asked again, which the map (or, before any
             # redirection, the node that answered) says.
             slot = on_reply.slot if isinstance(on_reply, _Hop) else -1
-            hop = _Hop(original, slot, hops)
+            paused = _Paused(replier, data, _Hop(original, slot, hops), script)
             delay = min(_TRYAGAIN_FIRST_S * 2 ** (hops - 1), _TRYAGAIN_MAX_S)
-            loop = asyncio.get_running_loop()
-            loop.call_later(delay, self._resend, replier, data, hop, script)
+            paused.handle = asyncio.get_running_loop().call_later(delay, self._resend, paused)
+            self._paused.add(paused)
             return
         slot_text, _, address = rest.partition(" ")
         host, _, port = address.rpartition(":")
@@ -295,10 +314,14 @@ class Cluster:
         else:
             target.send(data, hop, script, ASKING_FIRST)
 
-    def _resend(self, replier: Address, data: bytes, hop: _Hop, script: Script | None) -> None:
+    def _resend(self, paused: _Paused) -> None:
         """Send a command again to its slot's owner (after ``TRYAGAIN``)."""
+        self._paused.discard(paused)
+        hop = paused.hop
         wire = self._owners[hop.slot] if hop.slot >= 0 else None
-        (wire or self._wire(replier)).send(data, hop, script)
+        (wire or self._wire(paused.replier)).send(paused.data, hop, paused.script)
+        if not self._paused and self._unpaused is not None:
+            self._unpaused.set()
 
     # -- the slot map ------------------------------------------------------------------
 
@@ -373,9 +396,15 @@ class Cluster:
         self._owners = owners
 
     async def drain(self) -> None:
-        """Return once no reply is due on any node."""
-        for wire in list(self._wires.values()):
-            await wire.drain()
+        """Return once no reply is due on any node, nor any command paused by ``TRYAGAIN``."""
+        while True:
+            if self._paused:
+                self._unpaused = asyncio.Event()
+                await self._unpaused.wait()
+            for wire in list(self._wires.values()):
+                await wire.drain()
+            if not self._paused:
+                return
 
     async def aclose(self) -> None:
         """Close every node's connection and forget the map (stop reading it).
@@ -386,6 +415,14 @@ class Cluster:
         """
         self._closed = True
         self._owners = [None] * SLOTS
+        paused, self._paused = self._paused, set()
+        for waiting in paused:
+            # Failed as every command pending at close is; sent later, it would reconnect.
+            if waiting.handle is not None:
+                waiting.handle.cancel()
+            waiting.hop(RedisConnectionError("the backend closed while the command was paused"))
+        if self._unpaused is not None:
+            self._unpaused.set()
         refreshing, self._refreshing = self._refreshing, None
         if refreshing is not None:
             refreshing.cancel()
