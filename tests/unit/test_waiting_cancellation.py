@@ -261,7 +261,7 @@ class ScanCountingDeque(deque[Any]):
             yield item
 
 
-@pytest.mark.parametrize("tenants", [1, 3])
+@pytest.mark.parametrize("tenants", [1, 3, 10_000])
 def test_calls_leaving_a_deep_queue_in_any_order_cost_a_bounded_walk_each(
     monkeypatch: pytest.MonkeyPatch, tenants: int
 ) -> None:
