@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import random
 from typing import Any
 
 import pytest
 from _closing import closing
 
+from polygateway.backends.base import Lease
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.errors import StreamInterrupted
+from polygateway.errors import GovernanceBackendError, StreamInterrupted
 from polygateway.testing import (
     BoundedSleep,
+    CountingBackend,
     FakeClock,
     FakeTimers,
     FakeTransport,
@@ -31,11 +34,16 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def make_chat(
-    clock: FakeClock, script: Any, *, timers: FakeTimers | None = None, **gateway: Any
-) -> tuple[ChatClient, FakeTransport, MemoryBackend, Recorder]:
+    clock: FakeClock,
+    script: Any,
+    *,
+    timers: FakeTimers | None = None,
+    backend: Any = None,
+    **gateway: Any,
+) -> tuple[ChatClient, FakeTransport, Any, Recorder]:
     """A chat client on a fake clock and a scripted transport, with a telemetry recorder."""
     settings = gateway_settings("primary", **gateway)
-    backend = MemoryBackend(now=clock)
+    backend = backend if backend is not None else MemoryBackend(now=clock)
     sleep = timers.sleep if timers is not None else None
     transport = FakeTransport(script, clock=clock, sleep=sleep)
     recorder = Recorder()
@@ -53,9 +61,10 @@ def make_chat(
     return chat, transport, backend, recorder
 
 
-async def permits(backend: MemoryBackend) -> int:
+async def permits(backend: Any) -> int:
     """Permits held in the chat scope right now."""
-    return (await backend.snapshot("chat")).in_flight
+    held: int = (await backend.snapshot("chat")).in_flight
+    return held
 
 
 class TestConnectionEndsAfterTheFinish:
@@ -258,3 +267,50 @@ class TestAbandonedStreams:
         assert await permits(backend) == 0
         assert transport.open_streams == 0
         assert recorder.outcomes() == ["cancelled"]
+
+
+class _FailingRenewals(CountingBackend):
+    """A backend whose lease renewals fail (or find the lease gone); everything else works."""
+
+    __slots__ = ("alive",)
+
+    def __init__(self, inner: Any, *, alive: bool | None = None) -> None:
+        super().__init__(inner)
+        self.alive = alive
+        """``None``: renewals raise; else what they answer."""
+
+    async def renew(self, lease: Lease) -> bool:
+        self._count("renew")
+        if self.alive is None:
+            raise GovernanceBackendError(
+                "redis renew failed at redis://***@cache:6379/0: timeout", operation="renew"
+            )
+        return self.alive
+
+
+class TestLeaseRenewalFailing:
+    """A renewal that fails while the stream runs neither breaks the stream nor frees twice."""
+
+    @pytest.mark.parametrize("alive", [None, False], ids=["raises", "lease-gone"])
+    async def test_stream_runs_on_and_releases_once(
+        self, alive: bool | None, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Every chunk arrives, the attempt is a success, one release, nothing secret logged."""
+        clock = FakeClock()
+        backend = _FailingRenewals(MemoryBackend(now=clock), alive=alive)
+        words = [f"w{i}" for i in range(6)]
+        chat, transport, _, recorder = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(words, role_first=False), gap_s=20.0)],
+            backend=backend,
+        )
+        with caplog.at_level(logging.DEBUG, logger="polygateway"):
+            chunks = [c async for c in chat.stream(MESSAGES)]
+        assert "".join(c.text for c in chunks) == "".join(words)
+        assert backend.calls["renew"] >= 2
+        assert backend.calls["release"] == 1
+        assert recorder.outcomes() == ["success"]
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+        assert "renew" in caplog.text or "expired" in caplog.text
+        assert "secret" not in caplog.text

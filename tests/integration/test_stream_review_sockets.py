@@ -1,0 +1,419 @@
+"""ChatClient.stream over real sockets, both transports: every way a stream is left or broken.
+
+A raw HTTP/1.1 upstream on 127.0.0.1 plays exactly what the wire does
+(a socket closed without the body's last chunk, a stall, each byte its own
+TCP segment) and the simulator plays its fault profiles. Each test checks
+the four things a caller relies on: the permit comes back exactly once, the
+attempt's outcome is the right one, the connection is closed (the upstream
+sees the client hang up), and the caller gets a typed error, never a bare
+httpx or aiohttp exception, without the key in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
+from polygateway.errors import AllSourcesExhausted, GatewayError, StreamInterrupted
+from polygateway.simulator import FaultProfile, SimulatedUpstream
+from polygateway.testing import Recorder, chat_chunk_events
+
+KEY = "sk-review-SECRET-42"
+HI = [{"role": "user", "content": "hi"}]
+IDLE_S = 0.3
+# Bounds the tests' own waits, never a timing under test.
+BOUND_S = 10.0
+
+Play = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def sse(payload: Any, nl: str = "\n") -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}{nl}{nl}".encode()
+
+
+@dataclass
+class Upstream:
+    """One scripted event stream per connection; counts connections still open."""
+
+    play: Play | None = None
+    open: int = 0
+    requests: int = 0
+    hung_up: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open += 1
+        self.requests += 1
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.decode("latin-1").split("\r\n"):
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            assert self.play is not None
+            await self.play(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.open -= 1
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.close()
+            self.hung_up.set()
+
+
+async def chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+    await writer.drain()
+
+
+async def end_body(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
+async def until_hang_up(reader: asyncio.StreamReader) -> None:
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(1024):
+            pass
+
+
+@pytest.fixture(params=["httpx", "aiohttp"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each transport in turn."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    up = Upstream()
+    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    up.port = server.sockets[0].getsockname()[1]
+    try:
+        yield up
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@dataclass
+class Rig:
+    chat: ChatClient
+    backend: MemoryBackend
+    recorder: Recorder
+
+    async def permits(self) -> int:
+        return (await self.backend.snapshot("chat")).in_flight
+
+
+def settings(kind: str, base_url: str) -> GatewaySettings:
+    source = SourceConfig(
+        name="p",
+        protocol="openai",
+        base_url=base_url,
+        model="m",
+        api_key=SecretStr(KEY),
+        timeout_s=2.0,
+        ttft_timeout_s=2.0,
+        stream_idle_timeout_s=IDLE_S,
+        connect_timeout_s=2.0,
+    )
+    return GatewaySettings(
+        _env_file=None,
+        scopes={"chat": ScopeConfig(kind="chat", sources=(source,))},
+        transport=kind,
+        max_attempts=1,
+        stall_window_s=5.0,
+    )
+
+
+@pytest.fixture
+async def rig(kind: str, upstream: Upstream) -> AsyncIterator[Rig]:
+    backend, recorder = MemoryBackend(), Recorder()
+    chat = ChatClient(
+        settings(kind, f"http://127.0.0.1:{upstream.port}/v1"),
+        "chat",
+        backend=backend,
+        emitter=recorder,
+    )
+    async with chat:
+        yield Rig(chat, backend, recorder)
+
+
+async def hung_up(upstream: Upstream) -> None:
+    """Wait until the upstream has seen every connection closed by the client."""
+    async with asyncio.timeout(BOUND_S):
+        while upstream.open:
+            upstream.hung_up.clear()
+            await upstream.hung_up.wait()
+
+
+def assert_typed(err: BaseException) -> None:
+    """A PolyGateway error, its chain free of the key."""
+    assert isinstance(err, GatewayError)
+    seen: BaseException | None = err
+    while seen is not None:
+        assert KEY not in str(seen)
+        assert KEY not in repr(seen)
+        seen = seen.__cause__ or seen.__context__
+
+
+async def read_all(chat: ChatClient, got: list[str]) -> None:
+    """Iterate one stream to its end (bounded), keeping the text of each chunk."""
+    async with asyncio.timeout(BOUND_S):
+        async for c in chat.stream(HI):
+            got.append(c.text)
+
+
+def flowing(words: list[str], *, gap_s: float = 0.01) -> Play:
+    """A healthy stream: each chunk after ``gap_s``, then [DONE] and the body's end."""
+
+    async def play(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for payload in chat_chunk_events(words):
+            await chunk(writer, sse(payload))
+            await asyncio.sleep(gap_s)
+        await chunk(writer, sse("[DONE]"))
+        await end_body(writer)
+
+    return play
+
+
+async def test_break_from_a_bare_async_for_hangs_up_and_releases_once(
+    rig: Rig, upstream: Upstream
+) -> None:
+    """Break after 2 chunks: the connection closes and the attempt is released as cancelled."""
+    upstream.play = flowing([f"w{i}" for i in range(50)])
+    count = 0
+    async for _chunk in rig.chat.stream(HI):
+        count += 1
+        if count == 2:
+            break
+    await hung_up(upstream)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["cancelled"]
+
+
+async def test_iterator_collected_mid_stream_hangs_up_and_releases_once(
+    rig: Rig, upstream: Upstream
+) -> None:
+    """An iterator dropped after one chunk is finalized by the loop: closed, released once."""
+    upstream.play = flowing([f"w{i}" for i in range(50)])
+    iterator = aiter(rig.chat.stream(HI))
+    await anext(iterator)
+    del iterator
+    gc.collect()
+    await hung_up(upstream)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["cancelled"]
+
+
+async def test_cancelled_while_waiting_for_the_first_chunk(rig: Rig, upstream: Upstream) -> None:
+    """Cancelled during the TTFT wait: CancelledError, connection closed, released as cancelled."""
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await writer.drain()
+        await until_hang_up(reader)
+
+    upstream.play = mute
+    task = asyncio.create_task(rig.chat.stream(HI).response())
+    async with asyncio.timeout(BOUND_S):
+        while upstream.requests == 0 or await rig.permits() == 0:
+            await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await hung_up(upstream)
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["cancelled"]
+
+
+async def test_stall_mid_stream_is_a_stream_interrupted_naming_the_idle_timeout(
+    rig: Rig, upstream: Upstream
+) -> None:
+    """Silence past the idle timeout after a chunk: StreamInterrupted, transient, hung up."""
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await chunk(writer, sse(chat_chunk_events(["a"], role_first=False)[0]))
+        await until_hang_up(reader)
+
+    upstream.play = stall
+    got: list[str] = []
+    with pytest.raises(StreamInterrupted, match="stream idle") as info:
+        await read_all(rig.chat, got)
+    assert got == ["a"]
+    assert_typed(info.value)
+    await hung_up(upstream)
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["transient"]
+
+
+async def test_socket_closed_after_the_finish_without_done_is_a_whole_answer(
+    rig: Rig, upstream: Upstream
+) -> None:
+    """The finish chunk, then the socket closes mid-body (no [DONE]): a success, not an error."""
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for payload in chat_chunk_events(["Hel", "lo"]):
+            await chunk(writer, sse(payload))
+
+    upstream.play = drop
+    async with asyncio.timeout(BOUND_S):
+        response = await rig.chat.stream(HI).response()
+    assert (response.text, response.finish_reason) == ("Hello", "stop")
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["success"]
+
+
+async def test_socket_closed_before_the_finish_is_interrupted(rig: Rig, upstream: Upstream) -> None:
+    """Chunks, then the socket closes with no finish and no [DONE]: StreamInterrupted, typed."""
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for payload in chat_chunk_events(["Hel", "lo"], finish_reason=None):
+            await chunk(writer, sse(payload))
+
+    upstream.play = drop
+    got: list[str] = []
+    with pytest.raises(StreamInterrupted, match="after 2 chunks") as info:
+        await read_all(rig.chat, got)
+    assert got == ["Hel", "lo"]
+    assert_typed(info.value)
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["transient"]
+
+
+async def test_aclose_from_another_task_stops_the_reader_quietly(
+    rig: Rig, upstream: Upstream
+) -> None:
+    """A "stop" from another task: aclose() returns, the reader's loop ends, released once."""
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await chunk(writer, sse(chat_chunk_events(["a"], role_first=False)[0]))
+        await until_hang_up(reader)
+
+    upstream.play = stall
+    got: list[str] = []
+    async with asyncio.timeout(BOUND_S), rig.chat.stream(HI) as stream:
+
+        async def read() -> None:
+            async for c in stream:
+                got.append(c.text)
+
+        reader = asyncio.create_task(read())
+        while not got:
+            await asyncio.sleep(0.01)
+        await stream.aclose()
+        assert await rig.permits() == 0
+        await reader
+    assert got == ["a"]
+    await hung_up(upstream)
+    assert rig.recorder.outcomes() == ["cancelled"]
+
+
+async def test_every_byte_its_own_segment_with_crlf_comments_and_fields(
+    rig: Rig, upstream: Upstream
+) -> None:
+    """Each byte sent alone; CRLF ends, a BOM, comments, event/id/retry and multi-line data."""
+    events = chat_chunk_events(["Hé", "llo", " ✓"])
+    body = "\ufeff: ping\r\nretry: 100\r\n"
+    for i, payload in enumerate(events):
+        text = json.dumps(payload, indent=1, ensure_ascii=False)
+        body += f"event: message\r\nid: {i}\r\n: keep-alive\r\n"
+        body += "".join(f"data: {line}\r\n" for line in text.split("\n")) + "\r\n"
+    raw = (body + "data: [DONE]\r\n\r\n").encode()
+
+    async def bytewise(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for i in range(len(raw)):
+            await chunk(writer, raw[i : i + 1])
+            if i % 16 == 0:
+                await asyncio.sleep(0.001)
+        await end_body(writer)
+
+    upstream.play = bytewise
+    async with asyncio.timeout(BOUND_S):
+        response = await rig.chat.stream(HI).response()
+    assert response.text == "Héllo ✓"
+    assert rig.recorder.outcomes() == ["success"]
+    assert await rig.permits() == 0
+
+
+# --- The simulator's fault profiles ---------------------------------------------------
+
+
+@pytest.fixture
+async def sim_rig(kind: str) -> AsyncIterator[tuple[SimulatedUpstream, Rig]]:
+    async with SimulatedUpstream({"p": FaultProfile(stream_chunks=6)}, seed=1) as sim:
+        backend, recorder = MemoryBackend(), Recorder()
+        chat = ChatClient(
+            settings(kind, sim.base_url("p")), "chat", backend=backend, emitter=recorder
+        )
+        async with chat:
+            yield sim, Rig(chat, backend, recorder)
+
+
+@pytest.mark.parametrize(
+    ("profile", "expected"),
+    [
+        (FaultProfile(rate_truncate=1.0, stream_chunks=6), "stream ended without"),
+        (FaultProfile(rate_reset=1.0, stream_chunks=6), "failed after"),
+    ],
+    ids=["truncate", "reset"],
+)
+async def test_simulated_broken_streams_are_typed_and_release_once(
+    sim_rig: tuple[SimulatedUpstream, Rig],
+    profile: FaultProfile,
+    expected: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stream cut without its finish: a typed error, one transient release, no key logged."""
+    sim, rig = sim_rig
+    sim.state.set_profile("p", profile)
+    with (
+        caplog.at_level(logging.DEBUG),
+        pytest.raises((StreamInterrupted, AllSourcesExhausted)) as info,
+    ):
+        await read_all(rig.chat, [])
+    assert expected in str(info.value)
+    assert_typed(info.value)
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["transient"]
+    assert KEY not in caplog.text
+
+
+async def test_simulated_hang_cancelled_before_the_first_chunk(
+    sim_rig: tuple[SimulatedUpstream, Rig],
+) -> None:
+    """A hanging source, the caller cancelled while waiting: released as cancelled."""
+    sim, rig = sim_rig
+    sim.state.set_profile("p", FaultProfile(rate_hang=1.0))
+    task = asyncio.create_task(rig.chat.stream(HI).response())
+    async with asyncio.timeout(BOUND_S):
+        while await rig.permits() == 0:
+            await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await rig.permits() == 0
+    assert rig.recorder.outcomes() == ["cancelled"]
