@@ -93,6 +93,7 @@ SOURCE_NOTES: dict[str, str] = {
     "max_batch_size": "embed: inputs per request",
     "max_batch_tokens": "embed: estimated tokens per request",
     "max_upload_bytes": "ocr: largest upload this source takes",
+    "max_output_tokens": "vision_ocr: max_tokens per transcription; unset: the server's",
 }
 
 API_KEY_NOTE = "# api_key: refused in a file; the key comes from the variable named by api_key_env"
@@ -109,11 +110,13 @@ CHAT_EXAMPLE: dict[str, Any] = {
     "tpm": 100000,
     "tpm_burst": 2000,
     "headers": {"X-Org": "acme"},
+    "max_output_tokens": 4096,
 }
 """Example values of the first chat source where the default is none or says little."""
 
-COMMENTED_OUT = frozenset({"api_key_header", "tpm_burst"})
-"""Example keys shown commented out: setting them changes behaviour most users do not want."""
+COMMENTED_OUT = frozenset({"api_key_header", "tpm_burst", "max_output_tokens"})
+"""Example keys shown commented out: setting them changes behaviour most users do not want
+(``max_output_tokens`` is refused on this example's openai source: vision_ocr only)."""
 
 TAIL = """
 # The same shape serves embeddings and OCR. Every failure, 429 included, is charged

@@ -95,3 +95,41 @@ def test_malformed_answer_is_transient() -> None:
     """A completion without choices is a transient malformed body."""
     with pytest.raises(TransientError, match="malformed body"):
         parse_text_response({"id": "x"})
+
+
+def test_max_output_tokens_is_sent_as_max_tokens() -> None:
+    """A server's small default cut can be lifted: the source's bound goes as max_tokens."""
+    request = text_request(Source(max_output_tokens=4096), PNG, "png", timeout_s=5.0)
+    assert request.json["max_tokens"] == 4096
+    assert "max_tokens" not in text_request(Source(), PNG, "png", timeout_s=5.0).json
+
+
+def test_a_cut_transcription_names_the_setting_that_gives_room() -> None:
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Invoice"},
+                "finish_reason": "length",
+            }
+        ]
+    }
+    with pytest.raises(TransientError, match="max_output_tokens"):
+        parse_text_response(body)
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "monkey_ocr"])
+def test_max_output_tokens_is_refused_on_other_protocols(protocol: str) -> None:
+    """Only a vision OCR source sends it: elsewhere it would be ignored without a word."""
+    from polygateway.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="max_output_tokens"):
+        Source(protocol=protocol, max_output_tokens=100)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "100", 1.5])
+def test_max_output_tokens_must_be_a_positive_whole_number(value: object) -> None:
+    from polygateway.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="max_output_tokens"):
+        Source(max_output_tokens=value)

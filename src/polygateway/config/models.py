@@ -189,6 +189,12 @@ class SourceConfig(BaseModel):
     max_batch_size: PositiveInt = 64
     max_batch_tokens: PositiveInt = 8000
     max_upload_bytes: PositiveInt = 20_000_000
+    max_output_tokens: PositiveInt | None = None
+    """vision_ocr only: the most tokens a transcription may take, sent as ``max_tokens``.
+
+    ``None`` sends none and leaves the bound to the server, whose default may be
+    small: a transcription it cuts is a failure (``vision_ocr.transcription``).
+    """
 
     @field_validator(
         "max_concurrency",
@@ -205,6 +211,7 @@ class SourceConfig(BaseModel):
         "max_batch_size",
         "max_batch_tokens",
         "max_upload_bytes",
+        "max_output_tokens",
         mode="before",
     )
     @classmethod
@@ -255,6 +262,16 @@ class SourceConfig(BaseModel):
         if value is not None and not _HEADER_NAME_RE.match(value):
             raise config_problem("api_key_header must be an HTTP header name, such as 'api-key'")
         return value
+
+    @model_validator(mode="after")
+    def _check_output_bound(self) -> Self:
+        """``max_output_tokens`` is sent by vision OCR alone; elsewhere it would do nothing."""
+        if self.max_output_tokens is not None and self.protocol != "vision_ocr":
+            raise config_problem(
+                f"max_output_tokens applies to vision_ocr sources only, not {self.protocol} "
+                "(a chat call sets max_tokens per call)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_key_header_clash(self) -> Self:

@@ -39,9 +39,10 @@ INSTRUCTION: Final = "Transcribe all text in this image exactly. Output only the
 _PARAMS: Final = {"temperature": 0}
 
 # Finish reasons of an answer that is not the image's whole text, and what each means.
+_CUT: Final = "cut at the token limit"
 _NOT_WHOLE: Final[dict[str, str]] = {
-    "length": "cut at the token limit",
-    "max_tokens": "cut at the token limit",
+    "length": _CUT,
+    "max_tokens": _CUT,
     "content_filter": "withheld by a content filter",
 }
 
@@ -78,10 +79,13 @@ def text_request(
     Raises:
         ValueError: for a PDF (the client must reject it before this point).
     """
+    params = _PARAMS
+    if source.max_output_tokens is not None:
+        params = {**_PARAMS, "max_tokens": source.max_output_tokens}
     return chat_request(
         source,
         image_messages(data, kind),
-        _PARAMS,
+        params,
         stream=False,
         timeout_s=timeout_s,
         on_hint=on_hint,
@@ -97,8 +101,9 @@ def transcription(parsed: ParsedChat) -> str:
         )
     reason = parsed.finish_reason
     if reason is not None and (why := _NOT_WHOLE.get(reason)) is not None:
+        hint = " (the source's max_output_tokens gives it room)" if why == _CUT else ""
         raise TransientError(
-            f"vision OCR: the transcription was {why} (finish_reason={reason})",
+            f"vision OCR: the transcription was {why} (finish_reason={reason}){hint}",
             failure="transient",
         )
     return parsed.text
