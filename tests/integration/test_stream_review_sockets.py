@@ -417,3 +417,127 @@ async def test_simulated_hang_cancelled_before_the_first_chunk(
         await task
     assert await rig.permits() == 0
     assert rig.recorder.outcomes() == ["cancelled"]
+
+
+# --- Connections after a stream -------------------------------------------------------
+
+
+@dataclass
+class KeepAlive:
+    """An upstream answering any number of streams per connection; counts connections."""
+
+    connections: int = 0
+    trailing: bytes = b""
+    port: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.decode("latin-1").split("\r\n"):
+                    name, _, value = line.partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                for payload in chat_chunk_events(["a", "b"]):
+                    await chunk(writer, sse(payload))
+                await chunk(writer, sse("[DONE]"))
+                await asyncio.sleep(0.01)  # the body's end comes in a segment of its own
+                if self.trailing:
+                    await chunk(writer, self.trailing)
+                await end_body(writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.close()
+
+
+@pytest.fixture
+async def keep_alive() -> AsyncIterator[KeepAlive]:
+    up = KeepAlive()
+    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    up.port = server.sockets[0].getsockname()[1]
+    try:
+        yield up
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("trailing", [b"", b": bye\n\n"], ids=["bare-end", "comment-after-done"])
+async def test_a_stream_ended_at_done_leaves_its_connection_to_the_next_call(
+    kind: str, keep_alive: KeepAlive, trailing: bytes
+) -> None:
+    """Streams read to [DONE] one after another reuse one connection, as plain calls do."""
+    keep_alive.trailing = trailing
+    chat = ChatClient(
+        settings(kind, f"http://127.0.0.1:{keep_alive.port}/v1"), "chat", backend=MemoryBackend()
+    )
+    async with chat:
+        for _ in range(3):
+            async with asyncio.timeout(BOUND_S):
+                assert (await chat.stream(HI).response()).text == "ab"
+    assert keep_alive.connections == 1
+
+
+async def test_a_stream_left_early_does_not_go_back_to_the_pool(
+    kind: str, keep_alive: KeepAlive
+) -> None:
+    """A stream broken off before [DONE] closes its connection: the next call opens another."""
+    chat = ChatClient(
+        settings(kind, f"http://127.0.0.1:{keep_alive.port}/v1"), "chat", backend=MemoryBackend()
+    )
+    async with chat:
+        for _ in range(2):
+            async with asyncio.timeout(BOUND_S), chat.stream(HI) as stream:
+                async for _chunk in stream:
+                    break
+    assert keep_alive.connections == 2
+
+
+@pytest.mark.parametrize("reading", [False, True], ids=["between-chunks", "inside-a-read"])
+async def test_client_closed_under_an_open_stream(
+    kind: str, upstream: Upstream, reading: bool
+) -> None:
+    """Client closed while a stream is open: GatewayError for its reader, released, hung up."""
+    upstream.play = flowing([f"w{i}" for i in range(100)], gap_s=0.05)
+    backend, recorder = MemoryBackend(), Recorder()
+    closing = settings(kind, f"http://127.0.0.1:{upstream.port}/v1").model_copy(
+        update={"close_grace_s": 0.2}
+    )
+    chat = ChatClient(closing, "chat", backend=backend, emitter=recorder)
+    got: list[str] = []
+    with pytest.raises(GatewayError, match="client closed") as info:
+        await _read_across_a_client_close(chat, got, reading=reading)
+    assert got
+    assert_typed(info.value)
+    await hung_up(upstream)
+    assert (await backend.snapshot("chat")).in_flight == 0
+    assert recorder.outcomes() == ["cancelled"]
+
+
+async def _read_across_a_client_close(chat: ChatClient, got: list[str], *, reading: bool) -> None:
+    async with asyncio.timeout(BOUND_S), chat.stream(HI) as stream:
+        iterator = aiter(stream)
+        got.append((await anext(iterator)).text)
+        if not reading:
+            await chat.aclose()
+            async for c in iterator:
+                got.append(c.text)
+            return
+        reader = asyncio.create_task(_drain_into(iterator, got))
+        await asyncio.sleep(0.1)
+        await chat.aclose()
+        await reader
+
+
+async def _drain_into(iterator: AsyncIterator[Any], got: list[str]) -> None:
+    async for c in iterator:
+        got.append(c.text)

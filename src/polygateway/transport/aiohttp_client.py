@@ -24,6 +24,7 @@ Event streams are parsed by ``transport/sse.py`` (see there why).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 from collections import deque
@@ -60,10 +61,12 @@ from polygateway.transport.http import (
     timeout_error,
 )
 from polygateway.transport.pool import (
+    STREAM_DRAIN_S,
     ClientPools,
     PoolKey,
     check_pool_size,
     check_proxies,
+    ends_stream,
     ssl_verify,
 )
 from polygateway.transport.sse import SSEParser
@@ -237,7 +240,8 @@ class AiohttpTransport:
         Same contract as ``HttpxTransport.stream``: ``timeout_s`` is the TTFT,
         ``idle_timeout_s`` each later gap, ``deadline_in_s`` the whole stream; a
         non-2xx answer raises before any event; leaving the context by any path
-        closes the response.
+        closes the response, but a stream read to ``[DONE]`` whose body ends
+        within ``STREAM_DRAIN_S`` has given its connection back to the pool.
         """
         session, proxy = self._session(request.source)
         secrets = RequestSecrets(request)
@@ -276,6 +280,7 @@ class AiohttpTransport:
             # First out (LIFO): the stream's timer goes before the response closes.
             stack.callback(events.close)
             yield events
+            await events.drain()
 
     async def aclose(self) -> None:
         """Close every pooled session; idempotent."""
@@ -287,7 +292,7 @@ class AiohttpTransport:
 class _AiohttpEvents(EventStream):
     """The events of one aiohttp response, parsed by ``SSEParser`` (see ``EventStream``)."""
 
-    __slots__ = ("_eof", "_parser", "_ready", "_response")
+    __slots__ = ("_done", "_eof", "_parser", "_ready", "_response")
 
     _FAILURES: ClassVar[tuple[type[Exception], ...]] = (aiohttp.ClientError,)
 
@@ -305,12 +310,16 @@ class _AiohttpEvents(EventStream):
         self._parser = SSEParser()
         self._ready: deque[str] = deque()
         self._eof = False
+        self._done = False
+        """``[DONE]`` was read: the body is all but over."""
 
     async def _next_data(self) -> str | None:
         while True:
             while self._ready:
                 data = self._ready.popleft()
                 if data:
+                    if ends_stream(data):
+                        self._done = True
                     return data
             if self._eof:
                 return None
@@ -320,6 +329,20 @@ class _AiohttpEvents(EventStream):
             else:
                 self._eof = True
                 self._parser.close()
+
+    async def drain(self) -> None:
+        """After ``[DONE]``, read to the body's end (briefly): aiohttp then pools the connection.
+
+        Anything after the marker is discarded; a failure or a body that does
+        not end within ``STREAM_DRAIN_S`` leaves the connection to be closed.
+        """
+        if not self._done or self._eof:
+            return
+        content = self._response.content
+        with contextlib.suppress(TimeoutError, *self._FAILURES):
+            async with asyncio.timeout(STREAM_DRAIN_S):
+                while await content.readany():
+                    pass
 
     def _translate(self, exc: Exception) -> TransientError:
         return _translate(exc, self._request, self._secrets)

@@ -26,6 +26,7 @@ request; several small pools, each given the least busy, cost a fraction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -56,11 +57,13 @@ from polygateway.transport.http import (
     timeout_error,
 )
 from polygateway.transport.pool import (
+    STREAM_DRAIN_S,
     ClientPools,
     PoolKey,
     ShardGroup,
     check_pool_size,
     check_proxies,
+    ends_stream,
     shard_plan,
     ssl_verify,
 )
@@ -270,7 +273,9 @@ class HttpxTransport:
         (TTFT), ``request.idle_timeout_s`` (default: ``timeout_s``) each later
         gap, and ``request.deadline_in_s`` the whole stream from now. A non-2xx
         answer raises its classified error before any event.
-        Exiting the context, normally, by error or by cancellation, closes the response.
+        Exiting the context, normally, by error or by cancellation, closes the response;
+        a stream read to ``[DONE]`` gives its connection back to the pool if the
+        body ends within ``STREAM_DRAIN_S`` (``transport/pool.py``).
         """
         group = self._group(request.source)
         secrets = RequestSecrets(request)
@@ -315,6 +320,7 @@ class HttpxTransport:
             # A stream left between events must not keep its idle timer on the loop.
             stack.callback(events.close)
             yield events
+            await events.drain()
 
     async def aclose(self) -> None:
         """Close every pooled client; idempotent."""
@@ -324,7 +330,7 @@ class HttpxTransport:
 class _HttpxEvents(EventStream):
     """The events of one httpx-sse stream (see ``EventStream``)."""
 
-    __slots__ = ("_sse",)
+    __slots__ = ("_done", "_sse")
 
     _FAILURES: ClassVar[tuple[type[Exception], ...]] = _HTTPX_FAILURES
 
@@ -339,12 +345,31 @@ class _HttpxEvents(EventStream):
     ) -> None:
         super().__init__(request, secrets, loop, first_deadline, end)
         self._sse = sse
+        self._done = False
+        """``[DONE]`` was read: the body is all but over."""
 
     async def _next_data(self) -> str | None:
         event = await anext(self._sse, None)
         while event is not None and not event.data:
             event = await anext(self._sse, None)
-        return None if event is None else event.data
+        if event is None:
+            return None
+        if ends_stream(event.data):
+            self._done = True
+        return event.data
+
+    async def drain(self) -> None:
+        """After ``[DONE]``, read to the body's end (briefly), so the connection can be pooled.
+
+        Anything after the marker is discarded; a failure or a body that does
+        not end within ``STREAM_DRAIN_S`` leaves the connection to be closed.
+        """
+        if not self._done:
+            return
+        with contextlib.suppress(TimeoutError, *self._FAILURES):
+            async with asyncio.timeout(STREAM_DRAIN_S):
+                async for _ in self._sse:
+                    pass
 
     def _translate(self, exc: Exception) -> TransientError:
         return _translate(exc, self._request, self._secrets)

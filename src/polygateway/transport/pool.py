@@ -7,6 +7,13 @@ together; after that, asking for one is a programming error.
 
 ``ShardGroup`` splits one such pool into several smaller clients, for an HTTP
 client whose pool costs more per request the more requests it holds (httpx).
+
+A stream read to ``[DONE]`` goes back to its pool only if its body is read to
+the end, which (OpenAI's last chunk, the chunked body's terminator) usually
+comes a moment after ``[DONE]``: both transports read on for at most
+``STREAM_DRAIN_S`` (``ends_stream`` tells the marker), and close the
+connection if the end has not come by then. A stream left before ``[DONE]``
+is closed, never pooled: its unread answer would be the next call's.
 """
 
 from __future__ import annotations
@@ -18,17 +25,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from polygateway.errors import ConfigError
+from polygateway.transport.http import DONE
 
 if TYPE_CHECKING:
     from polygateway.config import SourceConfig
 
 __all__ = [
     "DEFAULT_KEY",
+    "STREAM_DRAIN_S",
     "ClientPools",
     "PoolKey",
     "ShardGroup",
     "check_pool_size",
     "check_proxies",
+    "ends_stream",
     "shard_plan",
     "ssl_verify",
 ]
@@ -39,7 +49,21 @@ PoolKey = tuple[bool | str, str]
 DEFAULT_KEY: PoolKey = (True, "")
 """The key of a source the transport was not built with: verified TLS, no proxy."""
 
+STREAM_DRAIN_S = 0.1
+"""Longest wait, after ``[DONE]``, for the end of a stream's body (then its connection is pooled).
+
+Reusing the connection saves the next call a TCP and TLS handshake (tens
+to hundreds of milliseconds to a distant provider); a body that has not
+ended this long after its last event costs its caller no more than this
+before the connection is closed instead.
+"""
+
 _C = TypeVar("_C")
+
+
+def ends_stream(data: str) -> bool:
+    """Whether an event's data is the ``[DONE]`` marker (one character looked at for a chunk)."""
+    return data[:1] != "{" and data.strip() == DONE
 
 
 def check_pool_size(max_connections: int) -> int:
