@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import warnings
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -330,6 +331,17 @@ class ChatClient(GovernedClient):
         )
 
 
+_COLLECTED: set[asyncio.Task[None]] = set()
+"""Closes of streams collected while open: held here until done (the loop keeps weak references)."""
+
+
+def _collected_closed(task: asyncio.Task[None]) -> None:
+    """Forget a finished close of a collected stream; an error has nobody left to go to."""
+    _COLLECTED.discard(task)
+    if not task.cancelled():
+        task.exception()
+
+
 class _Opened:
     """A stream that reached its first chunk: the connection, the events, what was read."""
 
@@ -382,6 +394,7 @@ class ChatStream:
         "_fail_fast",
         "_flow",
         "_in_flight",
+        "_loop",
         "_loop_call",
         "_messages",
         "_params",
@@ -422,6 +435,8 @@ class ChatStream:
         """The task inside a read right now (``None`` between reads)."""
         self._stopped: asyncio.Future[None] | None = None
         """Set when a close from another task stopped the reader; done once it has closed."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop of an ``async with`` entry: where a stream collected open is closed."""
 
     def __repr__(self) -> str:
         state = "open" if self._served is not None else "started" if self._started else "new"
@@ -662,8 +677,29 @@ class ChatStream:
 
     async def __aenter__(self) -> ChatStream:
         self._start()
+        self._loop = asyncio.get_running_loop()
         await self._enter()
         return self
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # Entered and never exited (a lost __aexit__): warn, as an unclosed client
+        # does, and close it on its loop, as the loop closes a dropped async generator;
+        # otherwise its permit would wait for the lease's expiry. A bare ``async for``
+        # is closed by its generator's finalizer instead.
+        loop = self._loop
+        if loop is None or self._loop_call is None:
+            return
+        _warn(
+            f"unclosed {self!r}: exit its async with or aclose() it", ResourceWarning, source=self
+        )
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._close_collected)
+
+    def _close_collected(self) -> None:
+        """Close a stream collected open (released as cancelled), in a task kept until done."""
+        task = asyncio.get_running_loop().create_task(self._close(None))
+        _COLLECTED.add(task)
+        task.add_done_callback(_collected_closed)
 
     async def __aexit__(
         self,

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import random
+import warnings
 from typing import Any
 
 import pytest
@@ -314,3 +315,38 @@ class TestLeaseRenewalFailing:
         assert transport.open_streams == 0
         assert "renew" in caplog.text or "expired" in caplog.text
         assert "secret" not in caplog.text
+
+
+class TestEnteredStreamCollected:
+    """A stream entered (``__aenter__``) and dropped without its exit."""
+
+    async def test_collected_open_stream_warns_and_releases_once(self) -> None:
+        """A ResourceWarning names it, and its permit and connection come back, as cancelled."""
+        clock = FakeClock()
+        chat, transport, backend, recorder = make_chat(
+            clock, [StreamScript(chat_chunk_events(["a", "b"]))]
+        )
+        stream = chat.stream(MESSAGES)
+        await stream.__aenter__()
+        assert await permits(backend) == 1
+        with pytest.warns(ResourceWarning, match="unclosed ChatStream"):
+            del stream
+            gc.collect()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+        assert recorder.outcomes() == ["cancelled"]
+
+    async def test_closed_or_unopened_streams_are_collected_silently(self) -> None:
+        """Never entered, or exited: collecting it warns nothing."""
+        clock = FakeClock()
+        chat, _, _, _ = make_chat(clock, [StreamScript(chat_chunk_events(["a"]))])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            unopened = chat.stream(MESSAGES)
+            del unopened
+            async with chat.stream(MESSAGES) as stream:
+                pass
+            del stream
+            gc.collect()
