@@ -198,3 +198,9 @@ async def test_httpx_path_reads_utf8_whatever_charset_the_header_names() -> None
     content_type = "text/event-stream; charset=iso-8859-1"
     assert await _httpx_events(raw, content_type) == [{"t": "ü€"}]
     assert await _through_aiohttp([raw]) == [{"t": "ü€"}]
+
+
+async def test_httpx_path_reads_a_media_type_written_in_capitals() -> None:
+    """Media types are case-insensitive: ``Text/Event-Stream`` is read on httpx as on aiohttp."""
+    raw = b'data: {"n": 1}\n\ndata: [DONE]\n\n'
+    assert await _httpx_events(raw, "Text/Event-Stream; charset=UTF-8") == [{"n": 1}]

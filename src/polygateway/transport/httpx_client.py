@@ -87,6 +87,8 @@ sources of 64 share a pool (~800 us), about 11 for one source of 64.
 """
 
 
+_EVENT_STREAM = "text/event-stream"
+
 _EVENT_STREAM_ENCODING = "utf-8-sig"
 """How an event stream's body is decoded: UTF-8, a leading BOM dropped, as ``SSEParser`` does."""
 
@@ -313,6 +315,9 @@ class HttpxTransport:
             # dropped (WHATWG event stream interpretation); httpx-sse decodes with the
             # response's encoding, where a BOM would hide the first field.
             response.encoding = _EVENT_STREAM_ENCODING
+            # check_opened accepted the media type in any case, as HTTP says; httpx-sse
+            # looks for it in lower case only (its parameters no longer matter).
+            response.headers["content-type"] = _EVENT_STREAM
             sse = source.aiter_sse()
             # LIFO: the event generator is closed before its response.
             stack.push_async_callback(sse.aclose)
