@@ -181,6 +181,31 @@ class TestCloseFromAnotherTask:
         assert after == ["went on"]
         assert reader.cancelling() == 0
 
+    async def test_aclose_stops_a_bare_async_for_in_another_task(self) -> None:
+        """Without async with too: the bare loop ends, the permit and connection come back."""
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        chat, transport, backend, recorder = make_chat(
+            clock,
+            [StreamScript(chat_chunk_events(["a", "b"], role_first=False), gap_s=5.0)],
+            timers=timers,
+        )
+        stream = chat.stream(MESSAGES)
+        received: list[str] = []
+
+        async def read() -> None:
+            async for chunk in stream:
+                received.append(chunk.text)
+
+        reader = asyncio.create_task(read())
+        await settle()
+        await stream.aclose()
+        await reader
+        assert received == ["a"]
+        assert await permits(backend) == 0
+        assert transport.open_streams == 0
+        assert recorder.outcomes() == ["cancelled"]
+
     async def test_caller_cancelling_the_reader_still_gets_cancelled_error(self) -> None:
         """A real cancellation of the reader passes through as CancelledError, released once."""
         clock = FakeClock()
@@ -329,8 +354,11 @@ class TestEnteredStreamCollected:
         stream = chat.stream(MESSAGES)
         await stream.__aenter__()
         assert await permits(backend) == 1
+        # Reachable only from a garbage cycle, so it goes at the collection below.
+        cycle: list[Any] = [stream]
+        cycle.append(cycle)
+        del stream, cycle
         with pytest.warns(ResourceWarning, match="unclosed ChatStream"):
-            del stream
             gc.collect()
         for _ in range(5):
             await asyncio.sleep(0)
