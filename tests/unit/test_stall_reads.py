@@ -378,3 +378,28 @@ def test_shared_reads_answer_as_fresh_reads_would_whoever_is_cancelled(
         assert unhandled == []
 
     asyncio.run(scenario())
+
+
+async def test_a_read_timed_on_another_clock_is_never_aged_on_this_one() -> None:
+    """Two clients of one scope on different clocks: a read timed on the one far ahead
+    never answers the other's question, which would age it backwards into "fresh"."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    backend = AgeBackend(clock, timers, delay_s=0.0)
+    room = WaitingRoom()
+    await timers.advance(2.0)
+    ahead = FakeClock(start=1e6)
+    first = asyncio.ensure_future(
+        room.progress_age(cast(Any, backend), "chat", ahead, known_below=10.0)
+    )
+    await settle()
+    await timers.advance(0.0)
+    assert await first == 2.0
+    await timers.advance(20.0)  # the scope has now not served for 22 s
+    behind = asyncio.ensure_future(
+        room.progress_age(cast(Any, backend), "chat", clock, known_below=10.0)
+    )
+    await settle()
+    await timers.advance(0.0)
+    assert await behind == 22.0
+    assert backend.reads == 2

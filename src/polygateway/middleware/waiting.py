@@ -188,6 +188,7 @@ class WaitingRoom:
     __slots__ = (
         "_age",
         "_age_at",
+        "_age_clock",
         "_age_read",
         "_classes",
         "_count",
@@ -233,10 +234,12 @@ class WaitingRoom:
         # Acquires in flight for this scope in this process (kept by the loop): past
         # MAX_ASKING a new call queues instead of asking too.
         self.asking = 0
-        # The scope's last progress age read and when that read began (``progress_age``),
-        # and the read in flight, if any: its age, or ``None`` if its reader was cancelled.
+        # The scope's last progress age read, when that read began and on which clock
+        # (``progress_age``), and the read in flight, if any: its age, or ``None`` if its
+        # reader was cancelled.
         self._age = math.inf
         self._age_at = -math.inf
+        self._age_clock: Callable[[], float] | None = None
         self._age_read: asyncio.Future[float | None] | None = None
 
     def __len__(self) -> int:
@@ -529,10 +532,14 @@ class WaitingRoom:
         meanwhile share. A read that fails fails every call waiting on it
         (research-wiki/designs/stall-budget.md, "Reading the progress age") and
         is not kept; a reader cancelled mid-read leaves the others to read anew.
+        A read timed on another clock (another client's ``now``) is never aged on
+        this one.
         """
-        bound = self._age + (now() - self._age_at)
-        if bound <= known_below:
-            return bound
+        since = now() - self._age_at
+        if since >= 0.0 and now == self._age_clock:
+            bound = self._age + since
+            if bound <= known_below:
+                return bound
         while (reading := self._age_read) is not None:
             # Shielded: this call's cancellation must not cancel the read the others await.
             shared = await asyncio.shield(reading)
@@ -551,7 +558,7 @@ class WaitingRoom:
             raise
         finally:
             self._age_read = None
-        self._age, self._age_at = age, began
+        self._age, self._age_at, self._age_clock = age, began, now
         reading.set_result(age)
         return age
 
