@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import pytest
 from _closing import closing
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
@@ -403,3 +403,101 @@ async def test_a_read_timed_on_another_clock_is_never_aged_on_this_one() -> None
     await timers.advance(0.0)
     assert await behind == 22.0
     assert backend.reads == 2
+
+
+class SlowAgeBackend(MemoryBackend):
+    """A memory backend whose progress-age read takes ``delay_s`` of fake time (a round trip)."""
+
+    def __init__(self, clock: FakeClock, timers: FakeTimers, delay_s: float) -> None:
+        super().__init__(now=clock)
+        self.timers = timers
+        self.delay_s = delay_s
+        self.reads = 0
+
+    async def progress_age_s(self, scope: str) -> float:
+        self.reads += 1
+        await self.timers.sleep(self.delay_s)
+        return await super().progress_age_s(scope)
+
+
+_CROWD_STEP = st.one_of(
+    st.tuples(st.just("call"), st.integers(0, 1)),
+    st.tuples(st.just("cancel"), st.integers(0, 20)),
+    st.tuples(st.just("mark"), st.just(0)),
+    st.tuples(st.just("advance"), st.sampled_from([1, 3, 6, 12])),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_CROWD_STEP, max_size=30), delay_ds=st.sampled_from([0, 1, 4]))
+def test_two_clients_sharing_reads_end_stalled_exactly_when_the_rule_holds(
+    steps: list[tuple[str, int]], delay_ds: int
+) -> None:
+    """Two clients of one scope queue behind a permit held elsewhere while the fleet serves
+    at random and calls are cancelled: a call ends stalled only when its own waiting and the
+    scope's true age both exceed the window, and none waits on long after both do."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        timers = FakeTimers(clock)
+        backend = SlowAgeBackend(clock, timers, delay_s=delay_ds / 10)
+        held = await hold_the_permit(backend)
+        await mark_progress(backend)
+        last_mark = clock()
+        clients = [crowd_client(clock, timers, backend) for _ in range(2)]
+        calls: list[asyncio.Future[Any]] = []
+        began: list[float] = []
+        ended_with_age: dict[int, float] = {}
+
+        def true_age() -> float:
+            return clock() - last_mark
+
+        def start(client: ChatClient) -> None:
+            i = len(calls)
+            calls.append(asyncio.ensure_future(client.complete(MESSAGES)))
+            began.append(clock())
+            calls[i].add_done_callback(lambda _, i=i: ended_with_age.setdefault(i, true_age()))
+
+        def check_running() -> None:
+            # Past its window and the scope stale by a poll, a read's round trip and the
+            # timer's slack: every call still waiting must have ended stalled by now.
+            late = WINDOW_S + POLL_S + 2 * delay_ds / 10 + 0.01
+            if true_age() > late:
+                for call, at in zip(calls, began, strict=True):
+                    assert call.done() or clock() - at <= late, (clock() - at, true_age())
+
+        try:
+            for op, arg in steps:
+                if op == "call":
+                    start(clients[arg])
+                elif op == "cancel" and calls:
+                    calls[arg % len(calls)].cancel()
+                elif op == "mark":
+                    await mark_progress(backend)
+                    last_mark = clock()
+                elif op == "advance":
+                    for _ in range(arg * 4):
+                        await timers.advance(0.25)
+                        check_running()
+            for _ in range(int(4 * WINDOW_S / 0.25)):
+                await timers.advance(0.25)
+                check_running()
+            assert all(call.done() for call in calls)
+            for i, call in enumerate(calls):
+                if call.cancelled():
+                    continue
+                error = call.exception()
+                assert isinstance(error, AllSourcesExhausted)
+                assert error.reason == "stalled"
+                # The rule held when the call ended (the read it ended on took delay_s).
+                assert ended_with_age[i] > WINDOW_S, (i, ended_with_age[i])
+            room = room_for(backend, "chat")
+            assert room.empty
+            assert room._age_read is None
+        finally:
+            await stop(calls)
+            await backend.release(held, AttemptOutcome("cancelled"))
+            for client in clients:
+                await client.aclose()
+
+    asyncio.run(scenario())
