@@ -16,8 +16,10 @@ import contextlib
 import gc
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -541,3 +543,91 @@ async def _read_across_a_client_close(chat: ChatClient, got: list[str], *, readi
 async def _drain_into(iterator: AsyncIterator[Any], got: list[str]) -> None:
     async for c in iterator:
         got.append(c.text)
+
+
+# --- Mixed abandonment against the simulator as a user runs it ------------------------
+
+# The e2e suite's helpers: ``polygateway simulate`` in a subprocess, as a user starts it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from cli_run import serve_simulator  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def flaky_simulator() -> Iterator[str]:
+    """``polygateway simulate --profile flaky`` with sources a and b: its root URL."""
+    yield from serve_simulator("--profile", "flaky", "--sources", "a,b", "--seed", "11")
+
+
+async def _one_stream(chat: ChatClient, mode: int) -> str:
+    """One stream, left in one of five ways; what became of it."""
+    try:
+        async with asyncio.timeout(BOUND_S):
+            if mode == 0:
+                return (await chat.stream(HI).response()).finish_reason or "none"
+            if mode == 1:
+                async for _chunk in chat.stream(HI):
+                    break
+                return "broke"
+            async with chat.stream(HI) as stream:
+                if mode == 2:
+                    return "entered"
+                reader = asyncio.create_task(_drain_into(aiter(stream), []))
+                await asyncio.sleep(0.01)
+                if mode == 3:
+                    await stream.aclose()
+                    await reader
+                    return "stopped"
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                return "cancelled"
+    except GatewayError as exc:
+        assert_typed(exc)
+        return type(exc).__name__
+
+
+async def test_mixed_abandonment_on_a_flaky_simulator_leaves_no_permit(
+    kind: str, flaky_simulator: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sixty streams read, broken, stopped or cancelled amid faults: no permit left, typed only."""
+    sources = tuple(
+        SourceConfig(
+            name=name,
+            protocol="openai",
+            base_url=f"{flaky_simulator}/{name}/v1",
+            model="m",
+            api_key=SecretStr(KEY),
+            timeout_s=1.0,
+            ttft_timeout_s=0.5,
+            stream_idle_timeout_s=0.5,
+            connect_timeout_s=1.0,
+            max_concurrency=4,
+            priority=priority,
+        )
+        for priority, name in enumerate(("a", "b"))
+    )
+    flaky = GatewaySettings(
+        _env_file=None,
+        scopes={"chat": ScopeConfig(kind="chat", sources=sources)},
+        transport=kind,
+        max_attempts=3,
+        stall_window_s=2.0,
+        backoff_base_s=0.01,
+        backoff_cap_s=0.05,
+    )
+    backend = MemoryBackend()
+    ends: list[str] = []
+    with caplog.at_level(logging.DEBUG):
+        async with ChatClient(flaky, "chat", backend=backend) as chat:
+
+            async def worker(first: int) -> None:
+                for i in range(first, 60, 4):
+                    ends.append(await _one_stream(chat, i % 5))
+
+            await asyncio.gather(*(worker(k) for k in range(4)))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert (await backend.snapshot("chat")).in_flight == 0
+    assert len(ends) == 60
+    assert {"stop", "broke", "entered", "stopped", "cancelled"} <= set(ends)
+    assert KEY not in caplog.text
