@@ -378,7 +378,9 @@ class ChatStream:
     ``AllSourcesExhausted(reason="deadline")`` (the attempt released as
     cancelled: the caller's deadline is not the source's failure).
     A consumer that stops early releases the permit as cancelled (only a
-    clean end counts as a success).
+    clean end counts as a success); so does ``aclose()`` from another task,
+    which ends the reading task's loop quietly, and so does the collection of
+    a stream entered and never exited (with a ``ResourceWarning``).
 
     ``await s.response()`` is the whole answer as a ``ChatResponse``,
     assembled from the chunks: after iterating, or instead of it (it reads
