@@ -29,7 +29,14 @@ import asyncio
 import dataclasses
 import warnings
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
@@ -331,15 +338,33 @@ class ChatClient(GovernedClient):
         )
 
 
-_COLLECTED: set[asyncio.Task[None]] = set()
-"""Closes of streams collected while open: held here until done (the loop keeps weak references)."""
+_CLEANUPS: set[asyncio.Task[None]] = set()
+"""Streams' clean-ups running in tasks of their own: held here until done (the loop keeps
+weak references)."""
 
 
-def _collected_closed(task: asyncio.Task[None]) -> None:
-    """Forget a finished close of a collected stream; an error has nobody left to go to."""
-    _COLLECTED.discard(task)
+def _cleanup(aw: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Run a clean-up in a task of its own, kept until done; its error is the awaiter's, if any."""
+    task = asyncio.get_running_loop().create_task(aw)
+    _CLEANUPS.add(task)
+    task.add_done_callback(_cleanup_done)
+    return task
+
+
+def _cleanup_done(task: asyncio.Task[None]) -> None:
+    _CLEANUPS.discard(task)
     if not task.cancelled():
+        # Retrieved here too: an awaiter cancelled meanwhile is no longer there to see it.
         task.exception()
+
+
+async def _close_connection(stack: AsyncExitStack) -> None:
+    """Close a stream's connection (its transport context); a cancellation stops only the wait.
+
+    The close runs in a task of its own, shielded: httpx awaits while it closes a
+    response, and a second cancellation landing there would leave the socket open.
+    """
+    await asyncio.shield(_cleanup(stack.aclose()))
 
 
 class _Opened:
@@ -485,7 +510,7 @@ class ChatStream:
             await self._fill(opened, ctx)
         except BaseException:
             # Clean-up only: the connection closes, the failure goes on to the loop.
-            await stack.aclose()
+            await _close_connection(stack)
             raise
         ctx.ttft_s = self._client._now() - ctx.started_at
         return opened
@@ -588,7 +613,7 @@ class ChatStream:
         try:
             if loop_call is not None and served is not None:
                 try:
-                    await served.value.stack.aclose()
+                    await _close_connection(served.value.stack)
                 finally:
                     await loop_call.finish(served, exc)
         finally:
@@ -699,9 +724,7 @@ class ChatStream:
 
     def _close_collected(self) -> None:
         """Close a stream collected open (released as cancelled), in a task kept until done."""
-        task = asyncio.get_running_loop().create_task(self._close(None))
-        _COLLECTED.add(task)
-        task.add_done_callback(_collected_closed)
+        _cleanup(self._close(None))
 
     async def __aexit__(
         self,

@@ -631,3 +631,42 @@ async def test_mixed_abandonment_on_a_flaky_simulator_leaves_no_permit(
     assert len(ends) == 60
     assert {"stop", "broke", "entered", "stopped", "cancelled"} <= set(ends)
     assert KEY not in caplog.text
+
+
+@pytest.mark.parametrize("turns", [1, 2, 3, 4])
+async def test_cancelled_again_while_closing_between_chunks_leaves_no_connection(
+    kind: str, upstream: Upstream, turns: int
+) -> None:
+    """Cancelled between chunks inside async with, again while the exit closes: all closed."""
+    upstream.play = flowing([f"w{i}" for i in range(100)], gap_s=0.02)
+    backend, recorder = MemoryBackend(), Recorder()
+    chat = ChatClient(
+        settings(kind, f"http://127.0.0.1:{upstream.port}/v1"),
+        "chat",
+        backend=backend,
+        emitter=recorder,
+    )
+    async with chat:
+        got: list[str] = []
+        pause = asyncio.Event()
+
+        async def consume() -> None:
+            async with chat.stream(HI) as stream:
+                async for c in stream:
+                    got.append(c.text)
+                    if len(got) == 2:
+                        await pause.wait()  # the caller is busy between two chunks
+
+        task = asyncio.create_task(consume())
+        async with asyncio.timeout(BOUND_S):
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+        task.cancel()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await hung_up(upstream)
+        assert (await backend.snapshot("chat")).in_flight == 0
+        assert recorder.outcomes() == ["cancelled"]

@@ -8,8 +8,10 @@ import gc
 import logging
 import random
 import warnings
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 from _closing import closing
 
@@ -30,6 +32,7 @@ from polygateway.testing import (
     gateway_settings,
     settle,
 )
+from polygateway.transport.httpx_client import HttpxTransport
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -378,3 +381,65 @@ class TestEnteredStreamCollected:
                 pass
             del stream
             gc.collect()
+
+
+class _SlowToClose(httpx.AsyncByteStream):
+    """An endless event stream whose close takes a few loop turns, as a socket's does."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+        await asyncio.Event().wait()  # then silence, until the stream is closed
+        yield b""  # pragma: no cover - never reached
+
+    async def aclose(self) -> None:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.closed = True
+
+
+class TestCancelledTwice:
+    """A second cancellation while the stream closes must not leave its connection open."""
+
+    @pytest.mark.parametrize("turns", [0, 1, 2, 3])
+    async def test_connection_closes_however_soon_the_second_cancel_comes(self, turns: int) -> None:
+        """Cancelled mid-read, again ``turns`` loop turns later: closed, released once."""
+        body = _SlowToClose()
+        settings = gateway_settings("primary")
+        transport = HttpxTransport(
+            settings.scopes["chat"].sources,
+            max_connections=1,
+            mock_transport=httpx.MockTransport(
+                lambda request: httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, stream=body
+                )
+            ),
+        )
+        backend = MemoryBackend()
+        recorder = Recorder()
+        chat = closing(ChatClient(settings, backend=backend, transport=transport, emitter=recorder))
+
+        async def consume() -> None:
+            async for _chunk in chat.stream(MESSAGES):
+                pass
+
+        task = asyncio.create_task(consume())
+        while await permits(backend) == 0 or not transport.in_flight("primary")[0]:
+            await asyncio.sleep(0)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        task.cancel()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert body.closed
+        assert transport.in_flight("primary") == (0,)
+        assert await permits(backend) == 0
+        assert recorder.outcomes() == ["cancelled"]
+        await transport.aclose()
