@@ -215,3 +215,42 @@ def test_demo_redis_url_without_the_redis_backend_is_a_usage_error(
     line = usage_refusal(capsys, "demo")
     assert "--redis-url needs --backend redis" in line
     assert "hunter2" not in line
+
+
+# --- a terminal on stdin ------------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    """Stdin as a terminal: what a user typed, then Ctrl-D."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.usefixtures("configured")
+def test_chat_reading_a_terminal_says_so_before_it_waits(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no prompt at a terminal the command waits for typing: it says so, not a silent hang."""
+    monkeypatch.setattr("sys.stdin", _Terminal(""))
+    assert main(["chat"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.startswith("polygateway chat: reading the prompt from stdin (end with Ctrl-D)\n")
+
+
+@pytest.mark.usefixtures("configured")
+def test_piped_stdin_reads_without_a_word(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["embed"]) == EXIT_CONFIG
+    assert "reading" not in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("configured")
+def test_embed_reading_a_terminal_says_so_before_it_waits(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdin", _Terminal(""))
+    assert main(["embed"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "polygateway embed: reading texts, one per line, from stdin (end with Ctrl-D)\n"
+    )

@@ -283,9 +283,15 @@ async def _closing_backend(client: GovernedClient) -> AsyncIterator[None]:
         await backend.aclose()
 
 
-def _read_input(file: str | None) -> str:
-    """The text of ``file``, else of stdin; ``CliError`` naming it when it cannot be read."""
+def _read_input(file: str | None, waiting_for: str = "") -> str:
+    """The text of ``file``, else of stdin; ``CliError`` naming it when it cannot be read.
+
+    Stdin at a terminal waits for typing: ``waiting_for`` ("polygateway chat:
+    reading the prompt") is said on stderr first, so that it is no silent hang.
+    """
     where = file or "stdin"
+    if file is None and waiting_for and sys.stdin.isatty():
+        print(f"{waiting_for} from stdin (end with Ctrl-D)", file=sys.stderr, flush=True)
     try:
         return Path(file).read_text(encoding="utf-8") if file else sys.stdin.read()
     except OSError as exc:
@@ -301,7 +307,8 @@ def _read_text_arg(values: Sequence[str], file: str | None) -> list[str]:
     """Texts from the command line, else from ``--file`` or stdin, one per non-empty line."""
     if values:
         return list(values)
-    return [line for line in _read_input(file).splitlines() if line.strip()]
+    text = _read_input(file, "polygateway embed: reading texts, one per line,")
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def _attempts_json(attempts: Sequence[Any]) -> list[dict[str, Any]]:
@@ -312,7 +319,11 @@ def _attempts_json(attempts: Sequence[Any]) -> list[dict[str, Any]]:
 def run_chat(args: argparse.Namespace) -> int:
     """One chat completion (or stream) through a configured scope."""
     settings = load_settings(args)
-    prompt = " ".join(args.prompt) if args.prompt else _read_input(None)
+    prompt = (
+        " ".join(args.prompt)
+        if args.prompt
+        else _read_input(None, "polygateway chat: reading the prompt")
+    )
     if not prompt.strip():
         # No prompt is a missing argument (stdin only stands in for it): bad usage, exit 2.
         refuse_usage(args, "nothing to send: give a prompt or pipe one on stdin")
