@@ -436,6 +436,17 @@ class TestRequest:
                 [
                     {
                         "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "function": {"name": "f", "arguments": "[" * 100_000}}
+                        ],
+                    }
+                ],
+                "not valid JSON",
+            ),
+            (
+                [
+                    {
+                        "role": "assistant",
                         "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
                     }
                 ],
@@ -1099,3 +1110,11 @@ async def test_an_echoed_anthropic_key_never_reaches_an_error() -> None:
     shown = [str(caught.value), repr(caught.value), *(str(a.error) for a in caught.value.attempts)]
     assert caught.value.attempts[0].status_code == 401
     assert all(secret not in text for text in shown)
+
+
+def test_streamed_arguments_nested_past_the_parser_depth_are_kept_as_received() -> None:
+    """Text that does not parse is returned as received, however deep its nesting."""
+    from polygateway.transport.anthropic import streamed_arguments
+
+    deep = "[" * 100_000
+    assert streamed_arguments(deep) == deep

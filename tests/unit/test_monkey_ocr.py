@@ -249,6 +249,7 @@ def test_missing_content_list_reported_as_success_is_malformed() -> None:
     "content",
     [
         "not json",
+        "[" * 100_000 + "]" * 100_000,  # nested past the parser's depth
         json.dumps({"type": "text"}),
         json.dumps(["text"]),
         json.dumps([{"type": "text", "text": 5}]),

@@ -24,6 +24,7 @@ from polygateway.transport.http import (
     TransientError,
     excerpt,
     parse_event_data,
+    parse_json_body,
     scrub,
     secrets_in,
     status_error,
@@ -340,6 +341,17 @@ def test_event_data_done_marker_is_the_end_sentinel() -> None:
     """[DONE] is the end marker; a JSON string "[DONE]" is just data."""
     assert parse_event_data("[DONE]", "s") is STREAM_END
     assert parse_event_data('"[DONE]"', "s") == "[DONE]"
+
+
+def test_json_nested_past_the_parser_depth_is_a_malformed_answer() -> None:
+    """An upstream's deeply nested JSON is a transient malformed answer, not a RecursionError."""
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(TransientError, match="not JSON"):
+        parse_event_data(deep, "s")
+    with pytest.raises(TransientError, match="not JSON"):
+        parse_json_body(deep.encode(), "s")
+    with pytest.raises(TransientError, match="not JSON"):
+        parse_json_body(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "s")
 
 
 # --- Streams ---

@@ -229,7 +229,7 @@ def _tool_input(arguments: Any, what: str, source: str) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise _rejected(source, f"{what} is not valid JSON") from exc
     if not isinstance(arguments, dict):
         raise _rejected(source, f"{what} is not a JSON object")
@@ -549,7 +549,7 @@ def streamed_arguments(joined: str) -> str:
         return "{}"
     try:
         value = json.loads(joined)
-    except ValueError:
+    except (ValueError, RecursionError):
         return joined
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else joined
 

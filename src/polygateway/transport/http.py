@@ -332,9 +332,10 @@ def parse_json_body(body: bytes, source: str) -> Any:
             # json.loads decodes bytes, without running detect_encoding in Python per body.
             return json.loads(body.decode("utf-8", "surrogatepass"))
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        # json.JSONDecodeError is a ValueError; the body itself is never quoted
-        # back, a 2xx body may well contain the caller's own data.
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # json.JSONDecodeError is a ValueError, and nesting past the parser's depth a
+        # RecursionError; the body itself is never quoted back, a 2xx body may well
+        # contain the caller's own data.
         raise malformed(source, "not JSON") from exc
 
 
@@ -344,7 +345,7 @@ def parse_event_data(data: str, source: str) -> Any:
         return STREAM_END
     try:
         return json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise malformed(source, "event data is not JSON") from exc
 
 

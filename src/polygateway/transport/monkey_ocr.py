@@ -224,6 +224,6 @@ def parse_layout_response(body: Any) -> tuple[tuple[LayoutBlock, ...], str]:
         raise malformed_body(f"content is {content_type}: {excerpt(content)}")
     try:
         items = json.loads(content)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise malformed_body("content is not JSON") from exc
     return layout_markdown(req_list(items, "content"))
