@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import random
 from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from _closing import closing
+from _batch_clients import embed_settings, embedding_source, on_clock
 
-from polygateway.backends.memory import MemoryBackend
-from polygateway.config import GatewaySettings
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import RequestRejected
 from polygateway.models import EmbeddingProgress
@@ -38,26 +35,8 @@ def embedder(*, batch: int = 2) -> tuple[EmbeddingClient, FakeTransport]:
     """An EmbeddingClient of one OpenAI source on a FakeTransport, MemoryBackend and FakeClock."""
     clock = FakeClock()
     transport = FakeTransport(clock=clock, default=echo)
-    source = {
-        "name": "emb",
-        "protocol": "openai",
-        "base_url": "http://127.0.0.1:9/emb/v1",
-        "model": "text-embedding-3-small",
-        "max_batch_size": batch,
-    }
-    settings = GatewaySettings(
-        _env_file=None, scopes={SCOPE: {"kind": "embed", "sources": [source]}}
-    )
-    client = EmbeddingClient(
-        settings,
-        SCOPE,
-        backend=MemoryBackend(now=clock),
-        transport=transport,
-        now=clock,
-        sleep=clock.sleep,
-        rng=random.Random(7),
-    )
-    return closing(client), transport
+    settings = embed_settings(embedding_source(max_batch_size=batch))
+    return on_clock(EmbeddingClient, settings, SCOPE, transport, clock, seed=7), transport
 
 
 # --- deadline_s is checked up front, as the other clients check it ------------------

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from _batch_clients import embed_settings as make_settings
+from _batch_clients import embedding_source as source
 from _closing import closing
 from _permit_thief import PermitThief
 
@@ -35,23 +37,6 @@ from polygateway.transport.http import HttpRequest
 from polygateway.transport.openai import estimate_embedding_tokens
 
 SCOPE = "embed"
-
-
-def source(name: str = "emb", **fields: Any) -> dict[str, Any]:
-    """An OpenAI-compatible embedding source as settings take it."""
-    return {
-        "name": name,
-        "protocol": "openai",
-        "base_url": f"http://127.0.0.1:9/{name}/v1",
-        "model": "text-embedding-3-small",
-        **fields,
-    }
-
-
-def make_settings(*sources: dict[str, Any], **gateway: Any) -> GatewaySettings:
-    """Settings with one embed scope; no .env is read."""
-    scope = {"kind": "embed", "sources": list(sources) or [source()]}
-    return GatewaySettings(_env_file=None, scopes={SCOPE: scope}, **gateway)
 
 
 def texts(n: int) -> list[str]:

@@ -15,57 +15,26 @@ from typing import Any
 
 import httpx
 import pytest
-from _closing import closing
+from _batch_clients import embed_settings as make_settings
+from _batch_clients import embedding_source as source
+from _batch_clients import mock_wire, on_clock
 
-from polygateway.backends.memory import MemoryBackend
 from polygateway.config import GatewaySettings
 from polygateway.embedding import EmbeddingClient
 from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.models import Usage
 from polygateway.testing import FakeClock, FakeTransport, Hang, Outcome, embedding_body
 from polygateway.transport.http import HttpRequest
-from polygateway.transport.httpx_client import HttpxTransport
 
 SCOPE = "embed"
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def source(name: str = "emb", **fields: Any) -> dict[str, Any]:
-    """An OpenAI-compatible embedding source as settings take it."""
-    return {
-        "name": name,
-        "protocol": "openai",
-        "base_url": f"http://127.0.0.1:9/{name}/v1",
-        "model": "text-embedding-3-small",
-        **fields,
-    }
-
-
-def make_settings(*sources: dict[str, Any], **gateway: Any) -> GatewaySettings:
-    """Settings with one embed scope; no .env is read."""
-    scope = {"kind": "embed", "sources": list(sources) or [source()]}
-    return GatewaySettings(_env_file=None, scopes={SCOPE: scope}, **gateway)
-
-
 def client(settings: GatewaySettings, upstream: Handler) -> EmbeddingClient:
     """An EmbeddingClient whose real httpx transport sends through httpx.MockTransport."""
-    clock = FakeClock()
-    transport = HttpxTransport(
-        settings.scope(SCOPE).sources,
-        max_connections=4,
-        mock_transport=httpx.MockTransport(upstream),
-    )
-    return closing(
-        EmbeddingClient(
-            settings,
-            SCOPE,
-            backend=MemoryBackend(now=clock),
-            transport=transport,
-            now=clock,
-            sleep=clock.sleep,
-            rng=random.Random(5),
-        )
+    return on_clock(
+        EmbeddingClient, settings, SCOPE, mock_wire(settings, SCOPE, upstream), FakeClock(), seed=5
     )
 
 
@@ -281,17 +250,7 @@ async def test_dimensions_in_extra_body_are_the_asked_ones() -> None:
 
 def fake_client(transport: FakeTransport, clock: FakeClock, settings: GatewaySettings) -> Any:
     """An EmbeddingClient on a FakeTransport and a FakeClock."""
-    return closing(
-        EmbeddingClient(
-            settings,
-            SCOPE,
-            backend=MemoryBackend(now=clock),
-            transport=transport,
-            now=clock,
-            sleep=clock.sleep,
-            rng=random.Random(5),
-        )
-    )
+    return on_clock(EmbeddingClient, settings, SCOPE, transport, clock, seed=5)
 
 
 def hang_on_t1(request: HttpRequest) -> Outcome:

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from _batch_clients import mock_wire, monkey, on_clock, vision
+from _batch_clients import ocr_settings as make_settings
 from _closing import closing
 from _permit_thief import PermitThief
 
@@ -124,33 +126,6 @@ def vision_completion(text: str) -> dict[str, Any]:
 # --- Settings and clients --------------------------------------------------------------
 
 
-def monkey(name: str = "monkey", **fields: Any) -> dict[str, Any]:
-    """A MonkeyOCR source."""
-    return {
-        "name": name,
-        "protocol": "monkey_ocr",
-        "base_url": f"http://127.0.0.1:7861/{name}",
-        **fields,
-    }
-
-
-def vision(name: str = "vision", **fields: Any) -> dict[str, Any]:
-    """A vision-model source behind an OpenAI-compatible API."""
-    return {
-        "name": name,
-        "protocol": "vision_ocr",
-        "base_url": f"http://127.0.0.1:8002/{name}/v1",
-        "model": "Qwen2.5-VL-7B-Instruct",
-        **fields,
-    }
-
-
-def make_settings(*sources: dict[str, Any], **gateway: Any) -> GatewaySettings:
-    """Settings with one ocr scope; no .env is read."""
-    scope = {"kind": "ocr", "sources": list(sources) or [monkey()]}
-    return GatewaySettings(_env_file=None, scopes={SCOPE: scope}, **gateway)
-
-
 Handler = Callable[[httpx.Request], httpx.Response]
 
 _ACCEPTED_SUFFIXES = (".pdf", ".jpg", ".jpeg", ".png")
@@ -194,22 +169,7 @@ def mock_client(
 ) -> OcrClient:
     """An OcrClient whose real httpx transport sends through httpx.MockTransport."""
     clock = clock if clock is not None else FakeClock()
-    transport = HttpxTransport(
-        settings.scope(SCOPE).sources,
-        max_connections=4,
-        mock_transport=httpx.MockTransport(upstream),
-    )
-    return closing(
-        OcrClient(
-            settings,
-            SCOPE,
-            backend=MemoryBackend(now=clock),
-            transport=transport,
-            now=clock,
-            sleep=clock.sleep,
-            rng=random.Random(3),
-        )
-    )
+    return on_clock(OcrClient, settings, SCOPE, mock_wire(settings, SCOPE, upstream), clock, seed=3)
 
 
 def fake_client(

@@ -9,7 +9,6 @@ routed by their content, whatever their file name says.
 from __future__ import annotations
 
 import json
-import random
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -17,14 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
-from _closing import closing
+from _batch_clients import mock_wire, monkey, on_clock, vision
+from _batch_clients import ocr_settings as make_settings
 
-from polygateway.backends.memory import MemoryBackend
 from polygateway.config import GatewaySettings
 from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.ocr import OcrClient
 from polygateway.testing import FakeClock
-from polygateway.transport.httpx_client import HttpxTransport
 
 SCOPE = "ocr"
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -35,51 +33,10 @@ JPEG = (DATA / "grey.jpg").read_bytes()
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def monkey(name: str = "monkey", **fields: Any) -> dict[str, Any]:
-    """A MonkeyOCR source."""
-    return {
-        "name": name,
-        "protocol": "monkey_ocr",
-        "base_url": f"http://127.0.0.1:7861/{name}",
-        **fields,
-    }
-
-
-def vision(name: str = "vision", **fields: Any) -> dict[str, Any]:
-    """A vision-model source behind an OpenAI-compatible API."""
-    return {
-        "name": name,
-        "protocol": "vision_ocr",
-        "base_url": f"http://127.0.0.1:8002/{name}/v1",
-        "model": "Qwen2.5-VL-7B-Instruct",
-        **fields,
-    }
-
-
-def make_settings(*sources: dict[str, Any], **gateway: Any) -> GatewaySettings:
-    """Settings with one ocr scope; no .env is read."""
-    scope = {"kind": "ocr", "sources": list(sources) or [monkey()]}
-    return GatewaySettings(_env_file=None, scopes={SCOPE: scope}, **gateway)
-
-
 def client(settings: GatewaySettings, upstream: Handler) -> OcrClient:
     """An OcrClient whose real httpx transport sends through httpx.MockTransport."""
-    clock = FakeClock()
-    transport = HttpxTransport(
-        settings.scope(SCOPE).sources,
-        max_connections=4,
-        mock_transport=httpx.MockTransport(upstream),
-    )
-    return closing(
-        OcrClient(
-            settings,
-            SCOPE,
-            backend=MemoryBackend(now=clock),
-            transport=transport,
-            now=clock,
-            sleep=clock.sleep,
-            rng=random.Random(3),
-        )
+    return on_clock(
+        OcrClient, settings, SCOPE, mock_wire(settings, SCOPE, upstream), FakeClock(), seed=3
     )
 
 
