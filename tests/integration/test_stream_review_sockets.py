@@ -126,6 +126,11 @@ class Rig:
     async def permits(self) -> int:
         return (await self.backend.snapshot("chat")).in_flight
 
+    async def assert_released_once(self, outcome: str) -> None:
+        """No permit held, and the one attempt released as ``outcome``."""
+        assert await self.permits() == 0
+        assert self.recorder.outcomes() == [outcome]
+
 
 def settings(kind: str, base_url: str) -> GatewaySettings:
     source = SourceConfig(
@@ -186,6 +191,16 @@ async def read_all(chat: ChatClient, got: list[str]) -> None:
             got.append(c.text)
 
 
+async def read_interrupted(chat: ChatClient, match: str) -> list[str]:
+    """Read one stream until it fails with a typed StreamInterrupted matching ``match``;
+    the text of the chunks read before."""
+    got: list[str] = []
+    with pytest.raises(StreamInterrupted, match=match) as info:
+        await read_all(chat, got)
+    assert_typed(info.value)
+    return got
+
+
 def flowing(words: list[str], *, gap_s: float = 0.01) -> Play:
     """A healthy stream: each chunk after ``gap_s``, then [DONE] and the body's end."""
 
@@ -195,6 +210,23 @@ def flowing(words: list[str], *, gap_s: float = 0.01) -> Play:
             await asyncio.sleep(gap_s)
         await chunk(writer, sse("[DONE]"))
         await end_body(writer)
+
+    return play
+
+
+async def stall_after_a(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One chunk ("a"), then silence until the client hangs up."""
+    await chunk(writer, sse(chat_chunk_events(["a"], role_first=False)[0]))
+    await until_hang_up(reader)
+
+
+def dropping(words: list[str], *, finish_reason: str | None = "stop") -> Play:
+    """The chunks of ``words`` (a finish chunk unless ``finish_reason`` is None), then the
+    socket closes without [DONE] nor the body's last chunk."""
+
+    async def play(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for payload in chat_chunk_events(words, finish_reason=finish_reason):
+            await chunk(writer, sse(payload))
 
     return play
 
@@ -212,8 +244,7 @@ async def test_break_from_a_bare_async_for_hangs_up_and_releases_once(
     await hung_up(upstream)
     for _ in range(5):
         await asyncio.sleep(0)
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["cancelled"]
+    await rig.assert_released_once("cancelled")
 
 
 async def test_iterator_collected_mid_stream_hangs_up_and_releases_once(
@@ -228,8 +259,7 @@ async def test_iterator_collected_mid_stream_hangs_up_and_releases_once(
     await hung_up(upstream)
     for _ in range(5):
         await asyncio.sleep(0)
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["cancelled"]
+    await rig.assert_released_once("cancelled")
 
 
 async def test_cancelled_while_waiting_for_the_first_chunk(rig: Rig, upstream: Upstream) -> None:
@@ -248,74 +278,42 @@ async def test_cancelled_while_waiting_for_the_first_chunk(rig: Rig, upstream: U
     with pytest.raises(asyncio.CancelledError):
         await task
     await hung_up(upstream)
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["cancelled"]
+    await rig.assert_released_once("cancelled")
 
 
 async def test_stall_mid_stream_is_a_stream_interrupted_naming_the_idle_timeout(
     rig: Rig, upstream: Upstream
 ) -> None:
     """Silence past the idle timeout after a chunk: StreamInterrupted, transient, hung up."""
-
-    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await chunk(writer, sse(chat_chunk_events(["a"], role_first=False)[0]))
-        await until_hang_up(reader)
-
-    upstream.play = stall
-    got: list[str] = []
-    with pytest.raises(StreamInterrupted, match="stream idle") as info:
-        await read_all(rig.chat, got)
-    assert got == ["a"]
-    assert_typed(info.value)
+    upstream.play = stall_after_a
+    assert await read_interrupted(rig.chat, "stream idle") == ["a"]
     await hung_up(upstream)
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["transient"]
+    await rig.assert_released_once("transient")
 
 
 async def test_socket_closed_after_the_finish_without_done_is_a_whole_answer(
     rig: Rig, upstream: Upstream
 ) -> None:
     """The finish chunk, then the socket closes mid-body (no [DONE]): a success, not an error."""
-
-    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for payload in chat_chunk_events(["Hel", "lo"]):
-            await chunk(writer, sse(payload))
-
-    upstream.play = drop
+    upstream.play = dropping(["Hel", "lo"])
     async with asyncio.timeout(BOUND_S):
         response = await rig.chat.stream(HI).response()
     assert (response.text, response.finish_reason) == ("Hello", "stop")
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["success"]
+    await rig.assert_released_once("success")
 
 
 async def test_socket_closed_before_the_finish_is_interrupted(rig: Rig, upstream: Upstream) -> None:
     """Chunks, then the socket closes with no finish and no [DONE]: StreamInterrupted, typed."""
-
-    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for payload in chat_chunk_events(["Hel", "lo"], finish_reason=None):
-            await chunk(writer, sse(payload))
-
-    upstream.play = drop
-    got: list[str] = []
-    with pytest.raises(StreamInterrupted, match="after 2 chunks") as info:
-        await read_all(rig.chat, got)
-    assert got == ["Hel", "lo"]
-    assert_typed(info.value)
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["transient"]
+    upstream.play = dropping(["Hel", "lo"], finish_reason=None)
+    assert await read_interrupted(rig.chat, "after 2 chunks") == ["Hel", "lo"]
+    await rig.assert_released_once("transient")
 
 
 async def test_aclose_from_another_task_stops_the_reader_quietly(
     rig: Rig, upstream: Upstream
 ) -> None:
     """A "stop" from another task: aclose() returns, the reader's loop ends, released once."""
-
-    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await chunk(writer, sse(chat_chunk_events(["a"], role_first=False)[0]))
-        await until_hang_up(reader)
-
-    upstream.play = stall
+    upstream.play = stall_after_a
     got: list[str] = []
     async with asyncio.timeout(BOUND_S), rig.chat.stream(HI) as stream:
 
@@ -399,8 +397,7 @@ async def test_simulated_broken_streams_are_typed_and_release_once(
         await read_all(rig.chat, [])
     assert expected in str(info.value)
     assert_typed(info.value)
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["transient"]
+    await rig.assert_released_once("transient")
     assert KEY not in caplog.text
 
 
@@ -417,8 +414,7 @@ async def test_simulated_hang_cancelled_before_the_first_chunk(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await rig.permits() == 0
-    assert rig.recorder.outcomes() == ["cancelled"]
+    await rig.assert_released_once("cancelled")
 
 
 # --- Connections after a stream -------------------------------------------------------
