@@ -60,17 +60,7 @@ class Upstream:
         self.open += 1
         self.requests += 1
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.decode("latin-1").split("\r\n"):
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
-            await reader.readexactly(length)
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n"
-            )
+            await answer_head(reader, writer)
             assert self.play is not None
             await self.play(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -80,6 +70,20 @@ class Upstream:
             with contextlib.suppress(ConnectionError, OSError):
                 writer.close()
             self.hung_up.set()
+
+
+async def answer_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read one request (head and body), answer the head of a chunked event stream."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.decode("latin-1").split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    await reader.readexactly(length)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
 
 
 async def chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -432,17 +436,7 @@ class KeepAlive:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.decode("latin-1").split("\r\n"):
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value)
-                await reader.readexactly(length)
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n"
-                )
+                await answer_head(reader, writer)
                 for payload in chat_chunk_events(["a", "b"]):
                     await chunk(writer, sse(payload))
                 await chunk(writer, sse("[DONE]"))
