@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from _closing import closing
+from _chat_clients import chat_on_clock
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -60,16 +59,14 @@ def make_chat(
     )
     backend = backend if backend is not None else MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
-            rng=random.Random(7),
-            emitter=emitter,
-        )
+    chat = chat_on_clock(
+        settings,
+        backend,
+        transport,
+        clock,
+        sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
+        seed=7,
+        emitter=emitter,
     )
     return chat, transport, backend
 
@@ -221,16 +218,7 @@ class TestStallBudget:
             sleep=timers.sleep,
             default=TransientError(status_code=429),
         )
-        chat = closing(
-            ChatClient(
-                settings,
-                backend=backend,
-                transport=transport,
-                now=clock,
-                sleep=timers.sleep,
-                rng=random.Random(3),
-            )
-        )
+        chat = chat_on_clock(settings, backend, transport, clock, sleep=timers.sleep, seed=3)
         task_a = asyncio.create_task(chat.complete(MESSAGES))
         await settle()
         task_b = asyncio.create_task(chat.complete(MESSAGES))

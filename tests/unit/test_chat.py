@@ -4,12 +4,11 @@ secrets it never shows."""
 from __future__ import annotations
 
 import logging
-import random
 from types import MappingProxyType
 from typing import Any
 
 import pytest
-from _closing import closing
+from _chat_clients import chat_on_clock
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -17,7 +16,6 @@ from polygateway.errors import AllSourcesExhausted, ConfigError, RequestRejected
 from polygateway.middleware.telemetry import LoggingEmitter
 from polygateway.models import ToolCall
 from polygateway.testing import (
-    BoundedSleep,
     FakeClock,
     FakeTransport,
     TransientError,
@@ -36,17 +34,7 @@ def make_chat(
     settings = gateway_settings({"name": "primary", **source})
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=BoundedSleep(clock),
-            rng=random.Random(2),
-            emitter=emitter,
-        )
-    )
+    chat = chat_on_clock(settings, backend, transport, clock, seed=2, emitter=emitter)
     return chat, transport, backend
 
 

@@ -4,14 +4,12 @@ StreamInterrupted after it, and a permit that is always given back."""
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 import pytest
-from _closing import closing
+from _chat_clients import in_flight, make_chat
 
 from polygateway.backends.memory import MemoryBackend
-from polygateway.chat import ChatClient
 from polygateway.errors import (
     AllSourcesExhausted,
     GatewayError,
@@ -20,55 +18,18 @@ from polygateway.errors import (
 )
 from polygateway.models import ChatChunk
 from polygateway.testing import (
-    BoundedSleep,
     CountingBackend,
     FakeClock,
     FakeTimers,
-    FakeTransport,
     Recorder,
     StreamScript,
     TransientError,
     chat_chunk_events,
-    gateway_settings,
     settle,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TWO_SOURCES = ("a", {"name": "b", "priority": 1})
-
-
-def make_chat(
-    clock: FakeClock,
-    script: Any,
-    *,
-    sources: tuple[Any, ...] = ("primary",),
-    backend: Any = None,
-    sleep: Any = None,
-    transport_sleep: Any = None,
-    emitter: Any = None,
-    **gateway: Any,
-) -> tuple[ChatClient, FakeTransport, Any]:
-    """A chat client on a fake clock, a scripted transport and a memory backend."""
-    settings = gateway_settings(*sources, **gateway)
-    backend = backend if backend is not None else MemoryBackend(now=clock)
-    transport = FakeTransport(script, clock=clock, sleep=transport_sleep)
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=sleep if sleep is not None else BoundedSleep(clock),
-            rng=random.Random(5),
-            emitter=emitter,
-        )
-    )
-    return chat, transport, backend
-
-
-async def in_flight(backend: Any) -> int:
-    """Permits held in the chat scope right now."""
-    return (await backend.snapshot("chat")).in_flight
 
 
 def texts(chunks: list[ChatChunk]) -> str:

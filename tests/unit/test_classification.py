@@ -5,20 +5,18 @@ httpx.MockTransport, checking what each class does to the loop and to shared sta
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from _closing import closing
+from _chat_clients import chat_on_clock
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.middleware.classify import FAILURE_TABLE, verdict_for
 from polygateway.testing import (
-    BoundedSleep,
     FakeClock,
     TransientError,
     chat_completion,
@@ -134,16 +132,7 @@ def make_chat(
         sources, max_connections=4, mock_transport=httpx.MockTransport(handler)
     )
     backend = MemoryBackend(now=clock)
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=BoundedSleep(clock),
-            rng=random.Random(9),
-        )
-    )
+    chat = chat_on_clock(settings, backend, transport, clock, seed=9)
     return chat, backend, calls
 
 
@@ -315,16 +304,7 @@ class TestThroughHttpx:
             mock_transport=httpx.MockTransport(lambda request: httpx.Response(429, json=body)),
         )
         clock = FakeClock()
-        chat = closing(
-            ChatClient(
-                settings,
-                backend=MemoryBackend(now=clock),
-                transport=transport,
-                now=clock,
-                sleep=BoundedSleep(clock),
-                rng=random.Random(9),
-            )
-        )
+        chat = chat_on_clock(settings, MemoryBackend(now=clock), transport, clock, seed=9)
         started = clock()
         async with chat:
             with pytest.raises(AllSourcesExhausted) as caught:

@@ -3,11 +3,10 @@ deadline caused is not charged to the source (research-wiki/ARCHITECTURE.md §4)
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
-from _closing import closing
+from _chat_clients import chat_on_clock
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -46,16 +45,14 @@ def make_chat(
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock)
     recorder = Recorder()
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=BoundedSleep(clock, max_calls=2000),
-            rng=random.Random(3),
-            emitter=recorder,
-        )
+    chat = chat_on_clock(
+        settings,
+        backend,
+        transport,
+        clock,
+        sleep=BoundedSleep(clock, max_calls=2000),
+        seed=3,
+        emitter=recorder,
     )
     return chat, transport, backend, recorder
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import random
 import sys
 import warnings
 from typing import Any
 
 import pytest
+from _chat_clients import chat_on_clock, in_flight
 from _closing import closing
 
 from polygateway.backends import factory
@@ -46,22 +46,8 @@ def make_chat(
     settings = gateway_settings({"name": "primary", **source}, close_grace_s=10)
     backend = MemoryBackend(now=clock)
     transport = FakeTransport(script, clock=clock, sleep=timers.sleep)
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=timers.sleep,
-            rng=random.Random(4),
-        )
-    )
+    chat = chat_on_clock(settings, backend, transport, clock, sleep=timers.sleep, seed=4)
     return chat, transport, backend
-
-
-async def in_flight(backend: MemoryBackend) -> int:
-    """Permits held in the chat scope right now."""
-    return (await backend.snapshot("chat")).in_flight
 
 
 class TestClose:

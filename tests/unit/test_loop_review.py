@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from _chat_clients import chat_on_clock
 from _closing import closing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,16 +66,14 @@ def make_chat(
 ) -> tuple[ChatClient, FakeTransport]:
     """A chat client on a fake clock, a scripted transport and the given memory backend."""
     transport = FakeTransport(script, clock=clock)
-    chat = closing(
-        ChatClient(
-            gateway_settings(*sources, **gateway),
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=BoundedSleep(clock, max_calls=2000),
-            rng=random.Random(5),
-            emitter=emitter,
-        )
+    chat = chat_on_clock(
+        gateway_settings(*sources, **gateway),
+        backend,
+        transport,
+        clock,
+        sleep=BoundedSleep(clock, max_calls=2000),
+        seed=5,
+        emitter=emitter,
     )
     return chat, transport
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import random
 import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from _chat_clients import in_flight as permits
+from _chat_clients import make_chat as chat_client
 from _closing import closing
 
 from polygateway.backends.base import Lease
@@ -20,7 +21,6 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import GovernanceBackendError, StreamInterrupted
 from polygateway.testing import (
-    BoundedSleep,
     CountingBackend,
     FakeClock,
     FakeTimers,
@@ -46,29 +46,18 @@ def make_chat(
     **gateway: Any,
 ) -> tuple[ChatClient, FakeTransport, Any, Recorder]:
     """A chat client on a fake clock and a scripted transport, with a telemetry recorder."""
-    settings = gateway_settings("primary", **gateway)
-    backend = backend if backend is not None else MemoryBackend(now=clock)
     sleep = timers.sleep if timers is not None else None
-    transport = FakeTransport(script, clock=clock, sleep=sleep)
     recorder = Recorder()
-    chat = closing(
-        ChatClient(
-            settings,
-            backend=backend,
-            transport=transport,
-            now=clock,
-            sleep=sleep if sleep is not None else BoundedSleep(clock),
-            rng=random.Random(5),
-            emitter=recorder,
-        )
+    chat, transport, backend = chat_client(
+        clock,
+        script,
+        backend=backend,
+        sleep=sleep,
+        transport_sleep=sleep,
+        emitter=recorder,
+        **gateway,
     )
     return chat, transport, backend, recorder
-
-
-async def permits(backend: Any) -> int:
-    """Permits held in the chat scope right now."""
-    held: int = (await backend.snapshot("chat")).in_flight
-    return held
 
 
 class TestConnectionEndsAfterTheFinish:
