@@ -60,6 +60,15 @@ def make_chat(
     return chat, transport, backend, recorder
 
 
+async def assert_released_once(
+    backend: Any, transport: FakeTransport, recorder: Recorder, outcome: str
+) -> None:
+    """No permit held, no stream open, and the one attempt released as ``outcome``."""
+    assert await permits(backend) == 0
+    assert transport.open_streams == 0
+    assert recorder.outcomes() == [outcome]
+
+
 class TestConnectionEndsAfterTheFinish:
     """After a finish_reason the answer is whole, however the connection then ends."""
 
@@ -85,9 +94,7 @@ class TestConnectionEndsAfterTheFinish:
             response = await stream.response()
         assert "".join(c.text for c in chunks) == "Hello"
         assert response.finish_reason == "stop"
-        assert recorder.outcomes() == ["success"]
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
+        await assert_released_once(backend, transport, recorder, "success")
 
     async def test_connection_lost_before_the_finish_is_still_interrupted(self) -> None:
         """Without a finish_reason the same loss is a StreamInterrupted and a transient attempt."""
@@ -98,9 +105,7 @@ class TestConnectionEndsAfterTheFinish:
         )
         with pytest.raises(StreamInterrupted, match="after 2 chunks"):
             _ = [c async for c in chat.stream(MESSAGES)]
-        assert recorder.outcomes() == ["transient"]
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
+        await assert_released_once(backend, transport, recorder, "transient")
 
     async def test_idle_timeout_after_the_finish_is_still_a_timeout(self) -> None:
         """A source that stalls after its finish still fails as a timeout: it held the caller."""
@@ -115,19 +120,20 @@ class TestConnectionEndsAfterTheFinish:
         assert await permits(backend) == 0
 
 
+def slow_stream(words: list[str]) -> tuple[ChatClient, FakeTransport, Any, Recorder]:
+    """A chat whose one stream sends ``words`` 5 s apart on virtual time: readers wait on it."""
+    clock = FakeClock()
+    script = [StreamScript(chat_chunk_events(words, role_first=False), gap_s=5.0)]
+    return make_chat(clock, script, timers=FakeTimers(clock))
+
+
 class TestCloseFromAnotherTask:
     """aclose() while another task waits for the next chunk (a "stop" button)."""
 
     async def test_aclose_while_another_task_reads_ends_that_iteration_quietly(self) -> None:
         """The reader's loop ends without an error; the attempt is released once, as cancelled."""
-        clock = FakeClock()
-        timers = FakeTimers(clock)
         words = [f"w{i}" for i in range(5)]
-        chat, transport, backend, recorder = make_chat(
-            clock,
-            [StreamScript(chat_chunk_events(words, role_first=False), gap_s=5.0)],
-            timers=timers,
-        )
+        chat, transport, backend, recorder = slow_stream(words)
         received: list[str] = []
         async with chat.stream(MESSAGES) as stream:
 
@@ -150,13 +156,7 @@ class TestCloseFromAnotherTask:
 
     async def test_aclose_from_another_task_leaves_the_reader_task_uncancelled(self) -> None:
         """The reader task can go on awaiting after its stream was stopped under it."""
-        clock = FakeClock()
-        timers = FakeTimers(clock)
-        chat, _, _, _ = make_chat(
-            clock,
-            [StreamScript(chat_chunk_events(["a", "b"], role_first=False), gap_s=5.0)],
-            timers=timers,
-        )
+        chat, _, _, _ = slow_stream(["a", "b"])
         after: list[str] = []
         async with chat.stream(MESSAGES) as stream:
 
@@ -175,13 +175,7 @@ class TestCloseFromAnotherTask:
 
     async def test_aclose_stops_a_bare_async_for_in_another_task(self) -> None:
         """Without async with too: the bare loop ends, the permit and connection come back."""
-        clock = FakeClock()
-        timers = FakeTimers(clock)
-        chat, transport, backend, recorder = make_chat(
-            clock,
-            [StreamScript(chat_chunk_events(["a", "b"], role_first=False), gap_s=5.0)],
-            timers=timers,
-        )
+        chat, transport, backend, recorder = slow_stream(["a", "b"])
         stream = chat.stream(MESSAGES)
         received: list[str] = []
 
@@ -194,19 +188,11 @@ class TestCloseFromAnotherTask:
         await stream.aclose()
         await reader
         assert received == ["a"]
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
-        assert recorder.outcomes() == ["cancelled"]
+        await assert_released_once(backend, transport, recorder, "cancelled")
 
     async def test_caller_cancelling_the_reader_still_gets_cancelled_error(self) -> None:
         """A real cancellation of the reader passes through as CancelledError, released once."""
-        clock = FakeClock()
-        timers = FakeTimers(clock)
-        chat, transport, backend, recorder = make_chat(
-            clock,
-            [StreamScript(chat_chunk_events(["a", "b"], role_first=False), gap_s=5.0)],
-            timers=timers,
-        )
+        chat, transport, backend, recorder = slow_stream(["a", "b"])
         async with chat.stream(MESSAGES) as stream:
 
             async def read() -> None:
@@ -219,9 +205,7 @@ class TestCloseFromAnotherTask:
             with pytest.raises(asyncio.CancelledError):
                 await reader
             await stream.aclose()
-        assert recorder.outcomes() == ["cancelled"]
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
+        await assert_released_once(backend, transport, recorder, "cancelled")
 
 
 class TestAbandonedStreams:
@@ -241,9 +225,7 @@ class TestAbandonedStreams:
         gc.collect()
         for _ in range(5):
             await asyncio.sleep(0)
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
-        assert recorder.outcomes() == ["cancelled"]
+        await assert_released_once(backend, transport, recorder, "cancelled")
 
     async def test_stream_never_iterated_sends_nothing_and_holds_nothing(self) -> None:
         """A ChatStream made and dropped costs no request and no permit."""
@@ -263,9 +245,7 @@ class TestAbandonedStreams:
         )
         response = await chat.stream(MESSAGES).response()
         assert response.text == "ab"
-        assert recorder.outcomes() == ["success"]
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
+        await assert_released_once(backend, transport, recorder, "success")
 
     async def test_response_cancelled_while_waiting_for_the_first_chunk(self) -> None:
         """Cancelled inside response() before any chunk: released as cancelled, connection shut."""
@@ -282,9 +262,7 @@ class TestAbandonedStreams:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
-        assert recorder.outcomes() == ["cancelled"]
+        await assert_released_once(backend, transport, recorder, "cancelled")
 
 
 class _FailingRenewals(CountingBackend):
@@ -327,9 +305,7 @@ class TestLeaseRenewalFailing:
         assert "".join(c.text for c in chunks) == "".join(words)
         assert backend.calls["renew"] >= 2
         assert backend.calls["release"] == 1
-        assert recorder.outcomes() == ["success"]
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
+        await assert_released_once(backend, transport, recorder, "success")
         assert "renew" in caplog.text or "expired" in caplog.text
         assert "secret" not in caplog.text
 
@@ -354,9 +330,7 @@ class TestEnteredStreamCollected:
             gc.collect()
         for _ in range(5):
             await asyncio.sleep(0)
-        assert await permits(backend) == 0
-        assert transport.open_streams == 0
-        assert recorder.outcomes() == ["cancelled"]
+        await assert_released_once(backend, transport, recorder, "cancelled")
 
     async def test_closed_or_unopened_streams_are_collected_silently(self) -> None:
         """Never entered, or exited: collecting it warns nothing."""
