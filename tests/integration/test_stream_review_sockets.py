@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from _cancel import cancel_twice
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
@@ -651,12 +652,7 @@ async def test_cancelled_again_while_closing_between_chunks_leaves_no_connection
         async with asyncio.timeout(BOUND_S):
             while len(got) < 2:
                 await asyncio.sleep(0.01)
-        task.cancel()
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_twice(task, turns)
         await hung_up(upstream)
         assert (await backend.snapshot("chat")).in_flight == 0
         assert recorder.outcomes() == ["cancelled"]

@@ -16,6 +16,7 @@ from _chat_clients import in_flight as permits
 from _chat_clients import make_chat as chat_client
 from _closing import closing
 
+from _cancel import cancel_twice
 from polygateway.backends.base import Lease
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
@@ -393,12 +394,7 @@ class TestCancelledTwice:
             await asyncio.sleep(0)
         for _ in range(3):
             await asyncio.sleep(0)
-        task.cancel()
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_twice(task, turns)
         for _ in range(10):
             await asyncio.sleep(0)
         assert body.closed
