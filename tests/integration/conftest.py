@@ -14,6 +14,10 @@ the keys the scripts wrote.
 ``sentinel_setup``: a primary, its replica and one Sentinel of their own
 (``_redis_topologies.SentinelSetup``), for the Sentinel and failover tests.
 
+``cluster``: a 3-master Redis Cluster (``_redis_topologies.Cluster``) for the
+requesting module, stopped at its end; ``cluster_backend``: a cluster-mode
+``RedisBackend`` seeded with its first node, on the cluster emptied first.
+
 ``fleet``: ``RedisBackend`` objects on the suite's Redis, each a process of a
 fleet, whose scripts read ``clock`` (a ``FakeClock``) and whose socket
 timeout (and so hand-off TTL) is ``FLEET_SOCKET_TIMEOUT_S``.
@@ -29,7 +33,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from _redis_tls import TLSRedis, start_tls_redis
-from _redis_topologies import SentinelSetup, running
+from _redis_topologies import Cluster, SentinelSetup, running
 from _wakeups import FLEET_SOCKET_TIMEOUT_S
 
 from polygateway.backends.base import Backend
@@ -103,6 +107,23 @@ async def locked_url(redis_url: str, admin: aioredis.Redis) -> AsyncIterator[str
 def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
     """A primary, a replica and a Sentinel, stopped (thawed first) after the test."""
     yield from running(SentinelSetup(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A 3-master cluster for the module, stopped at its end."""
+    yield from running(Cluster(tmp_path_factory.mktemp("cluster")))
+
+
+@pytest.fixture
+async def cluster_backend(cluster: Cluster) -> AsyncIterator[RedisBackend]:
+    """A cluster-mode backend seeded with the first node, on an emptied cluster."""
+    cluster.flush()
+    made = RedisBackend(cluster.seed_url, mode="cluster", socket_timeout_s=5.0)
+    try:
+        yield made
+    finally:
+        await made.aclose()
 
 
 @pytest.fixture

@@ -13,11 +13,10 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from _redis_topologies import Cluster, Process, running, slot_of
+from _redis_topologies import Cluster, Process, slot_of
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -28,23 +27,6 @@ SUCCESS = AttemptOutcome("success")
 SPEC = SourceSpec(name="a", max_concurrency=4)
 SIX = [SourceSpec(name=f"s{i}", max_concurrency=1) for i in range(6)]
 """A scope of six sources of one permit each, offered in this order."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A 3-master cluster for the module, stopped at its end."""
-    yield from running(Cluster(tmp_path_factory.mktemp("cluster")))
-
-
-@pytest.fixture
-async def backend(cluster: Cluster) -> AsyncIterator[RedisBackend]:
-    """A cluster-mode backend seeded with the first node, on an emptied cluster."""
-    cluster.flush()
-    made = RedisBackend(cluster.seed_url, mode="cluster", socket_timeout_s=5.0)
-    try:
-        yield made
-    finally:
-        await made.aclose()
 
 
 def evalsha_calls(cluster: Cluster) -> list[int]:
@@ -119,14 +101,14 @@ async def end_and_give_back(
 
 
 async def test_each_scope_lives_on_the_node_owning_its_slot(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """A scope per master: each is served, and its keys are on its own node, none elsewhere."""
     for index, (scope,) in cluster.scopes_per_node().items():
-        got = await backend.acquire(scope, [SPEC], ttl_s=30)
+        got = await cluster_backend.acquire(scope, [SPEC], ttl_s=30)
         assert got.lease is not None
-        await backend.release(got.lease, SUCCESS)
-        assert (await backend.snapshot(scope)).progress_age_s < 60
+        await cluster_backend.release(got.lease, SUCCESS)
+        assert (await cluster_backend.snapshot(scope)).progress_age_s < 60
         for other, node in enumerate(cluster.nodes):
             with node.client() as client:
                 stored = client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot_of(scope))
@@ -134,76 +116,78 @@ async def test_each_scope_lives_on_the_node_owning_its_slot(
 
 
 async def test_a_call_costs_two_round_trips_on_its_own_node(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """Once the slot map is known, acquire and release are two EVALSHAs on the owner only."""
     scopes = cluster.scopes_per_node()
     for (scope,) in scopes.values():  # the first use may be redirected: the map is learnt
-        got = await backend.acquire(scope, [SPEC], ttl_s=30)
+        got = await cluster_backend.acquire(scope, [SPEC], ttl_s=30)
         assert got.lease is not None
-        await backend.release(got.lease, SUCCESS)
-    await backend._wire.drain()
+        await cluster_backend.release(got.lease, SUCCESS)
+    await cluster_backend._wire.drain()
     before = evalsha_calls(cluster)
     index, (scope,) = next(iter(scopes.items()))
     for _ in range(10):
-        got = await backend.acquire(scope, [SPEC], ttl_s=30)
+        got = await cluster_backend.acquire(scope, [SPEC], ttl_s=30)
         assert got.lease is not None
-        await backend.release(got.lease, SUCCESS)
-    await backend._wire.drain()
+        await cluster_backend.release(got.lease, SUCCESS)
+    await cluster_backend._wire.drain()
     after = evalsha_calls(cluster)
     grown = [b - a for a, b in zip(before, after, strict=True)]
     assert grown == [20 if i == index else 0 for i in range(len(grown))]
 
 
 async def test_the_permit_limit_holds_per_scope_on_every_node(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """max_concurrency is enforced wherever the scope lives, and every permit comes back."""
     for (scope,) in cluster.scopes_per_node().values():
-        grants = [await backend.acquire(scope, [SPEC], ttl_s=30) for _ in range(6)]
+        grants = [await cluster_backend.acquire(scope, [SPEC], ttl_s=30) for _ in range(6)]
         leases = [g.lease for g in grants if g.lease is not None]
         assert len(leases) == SPEC.max_concurrency
         assert [r.reason for r in grants[-1].rejections] == ["concurrency"]
         for lease in leases:
-            await backend.release(lease, SUCCESS)
-        assert (await backend.snapshot(scope)).sources[0].in_flight == 0
+            await cluster_backend.release(lease, SUCCESS)
+        assert (await cluster_backend.snapshot(scope)).sources[0].in_flight == 0
 
 
 async def test_a_moved_scope_is_followed_and_the_map_relearnt(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """The slot moved between two calls: the next call follows MOVED and still holds its state."""
     (scope,) = cluster.scopes_per_node()[0]
-    held = await backend.acquire(scope, [SPEC], ttl_s=30)
+    held = await cluster_backend.acquire(scope, [SPEC], ttl_s=30)
     assert held.lease is not None
     slot = slot_of(scope)
     target = cluster.nodes[1]
     await asyncio.to_thread(cluster.migrate, slot, target)
     try:
         assert cluster.owner(slot) is target
-        snap = await backend.snapshot(scope)
+        snap = await cluster_backend.snapshot(scope)
         assert snap.sources[0].in_flight == 1  # the lease moved with the slot's keys
-        await backend.release(held.lease, SUCCESS)
-        assert (await backend.snapshot(scope)).sources[0].in_flight == 0
-        assert backend._wire.route(scope).endpoint.port == target.port
+        await cluster_backend.release(held.lease, SUCCESS)
+        assert (await cluster_backend.snapshot(scope)).sources[0].in_flight == 0
+        assert cluster_backend._wire.route(scope).endpoint.port == target.port
     finally:
         await asyncio.to_thread(cluster.migrate, slot, cluster.nodes[0])
 
 
 async def test_a_call_during_a_slot_migration_waits_for_its_end(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """One of its keys moved: the script gets ASK, then TRYAGAIN, and runs once the slot moved."""
     (scope,) = cluster.scopes_per_node()[0]
     for source in ("a", "b"):
-        got = await backend.acquire(scope, [SourceSpec(name=source, max_concurrency=4)], ttl_s=30)
+        got = await cluster_backend.acquire(
+            scope, [SourceSpec(name=source, max_concurrency=4)], ttl_s=30
+        )
         assert got.lease is not None
     slot, source_node, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
     await asyncio.to_thread(cluster.begin_migration, slot, source_node, target)
     try:
         moved = [f"pgw:{{{scope}}}:src:a"]
         assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, moved) == 1
-        acquiring = asyncio.ensure_future(backend.acquire(scope, [SPEC], ttl_s=30))
+        acquiring = asyncio.ensure_future(cluster_backend.acquire(scope, [SPEC], ttl_s=30))
         await asyncio.sleep(0.2)
         assert not acquiring.done()  # bouncing: the slot's keys are split between two nodes
         while await asyncio.to_thread(cluster.move_keys, slot, source_node, target):
@@ -211,7 +195,7 @@ async def test_a_call_during_a_slot_migration_waits_for_its_end(
         await asyncio.to_thread(cluster.end_migration, slot, target)
         got = await acquiring
         assert got.lease is not None
-        snap = await backend.snapshot(scope)
+        snap = await cluster_backend.snapshot(scope)
         assert {s.name: s.in_flight for s in snap.sources} == {"a": 2, "b": 1}
     finally:
         while await asyncio.to_thread(cluster.move_keys, slot, source_node, target):
@@ -221,7 +205,7 @@ async def test_a_call_during_a_slot_migration_waits_for_its_end(
 
 
 async def test_resharding_while_calls_run_loses_no_permit_and_admits_no_excess(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """Workers acquire and release while the scope's slot moves away and back: never more than
     max_concurrency held at once, every failure fails closed, and all permits come back."""
@@ -237,7 +221,7 @@ async def test_resharding_while_calls_run_loses_no_permit_and_admits_no_excess(
         nonlocal held, most, served, failed
         while not stop.is_set():
             try:
-                got = await backend.acquire(scope, [SPEC], ttl_s=60)
+                got = await cluster_backend.acquire(scope, [SPEC], ttl_s=60)
             except GovernanceBackendError:
                 failed += 1
                 await asyncio.sleep(0.01)
@@ -249,7 +233,7 @@ async def test_resharding_while_calls_run_loses_no_permit_and_admits_no_excess(
             most = max(most, held)
             await asyncio.sleep(0.002)
             held -= 1
-            await backend.release(got.lease, SUCCESS)
+            await cluster_backend.release(got.lease, SUCCESS)
             served += 1
 
     workers = [asyncio.ensure_future(worker()) for _ in range(8)]
@@ -261,11 +245,11 @@ async def test_resharding_while_calls_run_loses_no_permit_and_admits_no_excess(
     finally:
         stop.set()
         await asyncio.gather(*workers)
-    await backend._wire.drain()
+    await cluster_backend._wire.drain()
     assert served > 0
     assert most <= SPEC.max_concurrency
     assert failed <= served  # a reshard is a blip, not an outage
-    snap = await backend.snapshot(scope)
+    snap = await cluster_backend.snapshot(scope)
     assert snap.sources[0].in_flight == 0
     assert cluster.owner(slot) is cluster.nodes[0]
 
@@ -290,7 +274,7 @@ async def granted_past_the_held(
 
 
 async def test_an_acquire_that_makes_keys_does_not_follow_ask_into_a_half_moved_scope(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """ACQUIRE's declared keys moved, a later candidate's still on the migrating node: the call
     waits for the migration's end instead of running on the importing node, where that
@@ -301,7 +285,7 @@ async def test_an_acquire_that_makes_keys_does_not_follow_ask_into_a_half_moved_
     (research-wiki/designs/script-cost.md), so Redis's checks before ``ASK`` cannot see them.
     """
     (scope,) = cluster.scopes_per_node()[0]
-    held = await hold_the_first_two(backend, scope)
+    held = await hold_the_first_two(cluster_backend, scope)
     slot, source_node, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
     stays = {f"pgw:{{{scope}}}:src:s1", f"pgw:{{{scope}}}:leases:s1"}
     declared = await asyncio.to_thread(keys_in_slot, source_node, slot) - stays
@@ -314,7 +298,7 @@ async def test_an_acquire_that_makes_keys_does_not_follow_ask_into_a_half_moved_
         moved = sorted(declared)
         assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, moved) == 5
         ran_on_target = (await asyncio.to_thread(evalsha_calls, cluster))[2]
-        acquiring = asyncio.ensure_future(backend.acquire(scope, SIX, ttl_s=30))
+        acquiring = asyncio.ensure_future(cluster_backend.acquire(scope, SIX, ttl_s=30))
         await bounced_while_pending(acquiring, source_node, 3)
         assert not acquiring.done(), acquiring.result()  # not granted on the importing node
         assert (await asyncio.to_thread(evalsha_calls, cluster))[2] == ran_on_target
@@ -322,20 +306,20 @@ async def test_an_acquire_that_makes_keys_does_not_follow_ask_into_a_half_moved_
         rest = sorted(stays)
         assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, rest) == 2
         await asyncio.to_thread(cluster.end_migration, slot, target)
-        await granted_past_the_held(backend, scope, acquiring, held)
+        await granted_past_the_held(cluster_backend, scope, acquiring, held)
     finally:
         await end_and_give_back(cluster, slot, source_node, target, acquiring)
 
 
 async def test_an_acquire_stopped_on_the_migrating_node_runs_again_after_the_migration(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """A later candidate's keys moved first: on the migrating node the script stops at them
     (``Script attempted to access a non local key``); the call is sent again, as after
     ``TRYAGAIN``, and completes on the new owner once the slot moved, with the true state,
     instead of failing closed for a migration that lasts milliseconds."""
     (scope,) = cluster.scopes_per_node()[0]
-    held = await hold_the_first_two(backend, scope)
+    held = await hold_the_first_two(cluster_backend, scope)
     slot, source_node, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
     acquiring: asyncio.Future[AcquireResult] | None = None
     await asyncio.to_thread(cluster.begin_migration, slot, source_node, target)
@@ -343,7 +327,7 @@ async def test_an_acquire_stopped_on_the_migrating_node_runs_again_after_the_mig
         later = [f"pgw:{{{scope}}}:src:s1", f"pgw:{{{scope}}}:leases:s1"]
         assert await asyncio.to_thread(cluster.move_keys, slot, source_node, target, later) == 2
         _, stopped = await asyncio.to_thread(evalsha_refusals, source_node)
-        acquiring = asyncio.ensure_future(backend.acquire(scope, SIX, ttl_s=30))
+        acquiring = asyncio.ensure_future(cluster_backend.acquire(scope, SIX, ttl_s=30))
         await bounced_while_pending(acquiring, source_node, 3)
         assert not acquiring.done(), acquiring.result()
         # Run there and stopped by the script's error each time, not refused before running.
@@ -351,7 +335,7 @@ async def test_an_acquire_stopped_on_the_migrating_node_runs_again_after_the_mig
         while await asyncio.to_thread(cluster.move_keys, slot, source_node, target):
             pass
         await asyncio.to_thread(cluster.end_migration, slot, target)
-        await granted_past_the_held(backend, scope, acquiring, held)
+        await granted_past_the_held(cluster_backend, scope, acquiring, held)
     finally:
         await end_and_give_back(cluster, slot, source_node, target, acquiring)
 

@@ -9,10 +9,9 @@ of whose nodes answers fails every call with the backend's typed error.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from _redis_topologies import Cluster, Process, running, slot_of
+from _redis_topologies import Cluster, Process, slot_of
 
 from _ports import free_port
 from polygateway.backends.base import AcquireResult, AttemptOutcome, SourceSpec
@@ -23,23 +22,6 @@ from polygateway.errors import GovernanceBackendError
 SUCCESS = AttemptOutcome("success")
 SPEC = SourceSpec(name="a", max_concurrency=4)
 BOUND_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A 3-master cluster for the module, stopped at its end."""
-    yield from running(Cluster(tmp_path_factory.mktemp("cluster")))
-
-
-@pytest.fixture
-async def backend(cluster: Cluster) -> AsyncIterator[RedisBackend]:
-    """A cluster-mode backend seeded with the first node, on an emptied cluster."""
-    cluster.flush()
-    made = RedisBackend(cluster.seed_url, mode="cluster", socket_timeout_s=5.0)
-    try:
-        yield made
-    finally:
-        await made.aclose()
 
 
 def evalsha_stats(node: Process) -> tuple[int, int]:
@@ -57,7 +39,7 @@ def noscripts(node: Process) -> int:
 
 
 async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """The scope's keys moved, the importing node's scripts flushed: PROGRESS is sent on
     ``ASK``, answered NOSCRIPT, then loaded and run on that node behind ``ASKING``, never
@@ -69,11 +51,11 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
     """
     scopes = cluster.scopes_per_node()
     (scope,), (on_the_target,) = scopes[0], scopes[2]
-    await backend.progress_age_s(on_the_target)  # connected there: its scripts loaded
-    got = await backend.acquire(scope, [SPEC], ttl_s=30)
+    await cluster_backend.progress_age_s(on_the_target)  # connected there: its scripts loaded
+    got = await cluster_backend.acquire(scope, [SPEC], ttl_s=30)
     assert got.lease is not None
-    await backend.release(got.lease, SUCCESS)
-    assert await backend.progress_age_s(scope) < 60
+    await cluster_backend.release(got.lease, SUCCESS)
+    assert await cluster_backend.progress_age_s(scope) < 60
     slot, source, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
     await asyncio.to_thread(cluster.begin_migration, slot, source, target)
     try:
@@ -85,7 +67,7 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
         on_target = await asyncio.to_thread(evalsha_stats, target)
         flushed = await asyncio.to_thread(noscripts, target)
         async with asyncio.timeout(BOUND_S):
-            assert await backend.progress_age_s(scope) < 60
+            assert await cluster_backend.progress_age_s(scope) < 60
         assert await asyncio.to_thread(noscripts, target) == flushed + 1
         ran, refused = await asyncio.to_thread(evalsha_stats, target)
         assert ran == on_target[0] + 2  # answered NOSCRIPT, then run
@@ -98,15 +80,15 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
 
 
 async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_moved(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """The scope's keys moved to a node whose scripts were flushed, its slot still migrating:
     ACQUIRE, which makes keys, never follows ``ASK`` there; once the slot moved it follows
     ``MOVED``, is answered NOSCRIPT, loaded, and granted on the new owner."""
     scopes = cluster.scopes_per_node()
     (scope,), (on_the_target,) = scopes[0], scopes[2]
-    await backend.progress_age_s(on_the_target)  # connected there: its scripts loaded
-    held = await backend.acquire(scope, [SPEC], ttl_s=30)
+    await cluster_backend.progress_age_s(on_the_target)  # connected there: its scripts loaded
+    held = await cluster_backend.acquire(scope, [SPEC], ttl_s=30)
     assert held.lease is not None
     slot, source, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
     acquiring: asyncio.Future[AcquireResult] | None = None
@@ -119,7 +101,7 @@ async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_m
         flushed = await asyncio.to_thread(noscripts, target)
         ran = (await asyncio.to_thread(evalsha_stats, target))[0]
         asked = (await asyncio.to_thread(evalsha_stats, source))[1]
-        acquiring = asyncio.ensure_future(backend.acquire(scope, [SPEC], ttl_s=30))
+        acquiring = asyncio.ensure_future(cluster_backend.acquire(scope, [SPEC], ttl_s=30))
         async with asyncio.timeout(BOUND_S):
             while (await asyncio.to_thread(evalsha_stats, source))[1] < asked + 3:
                 await asyncio.sleep(0.01)  # ASK, taken as TRYAGAIN: sent again to the source
@@ -130,7 +112,7 @@ async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_m
             got = await acquiring
         assert got.lease is not None
         assert await asyncio.to_thread(noscripts, target) == flushed + 1
-        assert (await backend.snapshot(scope)).sources[0].in_flight == 2
+        assert (await cluster_backend.snapshot(scope)).sources[0].in_flight == 2
     finally:
         if acquiring is not None and not acquiring.done():
             acquiring.cancel()
@@ -140,14 +122,14 @@ async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_m
 
 
 async def test_a_cluster_backend_used_again_after_aclose_reads_the_slot_map(
-    cluster: Cluster, backend: RedisBackend
+    cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
     """Closed before its first use, then used: the map of every node is read, not only the
     one slot a ``MOVED`` named."""
-    await backend.aclose()
+    await cluster_backend.aclose()
     for (scope,) in cluster.scopes_per_node().values():
-        await backend.snapshot(scope)
-    topology = backend._wire
+        await cluster_backend.snapshot(scope)
+    topology = cluster_backend._wire
     assert isinstance(topology, RedisCluster)
     async with asyncio.timeout(BOUND_S):
         while None in topology._owners:  # before: only the two slots MOVED named
