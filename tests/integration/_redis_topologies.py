@@ -29,7 +29,7 @@ import redis
 from redis.crc import key_slot
 
 from _ports import free_port
-from polygateway.backends.base import Lease, SourceSpec
+from polygateway.backends.base import AcquireResult, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.errors import GovernanceBackendError
 
@@ -302,6 +302,22 @@ class Cluster:
 def slot_of(scope: str) -> int:
     """The hash slot of a scope's keys (``pgw:{scope}:...``)."""
     return int(key_slot(f"pgw:{{{scope}}}:sources".encode()))
+
+
+async def end_and_give_back(
+    cluster: Cluster,
+    slot: int,
+    source: Process,
+    target: Process,
+    pending: asyncio.Future[AcquireResult] | None = None,
+) -> None:
+    """A test's end, however it went: its keys dropped (a half-migrated key cannot block the
+    cleanup), the migration ended at ``target`` and the slot moved back to ``source``."""
+    if pending is not None and not pending.done():
+        pending.cancel()
+    await asyncio.to_thread(cluster.flush)
+    await asyncio.to_thread(cluster.end_migration, slot, target)
+    await asyncio.to_thread(cluster.migrate, slot, source)
 
 
 class SentinelSetup:

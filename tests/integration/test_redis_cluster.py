@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _redis_topologies import Cluster, Process, slot_of
+from _redis_topologies import Cluster, Process, end_and_give_back, slot_of
 
 from polygateway.backends.base import AcquireResult, AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
@@ -82,22 +82,6 @@ async def hold_the_first_two(backend: RedisBackend, scope: str) -> list[Lease]:
         assert got.lease.source == expected
         leases.append(got.lease)
     return leases
-
-
-async def end_and_give_back(
-    cluster: Cluster,
-    slot: int,
-    source: Process,
-    target: Process,
-    pending: asyncio.Future[AcquireResult] | None = None,
-) -> None:
-    """A test's end, however it went: its keys dropped (a half-migrated key cannot block the
-    cleanup), the migration ended at ``target`` and the slot moved back to ``source``."""
-    if pending is not None and not pending.done():
-        pending.cancel()
-    await asyncio.to_thread(cluster.flush)
-    await asyncio.to_thread(cluster.end_migration, slot, target)
-    await asyncio.to_thread(cluster.migrate, slot, source)
 
 
 async def test_each_scope_lives_on_the_node_owning_its_slot(

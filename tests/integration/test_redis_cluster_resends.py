@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from _redis_topologies import Cluster, Process, slot_of
+from _redis_topologies import Cluster, Process, end_and_give_back, slot_of
 
 from _ports import free_port
 from polygateway.backends.base import AcquireResult, AttemptOutcome, SourceSpec
@@ -38,6 +38,16 @@ def noscripts(node: Process) -> int:
         return int(client.info("errorstats").get("errorstat_NOSCRIPT", {}).get("count", 0))
 
 
+async def move_keys_to_flushed(
+    cluster: Cluster, slot: int, source: Process, target: Process
+) -> None:
+    """Every key of the migrating ``slot`` moved to ``target``, whose scripts are then flushed."""
+    while await asyncio.to_thread(cluster.move_keys, slot, source, target):
+        pass
+    with target.client() as client:
+        client.script_flush()
+
+
 async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
     cluster: Cluster, cluster_backend: RedisBackend
 ) -> None:
@@ -59,10 +69,7 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
     slot, source, target = slot_of(scope), cluster.nodes[0], cluster.nodes[2]
     await asyncio.to_thread(cluster.begin_migration, slot, source, target)
     try:
-        while await asyncio.to_thread(cluster.move_keys, slot, source, target):
-            pass
-        with target.client() as client:
-            client.script_flush()
+        await move_keys_to_flushed(cluster, slot, source, target)
         on_source = await asyncio.to_thread(evalsha_stats, source)
         on_target = await asyncio.to_thread(evalsha_stats, target)
         flushed = await asyncio.to_thread(noscripts, target)
@@ -74,9 +81,7 @@ async def test_a_script_after_ask_to_a_flushed_node_is_loaded_and_run_there(
         assert refused == on_target[1]  # before: one MOVED, back to the migrating node
         assert (await asyncio.to_thread(evalsha_stats, source))[1] == on_source[1] + 1  # one ASK
     finally:
-        await asyncio.to_thread(cluster.flush)
-        await asyncio.to_thread(cluster.end_migration, slot, target)
-        await asyncio.to_thread(cluster.migrate, slot, source)
+        await end_and_give_back(cluster, slot, source, target)
 
 
 async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_moved(
@@ -94,10 +99,7 @@ async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_m
     acquiring: asyncio.Future[AcquireResult] | None = None
     await asyncio.to_thread(cluster.begin_migration, slot, source, target)
     try:
-        while await asyncio.to_thread(cluster.move_keys, slot, source, target):
-            pass
-        with target.client() as client:
-            client.script_flush()
+        await move_keys_to_flushed(cluster, slot, source, target)
         flushed = await asyncio.to_thread(noscripts, target)
         ran = (await asyncio.to_thread(evalsha_stats, target))[0]
         asked = (await asyncio.to_thread(evalsha_stats, source))[1]
@@ -114,11 +116,7 @@ async def test_an_acquire_during_a_migration_to_a_flushed_node_runs_there_once_m
         assert await asyncio.to_thread(noscripts, target) == flushed + 1
         assert (await cluster_backend.snapshot(scope)).sources[0].in_flight == 2
     finally:
-        if acquiring is not None and not acquiring.done():
-            acquiring.cancel()
-        await asyncio.to_thread(cluster.flush)
-        await asyncio.to_thread(cluster.end_migration, slot, target)
-        await asyncio.to_thread(cluster.migrate, slot, source)
+        await end_and_give_back(cluster, slot, source, target, acquiring)
 
 
 async def test_a_cluster_backend_used_again_after_aclose_reads_the_slot_map(
