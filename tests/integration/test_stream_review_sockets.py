@@ -20,7 +20,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 from pydantic import SecretStr
@@ -110,9 +110,18 @@ def kind(request: pytest.FixtureRequest) -> str:
     return name
 
 
-@pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    up = Upstream()
+class _Served(Protocol):
+    port: int
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None: ...
+
+
+S = TypeVar("S", bound=_Served)
+
+
+@contextlib.asynccontextmanager
+async def serving(up: S) -> AsyncIterator[S]:
+    """``up`` serving on a free loopback port (set as ``up.port``) until the block ends."""
     server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
     up.port = server.sockets[0].getsockname()[1]
     try:
@@ -120,6 +129,12 @@ async def upstream() -> AsyncIterator[Upstream]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    async with serving(Upstream()) as up:
+        yield up
 
 
 @dataclass
@@ -454,14 +469,8 @@ class KeepAlive:
 
 @pytest.fixture
 async def keep_alive() -> AsyncIterator[KeepAlive]:
-    up = KeepAlive()
-    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
-    up.port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(KeepAlive()) as up:
         yield up
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 @pytest.mark.parametrize("trailing", [b"", b": bye\n\n"], ids=["bare-end", "comment-after-done"])
