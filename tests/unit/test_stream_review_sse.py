@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -135,26 +136,17 @@ _SETTINGS = settings(
 )
 
 
+@pytest.mark.parametrize("through", [_through_httpx, _through_aiohttp], ids=["httpx", "aiohttp"])
 @_SETTINGS
 @given(_streams())
-def test_httpx_path_reads_the_same_events_at_every_byte_boundary(
+def test_each_path_reads_the_same_events_at_every_byte_boundary(
+    through: Callable[[Sequence[bytes]], Coroutine[Any, Any, list[Any]]],
     stream: tuple[bytes, list[Any]],
 ) -> None:
     """One byte per read, then the whole body in one read: the events sent, in order."""
     raw, payloads = stream
-    assert asyncio.run(_through_httpx(_cuts(raw, 1))) == payloads
-    assert asyncio.run(_through_httpx([raw])) == payloads
-
-
-@_SETTINGS
-@given(_streams())
-def test_aiohttp_path_reads_the_same_events_at_every_byte_boundary(
-    stream: tuple[bytes, list[Any]],
-) -> None:
-    """One byte per read, then the whole body in one read: the events sent, in order."""
-    raw, payloads = stream
-    assert asyncio.run(_through_aiohttp(_cuts(raw, 1))) == payloads
-    assert asyncio.run(_through_aiohttp([raw])) == payloads
+    assert asyncio.run(through(_cuts(raw, 1))) == payloads
+    assert asyncio.run(through([raw])) == payloads
 
 
 @_SETTINGS
