@@ -501,3 +501,49 @@ def test_two_clients_sharing_reads_end_stalled_exactly_when_the_rule_holds(
                 await client.aclose()
 
     asyncio.run(scenario())
+
+
+async def test_a_past_read_aged_exactly_to_the_window_still_answers() -> None:
+    """A past read answers while its aged bound is at most the window: at exactly the window
+    it is still the answer (``age > window`` is false either way), and nothing is read."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    backend = AgeBackend(clock, timers, delay_s=0.0)
+    room = WaitingRoom()
+    await timers.advance(4.0)
+    first = ask(room, backend)
+    await settle()
+    await timers.advance(0.0)
+    assert await first == 4.0
+    await timers.advance(6.0)
+    backend.progress_at = clock()  # a fresh read would say 0
+    aged = ask(room, backend)
+    await settle()
+    await timers.advance(0.0)
+    assert await aged == WINDOW_S
+    assert backend.reads == 1
+
+
+async def test_a_read_on_a_clock_ahead_is_not_aged_on_this_one_once_this_one_passes_it() -> None:
+    """A read timed on a clock 5 s ahead, asked 10 s later on this clock: aged on this one it
+    would say 7 s (fresh), but the scope has not served for 12 s: this call reads again."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    backend = AgeBackend(clock, timers, delay_s=0.0)
+    room = WaitingRoom()
+    await timers.advance(2.0)
+    ahead = FakeClock(start=clock() + 5.0)
+    first = asyncio.ensure_future(
+        room.progress_age(cast(Any, backend), "chat", ahead, known_below=WINDOW_S)
+    )
+    await settle()
+    await timers.advance(0.0)
+    assert await first == 2.0
+    await timers.advance(10.0)
+    later = asyncio.ensure_future(
+        room.progress_age(cast(Any, backend), "chat", clock, known_below=WINDOW_S)
+    )
+    await settle()
+    await timers.advance(0.0)
+    assert await later == 12.0
+    assert backend.reads == 2
