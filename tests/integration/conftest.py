@@ -18,6 +18,9 @@ the keys the scripts wrote.
 requesting module, stopped at its end; ``cluster_backend``: a cluster-mode
 ``RedisBackend`` seeded with its first node, on the cluster emptied first.
 
+``transport``: each HTTP transport in turn (``"httpx"``, ``"aiohttp"``), for
+the end-to-end tests against the simulator that both must pass alike.
+
 ``fleet``: ``RedisBackend`` objects on the suite's Redis, each a process of a
 fleet, whose scripts read ``clock`` (a ``FakeClock``) and whose socket
 timeout (and so hand-off TTL) is ``FLEET_SOCKET_TIMEOUT_S``.
@@ -107,6 +110,13 @@ async def locked_url(redis_url: str, admin: aioredis.Redis) -> AsyncIterator[str
 def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
     """A primary, a replica and a Sentinel, stopped (thawed first) after the test."""
     yield from running(SentinelSetup(tmp_path))
+
+
+@pytest.fixture(params=["httpx", "aiohttp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each HTTP transport in turn: the tests taking it hold for both alike."""
+    name: str = request.param
+    return name
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,6 @@ BOUND_S = 30.0
 """Bounds the tests' own waits, never a timing under test."""
 
 
-@pytest.fixture(params=["httpx", "aiohttp"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Both transports hand the hints over alike."""
-    name: str = request.param
-    return name
-
-
 @pytest.fixture
 async def sim() -> AsyncIterator[SimulatedUpstream]:
     """A simulator with no sources yet; each test adds its own."""

@@ -25,13 +25,6 @@ BOUND_S = 20.0
 TEXTS = [f"text {i}" for i in range(24)]
 
 
-@pytest.fixture(params=["httpx", "aiohttp"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Both transports read vector sizes alike."""
-    name: str = request.param
-    return name
-
-
 @pytest.fixture
 async def sim() -> AsyncIterator[SimulatedUpstream]:
     """Source ``small`` answers 8-float vectors, ``large`` 16-float ones."""

@@ -42,13 +42,6 @@ MAX_ATTEMPTS = 3
 BOUND_S = 20.0
 
 
-@pytest.fixture(params=["httpx", "aiohttp"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Both transports classify every fault alike."""
-    name: str = request.param
-    return name
-
-
 @dataclass
 class Rig:
     """A simulator, the settings pointing at it, one backend and a telemetry recorder."""

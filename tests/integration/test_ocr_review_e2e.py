@@ -25,13 +25,6 @@ from polygateway.simulator import FaultProfile, SimulatedUpstream
 BOUND_S = 20.0
 
 
-@pytest.fixture(params=["httpx", "aiohttp"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Both transports send the upload alike."""
-    name: str = request.param
-    return name
-
-
 @pytest.fixture
 async def sim() -> AsyncIterator[SimulatedUpstream]:
     """One healthy MonkeyOCR source, ``monkey``."""
