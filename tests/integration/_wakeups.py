@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -14,6 +15,7 @@ from polygateway.backends.base import Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
+from polygateway.middleware.waiting import Waiter, WaitingRoom
 
 BOUND_S = 10.0
 """Bound on anything a test awaits, far below the poll intervals the tests set."""
@@ -27,6 +29,20 @@ async def listening(admin: aioredis.Redis, n: int) -> None:
     async with asyncio.timeout(BOUND_S):
         while len(await admin.pubsub_channels("pgw:wake:*")) < n:
             await asyncio.sleep(0.01)
+
+
+async def woken_by(
+    room: WaitingRoom, head: Waiter, release: Awaitable[None], *, within_s: float
+) -> None:
+    """``head`` waits in ``room`` until ``release`` frees a permit: woken once, within
+    ``within_s`` of it (a wake-up, never the 30 s wait's poll)."""
+    waiting = asyncio.ensure_future(room.wait(head, 30.0, asyncio.sleep))
+    began = time.monotonic()
+    await release
+    async with asyncio.timeout(BOUND_S):
+        await waiting
+    assert time.monotonic() - began < within_s
+    assert room.wakeups == 1
 
 
 async def hold(
