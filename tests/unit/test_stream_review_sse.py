@@ -80,11 +80,11 @@ class _Body(httpx.AsyncByteStream):
             yield piece
 
 
-async def _through_httpx(pieces: Sequence[bytes]) -> list[Any]:
+async def _through_httpx(
+    pieces: Sequence[bytes], content_type: str = "text/event-stream"
+) -> list[Any]:
     def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, stream=_Body(pieces)
-        )
+        return httpx.Response(200, headers={"content-type": content_type}, stream=_Body(pieces))
 
     transport = HttpxTransport(
         [SourceConfig(name="primary", protocol="openai", base_url="http://upstream.test/v1")],
@@ -162,19 +162,7 @@ def test_both_paths_agree_on_any_split(stream: tuple[bytes, list[Any]], cuts: li
 
 
 async def _httpx_events(raw: bytes, content_type: str) -> list[Any]:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": content_type}, stream=_Body([raw]))
-
-    transport = HttpxTransport(
-        [SourceConfig(name="primary", protocol="openai", base_url="http://upstream.test/v1")],
-        max_connections=1,
-        mock_transport=httpx.MockTransport(handler),
-    )
-    try:
-        async with transport.stream(_request()) as events:
-            return [event async for event in events]
-    finally:
-        await transport.aclose()
+    return await _through_httpx([raw], content_type)
 
 
 async def test_httpx_path_drops_a_leading_bom_as_the_event_stream_format_says() -> None:
