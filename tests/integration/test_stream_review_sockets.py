@@ -173,8 +173,8 @@ def settings(kind: str, base_url: str) -> GatewaySettings:
     )
 
 
-@pytest.fixture
-async def rig(kind: str, upstream: Upstream) -> AsyncIterator[Rig]:
+def new_rig(kind: str, upstream: Upstream) -> Rig:
+    """A chat client of ``upstream``'s one source over ``kind``, a memory backend, a recorder."""
     backend, recorder = MemoryBackend(), Recorder()
     chat = ChatClient(
         settings(kind, f"http://127.0.0.1:{upstream.port}/v1"),
@@ -182,8 +182,14 @@ async def rig(kind: str, upstream: Upstream) -> AsyncIterator[Rig]:
         backend=backend,
         emitter=recorder,
     )
-    async with chat:
-        yield Rig(chat, backend, recorder)
+    return Rig(chat, backend, recorder)
+
+
+@pytest.fixture
+async def rig(kind: str, upstream: Upstream) -> AsyncIterator[Rig]:
+    made = new_rig(kind, upstream)
+    async with made.chat:
+        yield made
 
 
 async def hung_up(upstream: Upstream) -> None:
@@ -639,14 +645,8 @@ async def test_cancelled_again_while_closing_between_chunks_leaves_no_connection
 ) -> None:
     """Cancelled between chunks inside async with, again while the exit closes: all closed."""
     upstream.play = flowing([f"w{i}" for i in range(100)], gap_s=0.02)
-    backend, recorder = MemoryBackend(), Recorder()
-    chat = ChatClient(
-        settings(kind, f"http://127.0.0.1:{upstream.port}/v1"),
-        "chat",
-        backend=backend,
-        emitter=recorder,
-    )
-    async with chat:
+    made = new_rig(kind, upstream)
+    async with made.chat as chat:
         got: list[str] = []
         pause = asyncio.Event()
 
@@ -663,5 +663,4 @@ async def test_cancelled_again_while_closing_between_chunks_leaves_no_connection
                 await asyncio.sleep(0.01)
         await cancel_twice(task, turns)
         await hung_up(upstream)
-        assert (await backend.snapshot("chat")).in_flight == 0
-        assert recorder.outcomes() == ["cancelled"]
+        await made.assert_released_once("cancelled")
