@@ -29,11 +29,13 @@ def chat_on_clock(
     *,
     seed: int,
     sleep: Any = None,
+    max_sleeps: int = 1000,
     emitter: Any = None,
 ) -> ChatClient:
     """A ChatClient on ``clock`` (``random.Random(seed)`` for jitter), closed at test end.
 
-    ``sleep`` defaults to a ``BoundedSleep`` on ``clock``, as most of these tests sleep.
+    ``sleep`` defaults to a ``BoundedSleep`` on ``clock`` of at most ``max_sleeps`` calls,
+    as most of these tests sleep.
     """
     return closing(
         ChatClient(
@@ -41,7 +43,7 @@ def chat_on_clock(
             backend=backend,
             transport=transport,
             now=clock,
-            sleep=sleep if sleep is not None else BoundedSleep(clock),
+            sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=max_sleeps),
             rng=random.Random(seed),
             emitter=emitter,
         )

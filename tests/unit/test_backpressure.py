@@ -64,7 +64,8 @@ def make_chat(
         backend,
         transport,
         clock,
-        sleep=sleep if sleep is not None else BoundedSleep(clock, max_calls=2000),
+        sleep=sleep,
+        max_sleeps=2000,
         seed=7,
         emitter=emitter,
     )

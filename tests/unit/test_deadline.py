@@ -13,7 +13,6 @@ from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted, StreamInterrupted
 from polygateway.models import ChatChunk
 from polygateway.testing import (
-    BoundedSleep,
     Delay,
     FakeClock,
     FakeTransport,
@@ -50,7 +49,7 @@ def make_chat(
         backend,
         transport,
         clock,
-        sleep=BoundedSleep(clock, max_calls=2000),
+        max_sleeps=2000,
         seed=3,
         emitter=recorder,
     )

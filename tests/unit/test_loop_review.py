@@ -33,7 +33,6 @@ from polygateway.errors import AllSourcesExhausted
 from polygateway.middleware.lifecycle import GovernedClient
 from polygateway.middleware.waiting import Waiter, WaitingRoom, room_for
 from polygateway.testing import (
-    BoundedSleep,
     CountingBackend,
     Delay,
     FakeClock,
@@ -71,7 +70,7 @@ def make_chat(
         backend,
         transport,
         clock,
-        sleep=BoundedSleep(clock, max_calls=2000),
+        max_sleeps=2000,
         seed=5,
         emitter=emitter,
     )
