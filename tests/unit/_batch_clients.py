@@ -98,6 +98,7 @@ def on_clock(
     clock: FakeClock,
     *,
     seed: int,
+    emitter: Any = None,
 ) -> Client:
     """A ``kind`` client on ``transport``, a MemoryBackend and ``clock``; closed at test end."""
     return closing(
@@ -109,5 +110,6 @@ def on_clock(
             now=clock,
             sleep=clock.sleep,
             rng=random.Random(seed),
+            emitter=emitter,
         )
     )

@@ -33,7 +33,6 @@ from polygateway.testing import (
     Recorder,
     TransientError,
 )
-from polygateway.transport.httpx_client import HttpxTransport
 
 SCOPE = "ocr"
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -352,20 +351,9 @@ async def test_a_call_on_a_subset_of_sources_still_reaches_the_emitter() -> None
     settings = make_settings(vision(priority=0), monkey(priority=1))
     clock = FakeClock()
     recorder = Recorder()
-    transport = HttpxTransport(
-        settings.scope(SCOPE).sources,
-        max_connections=4,
-        mock_transport=httpx.MockTransport(Upstream()),
-    )
-    async with OcrClient(
-        settings,
-        SCOPE,
-        backend=MemoryBackend(now=clock),
-        transport=transport,
-        now=clock,
-        sleep=clock.sleep,
-        rng=random.Random(3),
-        emitter=recorder,
+    transport = mock_wire(settings, SCOPE, Upstream())
+    async with on_clock(
+        OcrClient, settings, SCOPE, transport, clock, seed=3, emitter=recorder
     ) as ocr:
         await ocr.recognize_text(PDF)
     assert [(r.source, r.outcome) for r in recorder.records] == [("monkey", "success")]
