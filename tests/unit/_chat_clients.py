@@ -59,6 +59,8 @@ def make_chat(
     sleep: Any = None,
     transport_sleep: Any = None,
     emitter: Any = None,
+    seed: int = 5,
+    max_sleeps: int = 1000,
     **gateway: Any,
 ) -> tuple[ChatClient, FakeTransport, Any]:
     """A chat client on a fake clock, a scripted transport and a memory backend."""
@@ -70,8 +72,9 @@ def make_chat(
         backend,
         transport,
         clock,
+        seed=seed,
         sleep=sleep,
-        seed=5,
+        max_sleeps=max_sleeps,
         emitter=emitter,
     )
     return chat, transport, backend

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from _chat_clients import chat_on_clock
+from _chat_clients import make_chat as chat_client
 
 from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -46,30 +47,15 @@ def make_chat(
     script: Any,
     *,
     sources: tuple[str, ...] = ("primary",),
-    backend: Any = None,
-    sleep: Any = None,
-    emitter: Any = None,
     source_fields: dict[str, Any] | None = None,
-    **gateway: Any,
+    **given: Any,
 ) -> tuple[ChatClient, FakeTransport, Any]:
     """A chat client on a fake clock, a scripted transport and a memory backend."""
     fields = source_fields or {}
-    settings = gateway_settings(
-        *({"name": name, **fields} for name in sources), stall_window_s=STALL, **gateway
+    named = tuple({"name": name, **fields} for name in sources)
+    return chat_client(
+        clock, script, sources=named, stall_window_s=STALL, seed=7, max_sleeps=2000, **given
     )
-    backend = backend if backend is not None else MemoryBackend(now=clock)
-    transport = FakeTransport(script, clock=clock)
-    chat = chat_on_clock(
-        settings,
-        backend,
-        transport,
-        clock,
-        sleep=sleep,
-        max_sleeps=2000,
-        seed=7,
-        emitter=emitter,
-    )
-    return chat, transport, backend
 
 
 class FixedProgress(MemoryBackend):
