@@ -185,6 +185,20 @@ def ask(room: WaitingRoom, backend: AgeBackend, below: float = WINDOW_S) -> asyn
     )
 
 
+async def room_with_a_read_of_4s() -> tuple[FakeClock, FakeTimers, AgeBackend, WaitingRoom]:
+    """A room whose one read so far found the scope 4 s past its last progress."""
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    backend = AgeBackend(clock, timers, delay_s=0.0)
+    room = WaitingRoom()
+    await timers.advance(4.0)
+    first = ask(room, backend)
+    await settle()
+    await timers.advance(0.0)
+    assert await first == 4.0
+    return clock, timers, backend, room
+
+
 async def test_calls_asking_while_a_read_is_in_flight_share_it() -> None:
     """Forty calls ask at once: one backend read, the same answer for all."""
     clock = FakeClock()
@@ -201,15 +215,7 @@ async def test_calls_asking_while_a_read_is_in_flight_share_it() -> None:
 
 async def test_a_past_read_answers_while_it_proves_the_scope_fresh_then_one_reads_again() -> None:
     """A read of 4 s answers, aged, until the window; then a fresh read sees a new mark."""
-    clock = FakeClock()
-    timers = FakeTimers(clock)
-    backend = AgeBackend(clock, timers, delay_s=0.0)
-    room = WaitingRoom()
-    await timers.advance(4.0)
-    first = ask(room, backend)
-    await settle()
-    await timers.advance(0.0)
-    assert await first == 4.0
+    clock, timers, backend, room = await room_with_a_read_of_4s()
     await timers.advance(5.0)
     backend.progress_at = clock()  # a mark the aged figure does not know about
     assert await ask(room, backend) == 9.0  # an upper bound, still under the window
@@ -509,15 +515,7 @@ def test_two_clients_sharing_reads_end_stalled_exactly_when_the_rule_holds(
 async def test_a_past_read_aged_exactly_to_the_window_still_answers() -> None:
     """A past read answers while its aged bound is at most the window: at exactly the window
     it is still the answer (``age > window`` is false either way), and nothing is read."""
-    clock = FakeClock()
-    timers = FakeTimers(clock)
-    backend = AgeBackend(clock, timers, delay_s=0.0)
-    room = WaitingRoom()
-    await timers.advance(4.0)
-    first = ask(room, backend)
-    await settle()
-    await timers.advance(0.0)
-    assert await first == 4.0
+    clock, timers, backend, room = await room_with_a_read_of_4s()
     await timers.advance(6.0)
     backend.progress_at = clock()  # a fresh read would say 0
     aged = ask(room, backend)
