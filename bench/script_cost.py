@@ -76,14 +76,18 @@ from polygateway.config import PROGRESS_TTL_S
 from polygateway.governance.aimd import AIMD_COOLOFF_S, AIMD_FACTOR
 
 __all__ = [
+    "BATCH_COLUMNS",
+    "BATCH_SIZES",
     "CASES",
     "LAYOUTS",
     "VARIANTS",
     "Layout",
     "Variant",
     "expected_rows",
+    "looped",
     "main",
     "measure",
+    "measure_batches",
     "measure_layouts",
 ]
 
@@ -709,6 +713,115 @@ def measure_layouts(url: str, *, calls: int, sources: int, rounds: int) -> list[
     ]
 
 
+# -- several calls per script run: what batching would amortize --------------------------------
+
+BATCH_SIZES = (1, 4, 16)
+"""Calls per script run in the batch table."""
+
+
+def looped(source: str, calls: int) -> str:
+    """EXPERIMENT: a script whose body runs ``calls`` times in one run, lease ``<id>:<i>`` each.
+
+    The body is the real script, unchanged, so each call reads and writes the state as
+    a script run of its own would: one run's floor (EVALSHA, the KEYS and ARGV tables,
+    the reply) is shared and nothing else. The last call's reply is returned.
+    """
+    return (
+        "-- EXPERIMENT: the real script's body looped, one lease id per call\n"
+        f"local function body(ARGV)\n{source}\nend\n"
+        "local reply\n"
+        f"for i = 1, {calls} do\n"
+        "  local args = {}\n"
+        "  for k = 1, #ARGV do args[k] = ARGV[k] end\n"
+        "  args[2] = ARGV[2] .. ':' .. i\n"
+        "  reply = body(args)\n"
+        "end\n"
+        "return reply\n"
+    )
+
+
+def shared_calls(calls: int) -> tuple[str, str]:
+    """EXPERIMENT: the commands ``calls`` grants and successes at one source would need if
+    one run read and wrote the state once for all of them (one ``ZADD`` and one ``ZREM``
+    of every lease), with constant arguments and no logic: the floor of such a batch."""
+    members = " ".join(f"'1796212860.1234567', ARGV[2] .. ':{i}'," for i in range(calls))
+    leases = " ".join(f"ARGV[2] .. ':{i}'," for i in range(calls))
+    acquire = _CALLS_ACQUIRE.replace(
+        "redis.call('ZADD', KEYS[3], '1796212860.1234567', ARGV[2])",
+        f"redis.call('ZADD', KEYS[3], {members.rstrip(',')})",
+    )
+    release = _CALLS_RELEASE.replace(
+        "redis.call('ZREM', KEYS[2], ARGV[2])", f"redis.call('ZREM', KEYS[2], {leases.rstrip(',')})"
+    )
+    if acquire == _CALLS_ACQUIRE or release == _CALLS_RELEASE:
+        raise RuntimeError("the commands-alone scripts changed: update shared_calls")
+    return acquire, release
+
+
+BATCH_COLUMNS = (
+    ("calls", "calls per script run"),
+    ("looped", "body looped: pair CPU µs"),
+    ("looped_x", "x INCR+DECR"),
+    ("shared", "commands alone, state read once: pair CPU µs"),
+)
+
+
+def _batch_run(
+    client: redis.Redis, shas: tuple[str, str], calls: int, pairs: int, tag: str
+) -> float:
+    """µs of Redis CPU per pair (ACQUIRE, RELEASE, ... pipelined), ``calls`` per script run."""
+    scope = _Scope(f"batch-{tag}", 1)
+    runs = max(1, pairs // calls)
+    per_pipe = max(1, BATCH // calls)
+    serial = 0
+    cpu = _cpu_s(client)
+    for start in range(0, runs, per_pipe):
+        pipe = client.pipeline(transaction=False)
+        for _ in range(min(per_pipe, runs - start)):
+            serial += 1
+            pipe.evalsha(shas[0], *scope.acquire(f"{serial:012x}bench"))
+            pipe.evalsha(shas[1], *scope.release(f"{serial:012x}bench"))
+        pipe.execute()
+    return (_cpu_s(client) - cpu) * 1e6 / (runs * calls)
+
+
+def measure_batches(url: str, *, pairs: int, rounds: int) -> list[dict[str, Any]]:
+    """Per pair, best round, at each of ``BATCH_SIZES``: the real scripts looped, and the
+    commands a batch reading the state once would run. The looped replies are checked (a
+    grant, then 1); every lease is gone after each run."""
+    client = redis.Redis.from_url(url)
+    real = (client.script_load(scripts.ACQUIRE), client.script_load(scripts.RELEASE))
+    shas = {}
+    for n in BATCH_SIZES:
+        shas[("looped", n)] = tuple(
+            client.script_load(looped(s, n)) for s in (scripts.ACQUIRE, scripts.RELEASE)
+        )
+        shas[("shared", n)] = tuple(client.script_load(s) for s in shared_calls(n))
+    best: dict[tuple[str, int], float] = {}
+    for round_ in range(rounds):
+        for n in BATCH_SIZES:
+            for kind in ("looped", "shared"):
+                tag = f"{kind}-{n}-{round_}"
+                scope = _Scope(f"batch-{tag}", 1)
+                # First sight by the real scripts, then the variant once (compiled, checked).
+                _check([client.evalsha(real[0], *scope.acquire("warm"))], 1, tag)
+                _check([client.evalsha(real[1], *scope.release("warm"))], None, tag)
+                acquire, release = shas[(kind, n)]
+                if kind == "looped":
+                    _check([client.evalsha(acquire, *scope.acquire("check"))], 1, tag)
+                    _check([client.evalsha(release, *scope.release("check"))], None, tag)
+                us = _batch_run(client, (acquire, release), n, pairs, tag)
+                best[(kind, n)] = min(us, best.get((kind, n), us))
+                leases = client.zrangebyscore(codec.key(scope.name, "leases", "s000"), 0, "+inf")
+                if kind == "looped" and leases:
+                    raise RuntimeError(f"{tag}: leases left behind: {leases[:3]!r}")
+        client.flushall()
+    return [
+        {"calls": n, "looped": best[("looped", n)], "shared": best[("shared", n)]}
+        for n in BATCH_SIZES
+    ]
+
+
 # -- reporting ---------------------------------------------------------------------------------
 
 _BASELINE_PAIRS = 1000
@@ -784,6 +897,12 @@ def _layouts(layouts: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], 
     return "\n".join(lines)
 
 
+def _batches(batches: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
+    """The batch table, the looped scripts against the INCR + DECR pair of the main table."""
+    base = rows[0]["pair_cpu_us"]
+    return _table([{**row, "looped_x": row["looped"] / base} for row in batches], BATCH_COLUMNS)
+
+
 def _revision() -> str:
     try:
         out = subprocess.run(
@@ -816,6 +935,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         _targets(result["rows"], args.sources),
         "",
         _layouts(result["layouts"], result["rows"], args.sources),
+        "",
+        _batches(result["batches"], result["rows"]),
     ]
     return "\n".join(head)
 
@@ -846,6 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         result["layouts"] = measure_layouts(
             url, calls=args.pairs, sources=args.sources, rounds=args.rounds
         )
+        result["batches"] = measure_batches(url, pairs=args.pairs, rounds=args.rounds)
     print(render(result, args))
     return 0
 

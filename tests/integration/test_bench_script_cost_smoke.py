@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not installed
-from bench.script_cost import LAYOUTS, ROW_COLUMNS, WALK_LABEL, expected_rows
+from bench.script_cost import (
+    BATCH_COLUMNS,
+    BATCH_SIZES,
+    LAYOUTS,
+    ROW_COLUMNS,
+    WALK_LABEL,
+    expected_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = 4
@@ -101,4 +108,20 @@ def test_every_call_layout_is_priced(printed: str) -> None:
     assert [r[0] for r in rows] == [layout.label for layout in LAYOUTS] + [WALK_LABEL]
     for row in rows:
         assert len(row) == 4, row
+        assert min(float(cell.replace(",", "")) for cell in row[1:]) > 0, row
+
+
+def test_every_batch_size_is_measured(printed: str) -> None:
+    """The batch table has each size once, in order, with a figure in every cell."""
+    lines = printed.splitlines()
+    header = "| " + " | ".join(h for _, h in BATCH_COLUMNS) + " |"
+    start = lines.index(header)
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(_cells(line))
+    assert [int(r[0]) for r in rows] == list(BATCH_SIZES)
+    for row in rows:
+        assert len(row) == len(BATCH_COLUMNS), row
         assert min(float(cell.replace(",", "")) for cell in row[1:]) > 0, row
