@@ -356,8 +356,12 @@ def _gate(request: Request, family: _Family, profile: FaultProfile) -> Response 
     return error_response(wire, 401, "Incorrect API key provided.")
 
 
-def _reply(data: Mapping[str, Any], source: _Source) -> ChatReply:
-    """The reply to a valid chat request, numbered in the source's sequence."""
+def _reply(data: Mapping[str, Any], source: _Source, *, filtered: bool = False) -> ChatReply:
+    """The reply to a valid chat request, numbered in the source's sequence.
+
+    ``filtered``: the answer is streamed under the source's asynchronous
+    content filter, which flags its ``azure_filter_flags``.
+    """
     source.served += 1
     return chat_reply(
         data,
@@ -365,7 +369,32 @@ def _reply(data: Mapping[str, Any], source: _Source) -> ChatReply:
         request_no=source.served,
         created=int(time.time()),  # edge: wall clock, as OpenAI's ``created``
         min_words=source.profile.stream_chunks,
+        flags=source.profile.azure_filter_flags if filtered else (),
     )
+
+
+def _functions_fault(data: Mapping[str, Any]) -> str | None:
+    """What OpenAI refuses in a request's legacy ``functions`` / ``function_call``, or None."""
+    functions = data.get("functions")
+    choice = data.get("function_call")
+    if functions is not None and (
+        not isinstance(functions, list)
+        or not functions
+        or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions)
+    ):
+        return "Invalid 'functions': expected a non-empty array of objects with a 'name'."
+    if choice is None:
+        return None
+    if functions is None:
+        return "Invalid value for 'function_call': only allowed when 'functions' are specified."
+    if choice in ("auto", "none"):
+        return None
+    name = choice.get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        return "Invalid value for 'function_call': expected 'auto', 'none' or {'name': ...}."
+    if all(f["name"] != name for f in functions):
+        return f"Invalid value for 'function_call': no function named {name!r} in 'functions'."
+    return None
 
 
 async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | Response:
@@ -374,14 +403,18 @@ async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | 
     data = _json_body(body)
     if data is None or not isinstance(data.get("messages"), list) or not data["messages"]:
         return error_response(wire, 400, "'messages' must be a non-empty list")
+    if (fault := _functions_fault(data)) is not None:
+        return error_response(wire, 400, fault)
     deployment = request.path_params.get("deployment")
     if deployment and not isinstance(data.get("model"), str):
         # Azure names the model by its deployment, in the path.
         data = {**data, "model": deployment}
-    reply = _reply(data, source)
     filtered = content_filtered(wire)
+    streamed = bool(data.get("stream"))
+    asynchronous = filtered and source.profile.azure_filter == "asynchronous"
+    reply = _reply(data, source, filtered=asynchronous and streamed)
     plan = None
-    if data.get("stream"):
+    if streamed:
         options = data.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         plan = chat_chunks(
@@ -389,6 +422,7 @@ async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | 
             chunks=source.profile.stream_chunks,
             include_usage=include_usage,
             content_filter=filtered,
+            asynchronous_filter=asynchronous,
         )
     return _Job(
         build=lambda: chat_completion(reply, content_filter=filtered),
@@ -406,6 +440,10 @@ async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Jo
         return error_response("anthropic", 400, "the request body is not a JSON object")
     if not isinstance(data.get("messages"), list) or not data["messages"]:
         return error_response("anthropic", 400, "messages: Field required")
+    if "functions" in data or "function_call" in data:
+        # OpenAI's legacy function calling is no field of the Messages API, which refuses extras.
+        extra = "functions" if "functions" in data else "function_call"
+        return error_response("anthropic", 400, f"{extra}: Extra inputs are not permitted")
     max_tokens = data.get("max_tokens")
     if max_tokens is None:
         return error_response("anthropic", 400, "max_tokens: Field required")

@@ -13,8 +13,30 @@ top of a completion or in a chunk of their own that opens a stream (empty
 ``choices``, empty ``id``, ``model`` and ``object``, ``created`` 0), and
 ``content_filter_results`` in each choice, every category ``safe`` where
 there is text to rate, ``{}`` where there is none (the role, tool-call and
-finish chunks). This is Azure's default (buffered) filter mode; the
-asynchronous filter's annotation-only chunks are not played.
+finish chunks). That is Azure's default (buffered) filter mode. Its
+asynchronous filter (``asynchronous_filter=True``), as Azure's content
+streaming guide describes it ("Annotations and sample responses",
+research-wiki/guides/providers.md), streams the content chunks bare, with no
+``content_filter_results``, and rates the text afterwards in chunks of their
+own: empty ``id``, ``model`` and ``object``, ``created`` 0, one choice with
+no ``delta``, holding ``content_filter_results`` and ``content_filter_offsets``
+(``check_offset``, ``start_offset``, ``end_offset``: character offsets counted
+from the start of the prompt, ``check_offset`` never decreasing); the last of
+them comes after everything the model sent (the finish chunk, and the usage
+chunk when asked for). A reply that says a flagged word
+(``ChatReply.flagged``) is cut there: the filter's verdict comes late, one
+content chunk after the flagged one, as an annotation chunk whose choice has
+``finish_reason: "content_filter"`` and a category ``filtered: true`` (the
+guide's blocked sample: ``protected_material_text``), with no finish chunk
+of the model's before it.
+
+A request that offers legacy ``functions`` (OpenAI's deprecated function
+calling) is answered as OpenAI answers it: a call of the function
+``function_call`` names (``{"name": ...}``), else of the first (``"auto"``,
+the default), as the message's ``function_call`` (no id, no ``tool_calls``),
+streamed as ``delta.function_call`` pieces (the name with ``"arguments": ""``
+first, then the arguments), ``finish_reason`` ``function_call``;
+``function_call: "none"`` gets text, as ``tool_choice: "none"`` does.
 
 A request that asks for JSON of a schema gets an instance of it
 (``schema_instance``): ``response_format`` ``json_schema`` makes the reply
@@ -26,9 +48,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -105,6 +128,12 @@ class ChatReply:
     """The tool call's arguments: JSON text of an instance of the tool's schema."""
     cut: bool = False
     """Whether ``max_tokens`` cut the text short, which the finish reason then says."""
+    legacy: bool = False
+    """Whether the call answers legacy ``functions``: a ``function_call``, not ``tool_calls``."""
+    flagged: int | None = None
+    """The index in ``words`` of the first word a content filter flags, if any."""
+    prompt_chars: int = 0
+    """Characters of the prompt's text, where the content filter's offsets start counting."""
 
     @property
     def content(self) -> str:
@@ -115,9 +144,9 @@ class ChatReply:
 
     @property
     def finish_reason(self) -> str:
-        """``tool_calls`` for a tool call, ``length`` for a text cut short, else ``stop``."""
+        """``tool_calls`` (legacy: ``function_call``) for a call, ``length`` if cut, or ``stop``."""
         if self.tool_name is not None:
-            return "tool_calls"
+            return "function_call" if self.legacy else "tool_calls"
         return "length" if self.cut else "stop"
 
     @property
@@ -134,10 +163,14 @@ class ChatReply:
 
     def usage(self) -> dict[str, int]:
         """The OpenAI usage object of this reply."""
+        return self.usage_of(self.completion_tokens)
+
+    def usage_of(self, completion_tokens: int) -> dict[str, int]:
+        """The OpenAI usage object of this prompt and ``completion_tokens`` of answer."""
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
         }
 
     def runs(self, chunks: int) -> list[str]:
@@ -156,6 +189,10 @@ class ChatReply:
             out.append(text if i == 0 else " " + text)
         return out
 
+    def function_call(self) -> dict[str, Any]:
+        """The legacy ``function_call`` of a reply to ``functions``: a name and JSON arguments."""
+        return {"name": self.tool_name, "arguments": self.tool_input}
+
     def tool_call(self) -> dict[str, Any]:
         """The one tool call of a tool reply, arguments as a JSON string like OpenAI sends."""
         return {
@@ -166,9 +203,20 @@ class ChatReply:
 
 
 def chat_reply(
-    request: Mapping[str, Any], *, source: str, request_no: int, created: int, min_words: int
+    request: Mapping[str, Any],
+    *,
+    source: str,
+    request_no: int,
+    created: int,
+    min_words: int,
+    flags: Sequence[str] = (),
 ) -> ChatReply:
-    """Decide the reply to a chat request; ``min_words`` lets a stream fill its chunks."""
+    """Decide the reply to a chat request; ``min_words`` lets a stream fill its chunks.
+
+    Args:
+        flags: words a content filter flags (case aside, punctuation around
+            them aside): the first one the text says sets ``ChatReply.flagged``.
+    """
     messages = request.get("messages", [])
     prompt = _prompt_text(messages if isinstance(messages, list) else [])
     words = [*f"Simulated reply from {source}.".split(), *prompt.split()[:8]]
@@ -183,11 +231,19 @@ def chat_reply(
         words = words[:max_tokens]
     tool_name: str | None = None
     tool_input = "{}"
+    legacy = False
     tools = request.get("tools")
-    if isinstance(tools, list) and tools:
+    functions = request.get("functions")
+    called: tuple[Any, Any] | None = None
+    if isinstance(tools, list) and tools and request.get("tool_choice") != "none":
         # Offered tools make the reply a call of the one tool_choice forces, else of the
         # first, named where OpenAI ({"function": {"name"}}) or Anthropic ({"name"}) puts it.
-        name, schema = _called_tool(tools, request.get("tool_choice"))
+        called = _called_tool(tools, request.get("tool_choice"))
+    elif isinstance(functions, list) and functions and request.get("function_call") != "none":
+        called = _called_function(functions, request.get("function_call"))
+        legacy = True
+    if called is not None:
+        name, schema = called
         tool_name = name if isinstance(name, str) else "tool"
         arguments = schema_instance(schema)
         # Arguments are an object whatever the schema says (an empty schema says nothing).
@@ -198,6 +254,11 @@ def chat_reply(
         spec = answer_format.get("json_schema")
         if answer_format.get("type") == "json_schema" and isinstance(spec, Mapping):
             json_text = json.dumps(schema_instance(spec.get("schema")))
+    flagged = None
+    if flags and tool_name is None and json_text is None:
+        wanted = {f.lower() for f in flags}
+        said = (i for i, w in enumerate(words) if w.strip(_PUNCTUATION).lower() in wanted)
+        flagged = next(said, None)
     model = request.get("model")
     return ChatReply(
         id=f"chatcmpl-sim-{source}-{request_no}",
@@ -210,7 +271,14 @@ def chat_reply(
         tool_input=tool_input,
         # A JSON answer is written whole, whatever max_tokens says.
         cut=cut and json_text is None,
+        legacy=legacy,
+        flagged=flagged,
+        prompt_chars=len(prompt),
     )
+
+
+_PUNCTUATION = ".,;:!?\"'()[]"
+"""What a flagged word may be wrapped in and still be the word."""
 
 
 def _tool_name_and_schema(tool: Any) -> tuple[Any, Any]:
@@ -230,6 +298,22 @@ def _called_tool(tools: list[Any], choice: Any) -> tuple[Any, Any]:
         function = choice.get("function")
         forced = function.get("name") if isinstance(function, Mapping) else choice.get("name")
     offered = [_tool_name_and_schema(tool) for tool in tools]
+    for name, schema in offered:
+        if forced is not None and name == forced:
+            return name, schema
+    return offered[0]
+
+
+def _called_function(functions: list[Any], choice: Any) -> tuple[Any, Any]:
+    """The legacy function a reply calls: the one ``function_call`` names, or the first.
+
+    A name no function has is refused by the server before this (a 400, as OpenAI's).
+    """
+    offered = [
+        (f.get("name"), f.get("parameters")) if isinstance(f, Mapping) else (None, None)
+        for f in functions
+    ]
+    forced = choice.get("name") if isinstance(choice, Mapping) else None
     for name, schema in offered:
         if forced is not None and name == forced:
             return name, schema
@@ -305,7 +389,14 @@ def chat_completion(reply: ChatReply, *, content_filter: bool = False) -> dict[s
     ``content_filter`` adds Azure's annotations (module docstring).
     """
     message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
-    if reply.tool_name is not None:
+    if reply.legacy:
+        message = {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "function_call": reply.function_call(),
+        }
+    elif reply.tool_name is not None:
         message = {
             "role": "assistant",
             "content": None,
@@ -357,15 +448,57 @@ class StreamPlan:
     tail: tuple[Event, ...]
 
 
+def _filter_offsets(reply: ChatReply, start: int, end: int) -> dict[str, int]:
+    """``content_filter_offsets`` of the answer's characters ``start`` to ``end``.
+
+    Counted from the start of the prompt; everything before ``start`` was
+    checked already, so ``check_offset`` is ``start`` and never decreases.
+    """
+    base = reply.prompt_chars
+    return {"check_offset": base + start, "start_offset": base + start, "end_offset": base + end}
+
+
+def _annotation(
+    reply: ChatReply, start: int, end: int, *, include_usage: bool, blocked: bool = False
+) -> Event:
+    """An asynchronous filter's annotation chunk rating the answer's characters ``start``-``end``.
+
+    ``blocked``: the filter stops the answer there (``finish_reason:
+    "content_filter"``, the flagged category ``filtered: true``).
+    """
+    results = (
+        {"protected_material_text": {"filtered": True, "detected": True}}
+        if blocked
+        else _content_filter_results()
+    )
+    choice = {
+        "index": 0,
+        "finish_reason": "content_filter" if blocked else None,
+        "content_filter_results": results,
+        "content_filter_offsets": _filter_offsets(reply, start, end),
+    }
+    body: dict[str, Any] = {"id": "", "object": "", "created": 0, "model": "", "choices": [choice]}
+    if include_usage:
+        body["usage"] = None
+    return None, body
+
+
 def chat_chunks(
-    reply: ChatReply, *, chunks: int, include_usage: bool, content_filter: bool = False
+    reply: ChatReply,
+    *,
+    chunks: int,
+    include_usage: bool,
+    content_filter: bool = False,
+    asynchronous_filter: bool = False,
 ) -> StreamPlan:
     """The ``chat.completion.chunk`` objects of a stream: role, deltas, finish, then usage.
 
     As OpenAI sends them: every chunk names the ``system_fingerprint`` and its
     choice says ``"logprobs": null``; the role chunk says ``"refusal": null``.
     ``content_filter`` adds Azure's annotations (module docstring): the prompt's
-    chunk first, sent at once, and each choice's ``content_filter_results``.
+    chunk first, sent at once, and each choice's ``content_filter_results``;
+    with ``asynchronous_filter`` too, the choices are bare and annotation
+    chunks rate the text after it was sent (and a flagged reply is cut).
 
     The usage chunk (empty ``choices``) comes only when the request set
     ``stream_options.include_usage``, and then every other chunk carries
@@ -373,9 +506,11 @@ def chat_chunks(
     it after these.
     """
 
+    rated_inline = content_filter and not asynchronous_filter
+
     def chunk(delta: dict[str, Any], finish: str | None = None) -> Event:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        if content_filter:
+        if rated_inline:
             rated = bool(delta.get("content"))
             choice["content_filter_results"] = _content_filter_results() if rated else {}
         body: dict[str, Any] = {
@@ -392,7 +527,15 @@ def chat_chunks(
 
     head: tuple[Event, ...] = ()
     body: tuple[Event, ...]
-    if reply.tool_name is not None:
+    if reply.legacy:
+        # The legacy protocol streams one call: its name first (arguments empty), then
+        # the arguments, as openai-python's ChoiceDeltaFunctionCall pieces.
+        name = {"name": reply.tool_name, "arguments": ""}
+        body = (
+            chunk({"role": "assistant", "content": None, "function_call": name, "refusal": None}),
+            chunk({"function_call": {"arguments": reply.tool_input}}),
+        )
+    elif reply.tool_name is not None:
         # The call's name is model output, so it comes after the first-token delay
         # together with the role, as OpenAI's first tool chunk carries both.
         call = reply.tool_call()
@@ -417,13 +560,66 @@ def chat_chunks(
         if include_usage:
             prompt["usage"] = None
         head = ((None, prompt), *head)
+        if asynchronous_filter and reply.tool_name is None:
+            return _asynchronously_filtered(reply, chunks, include_usage, head, chunk)
     tail = [chunk({}, reply.finish_reason)]
     if include_usage:
-        _, last = chunk({})
-        last["choices"] = []
-        last["usage"] = reply.usage()
-        tail.append((None, last))
+        tail.append(_usage_chunk(chunk, reply.usage()))
     return StreamPlan(head, body, tuple(tail))
+
+
+def _usage_chunk(chunk: Callable[[dict[str, Any]], Event], usage: dict[str, int]) -> Event:
+    """The last chunk of ``include_usage``: empty ``choices``, the answer's ``usage``."""
+    _, last = chunk({})
+    last["choices"] = []
+    last["usage"] = usage
+    return None, last
+
+
+def _asynchronously_filtered(
+    reply: ChatReply,
+    chunks: int,
+    include_usage: bool,
+    head: tuple[Event, ...],
+    chunk: Callable[..., Event],
+) -> StreamPlan:
+    """A text stream under Azure's asynchronous filter (module docstring).
+
+    The first half of the content is rated by an annotation chunk in the
+    middle of the stream, the rest by one after everything else; a flagged
+    reply stops one content chunk after the flagged one, with the blocking
+    annotation in place of the finish chunk, and its usage (when asked for)
+    counts the words that were sent.
+    """
+    runs = reply.runs(chunks)
+    sent = len(runs)
+    if reply.flagged is not None:
+        words = 0
+        for i, text in enumerate(runs):
+            words += len(text.split())
+            if words > reply.flagged:
+                sent = min(len(runs), i + 2)
+                break
+    ends = list(itertools.accumulate(len(text) for text in runs[:sent]))
+    mid = sent // 2
+    body: list[Event] = [chunk({"content": text}) for text in runs[:sent]]
+    checked = 0
+    if mid and (reply.flagged is None or sent - 1 > mid):
+        checked = ends[mid - 1]
+        body.insert(mid, _annotation(reply, 0, checked, include_usage=include_usage))
+    tail: list[Event] = []
+    if reply.flagged is not None:
+        blocking = _annotation(reply, checked, ends[-1], include_usage=include_usage, blocked=True)
+        tail.append(blocking)
+        if include_usage:
+            spoken = sum(len(text.split()) for text in runs[:sent])
+            tail.append(_usage_chunk(chunk, reply.usage_of(spoken)))
+        return StreamPlan(head, tuple(body), tuple(tail))
+    tail.append(chunk({}, reply.finish_reason))
+    if include_usage:
+        tail.append(_usage_chunk(chunk, reply.usage()))
+    tail.append(_annotation(reply, checked, ends[-1], include_usage=include_usage))
+    return StreamPlan(head, tuple(body), tuple(tail))
 
 
 def _message_id(reply: ChatReply) -> str:

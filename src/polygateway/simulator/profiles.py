@@ -24,6 +24,7 @@ __all__ = [
     "FAULTS",
     "PROFILES",
     "WIRES",
+    "AzureFilter",
     "Fault",
     "FaultProfile",
     "RetryAfterStyle",
@@ -37,6 +38,9 @@ Fault = Literal["429", "5xx", "hang", "reset", "malformed", "error_body", "trunc
 FAULTS: tuple[Fault, ...] = get_args(Fault)
 
 RetryAfterStyle = Literal["seconds", "http-date"]
+
+AzureFilter = Literal["default", "asynchronous"]
+"""How Azure's content filter streams: buffered and rated per chunk, or rated afterwards."""
 
 Wire = Literal["openai", "azure", "anthropic", "litellm", "vllm"]
 """The provider a source imitates on the wire."""
@@ -93,6 +97,16 @@ class FaultProfile:
         stream_chunks: content chunks per streamed answer.
         chunk_interval_s: delay between stream chunks.
         embedding_dim: length of each embedding vector.
+        azure_filter: on the ``azure`` wire, the content filter's streaming
+            mode: ``default`` (content buffered, every chunk rated) or
+            ``asynchronous`` (Azure's Asynchronous Filter: content chunks bare,
+            the ratings after them in annotation-only chunks carrying
+            ``content_filter_offsets``, the last one after the finish chunk;
+            research-wiki/guides/providers.md).
+        azure_filter_flags: words the ``asynchronous`` filter flags: a streamed
+            text reply that says one is cut a chunk later by an annotation
+            with ``finish_reason: "content_filter"`` (``filtered: true``).
+            Non-streamed answers are not filtered.
     """
 
     wire: Wire = "openai"
@@ -123,6 +137,8 @@ class FaultProfile:
     stream_chunks: int = 8
     chunk_interval_s: float = 0.0
     embedding_dim: int = 8
+    azure_filter: AzureFilter = "default"
+    azure_filter_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Refuse a profile that cannot be played, naming the field."""
@@ -163,6 +179,14 @@ class FaultProfile:
             raise ValueError("FaultProfile.embedding_dim must be >= 1")
         if self.retry_after_style not in ("seconds", "http-date"):
             raise ValueError(f"FaultProfile.retry_after_style unknown: {self.retry_after_style!r}")
+        if self.azure_filter not in ("default", "asynchronous"):
+            raise ValueError(f"FaultProfile.azure_filter unknown: {self.azure_filter!r}")
+        if self.azure_filter != "default" and self.wire != "azure":
+            raise ValueError("FaultProfile.azure_filter is a mode of the azure wire")
+        if self.azure_filter_flags and self.azure_filter != "asynchronous":
+            raise ValueError("FaultProfile.azure_filter_flags need azure_filter='asynchronous'")
+        if any(not isinstance(w, str) or not w.strip() for w in self.azure_filter_flags):
+            raise ValueError("FaultProfile.azure_filter_flags must be non-empty words")
 
     def request_window(self) -> tuple[int, float] | None:
         """The server-side request limit and its window in seconds, or None when unlimited."""

@@ -1,0 +1,193 @@
+"""Legacy function calling (``functions`` / ``function_call``) over real sockets, end to end.
+
+OpenAI's deprecated protocol, still served by OpenAI and Azure: a request
+offering ``functions`` is answered with the message's ``function_call``
+(``{"name", "arguments"}``, no id) and ``finish_reason: "function_call"``;
+streamed, as ``delta.function_call`` pieces, the name first with empty
+arguments, then the arguments (openai-python's ``FunctionCall`` and
+``ChoiceDeltaFunctionCall``; research-wiki/guides/providers.md, "OpenAI").
+``function_call`` is ``"auto"`` (the default), ``"none"`` (answer in text) or
+``{"name": ...}`` (call that one); a name not among ``functions`` is a 400.
+
+The library passes both parameters through as given (they are checked
+parameters of the chat completions API) and reads the answer as one tool
+call of type ``function_call`` with an empty id, plain and streamed alike;
+the follow-up turn (the assistant's ``function_call`` and a ``function``
+message with the result) is sent as given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import pytest
+
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
+from polygateway.errors import RequestRejected
+from polygateway.simulator import FaultProfile, SimulatedUpstream
+
+KEY = "sk-legacy-Fn-0123456789"
+BOUND_S = 30.0
+"""Bounds the tests' own waits, never a timing under test."""
+ASK = [{"role": "user", "content": "weather in Paris"}]
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+TIME = {
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"type": "string"}, "hours": {"type": "integer"}},
+        "required": ["zone", "hours"],
+    },
+}
+Wire = Literal["openai", "azure"]
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimulatedUpstream]:
+    """One source of each wire that serves legacy functions."""
+    profiles = {
+        "gpt": FaultProfile(wire="openai", api_key=KEY, stream_chunks=4),
+        "az": FaultProfile(wire="azure", api_key=KEY, stream_chunks=4),
+    }
+    async with SimulatedUpstream(profiles) as upstream:
+        yield upstream
+
+
+def _chat(sim: SimulatedUpstream, wire: Wire, transport: str = "httpx") -> ChatClient:
+    """A chat client over the source of ``wire``, configured as a user configures it."""
+    if wire == "azure":
+        source = SourceConfig(
+            name="az",
+            base_url=sim.base_url("az", "azure", deployment="gpt-4o"),
+            protocol="openai",
+            model="gpt-4o",
+            api_key=KEY,
+            api_key_header="api-key",
+            query={"api-version": "2024-10-21"},
+            timeout_s=5.0,
+        )
+    else:
+        source = SourceConfig(
+            name="gpt",
+            base_url=sim.base_url("gpt"),
+            protocol="openai",
+            model="gpt-4o",
+            api_key=KEY,
+            timeout_s=5.0,
+        )
+    settings = GatewaySettings(
+        _env_file=None,
+        transport=transport,
+        scopes={"chat": ScopeConfig(kind="chat", sources=[source])},
+    )
+    return ChatClient.from_settings(settings, "chat", backend=MemoryBackend())
+
+
+@pytest.mark.parametrize("wire", ["openai", "azure"])
+async def test_functions_are_answered_with_a_function_call_plain_and_streamed(
+    sim: SimulatedUpstream, wire: Wire, transport: str
+) -> None:
+    """One ``function_call`` tool call, no id, arguments of the schema; the stream's the same."""
+    async with _chat(sim, wire, transport) as client:
+        plain = await asyncio.wait_for(client.complete(ASK, functions=[WEATHER]), BOUND_S)
+        async with client.stream(ASK, functions=[WEATHER]) as stream:
+            chunks = [c async for c in stream]
+            streamed = await stream.response()
+    (call,) = plain.tool_calls
+    assert (call.type, call.id, call.name) == ("function_call", "", "get_weather")
+    assert json.loads(call.arguments) == {"city": "lorem"}
+    assert plain.finish_reason == "function_call"
+    assert plain.text == ""
+    assert plain.raw["choices"][0]["message"]["function_call"]["name"] == "get_weather"
+    assert "tool_calls" not in plain.raw["choices"][0]["message"]
+    deltas = [d for c in chunks for d in c.tool_calls]
+    assert [d.type for d in deltas] == ["function_call", "function_call"]
+    assert [d.name for d in deltas] == ["get_weather", None]
+    assert {d.index for d in deltas} == {0}
+    assert "".join(c.text for c in chunks) == ""
+    assert streamed.tool_calls == plain.tool_calls
+    assert streamed.finish_reason == "function_call"
+    assert streamed.usage == plain.usage
+    assert streamed.raw["choices"][0]["message"]["function_call"] == {
+        "name": "get_weather",
+        "arguments": call.arguments,
+    }
+
+
+async def test_function_call_by_name_calls_that_function(sim: SimulatedUpstream) -> None:
+    """``function_call={"name": ...}`` forces the named one, not the first offered."""
+    async with _chat(sim, "openai") as client:
+        forced = await client.complete(
+            ASK, functions=[WEATHER, TIME], function_call={"name": "get_time"}
+        )
+        auto = await client.complete(ASK, functions=[WEATHER, TIME], function_call="auto")
+    assert [(c.name, c.type) for c in forced.tool_calls] == [("get_time", "function_call")]
+    assert json.loads(forced.tool_calls[0].arguments) == {"zone": "lorem", "hours": 1}
+    assert [c.name for c in auto.tool_calls] == ["get_weather"]
+
+
+async def test_function_call_none_answers_in_text(sim: SimulatedUpstream) -> None:
+    """``function_call="none"``: text and ``stop``, no call, plain and streamed."""
+    async with _chat(sim, "openai") as client:
+        plain = await client.complete(ASK, functions=[WEATHER], function_call="none")
+        async with client.stream(ASK, functions=[WEATHER], function_call="none") as stream:
+            streamed = await stream.response()
+    for answer in (plain, streamed):
+        assert answer.text.startswith("Simulated reply from gpt.")
+        assert answer.tool_calls == ()
+        assert answer.finish_reason == "stop"
+
+
+async def test_the_function_result_turn_goes_back_as_sent(sim: SimulatedUpstream) -> None:
+    """The assistant's ``function_call`` and the ``function`` message answer it: text comes back."""
+    async with _chat(sim, "openai") as client:
+        first = await client.complete(ASK, functions=[WEATHER])
+        call = first.tool_calls[0]
+        turn: list[dict[str, Any]] = [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": None,
+                "function_call": {"name": call.name, "arguments": call.arguments},
+            },
+            {"role": "function", "name": call.name, "content": "sunny, 21 C"},
+        ]
+        answer = await client.complete(turn, functions=[WEATHER], function_call="none")
+    assert answer.finish_reason == "stop"
+    assert "sunny," in answer.text
+    assert sim.stats("gpt").by_status == {200: 2}
+
+
+async def test_function_call_naming_no_offered_function_is_rejected(
+    sim: SimulatedUpstream,
+) -> None:
+    """The provider's 400 is the request's fault: ``RequestRejected``, once, not retried."""
+    async with _chat(sim, "openai") as client:
+        with pytest.raises(RequestRejected) as caught:
+            await client.complete(ASK, functions=[WEATHER], function_call={"name": "nope"})
+    assert "400" in str(caught.value)
+    assert sim.stats("gpt").requests == 1
+
+
+async def test_tool_choice_none_answers_in_text_as_function_call_none_does(
+    sim: SimulatedUpstream,
+) -> None:
+    """Offered tools with ``tool_choice="none"``: text and ``stop``, as OpenAI answers."""
+    tool = {"type": "function", "function": WEATHER}
+    async with _chat(sim, "openai") as client:
+        answer = await client.complete(ASK, tools=[tool], tool_choice="none")
+    assert answer.text.startswith("Simulated reply from gpt.")
+    assert (answer.tool_calls, answer.finish_reason) == ((), "stop")
