@@ -184,6 +184,9 @@ async def test_stream_through_the_asynchronous_filter_delivers_text_finish_and_u
     assert response.usage == plain.usage
     assert response.usage.completion_tokens == 8
     assert [(a.source, a.outcome) for a in response.attempts] == [("az", "success")]
+    # The annotations' empty model names none: the record keeps the deployment's.
+    (attempt,) = response.attempts
+    assert (attempt.response_model, attempt.finish_reasons) == ("gpt-4o", ("stop",))
 
 
 async def test_a_late_block_is_a_served_answer_with_the_content_filter_finish(
@@ -199,4 +202,19 @@ async def test_a_late_block_is_a_served_answer_with_the_content_filter_finish(
     assert response.finish_reason == "content_filter"
     assert response.usage.completion_tokens == 7
     assert [(a.source, a.outcome) for a in response.attempts] == [("az", "success")]
+    assert response.attempts[0].finish_reasons == ("content_filter",)
     assert sim.stats("spare").requests == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"wire": "openai", "azure_filter": "asynchronous"}, "azure wire"),
+        ({"wire": "azure", "azure_filter_flags": ("bad",)}, "asynchronous"),
+        ({"wire": "azure", "azure_filter": "buffered"}, "azure_filter unknown"),
+    ],
+)
+def test_a_filter_mode_the_wire_cannot_play_is_refused(fields: dict[str, Any], named: str) -> None:
+    """The filter knobs belong to the azure wire, and the flags to its asynchronous mode."""
+    with pytest.raises(ValueError, match=named):
+        FaultProfile(**fields)
