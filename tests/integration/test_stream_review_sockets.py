@@ -31,7 +31,7 @@ from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.errors import AllSourcesExhausted, GatewayError, StreamInterrupted
 from polygateway.simulator import FaultProfile, SimulatedUpstream
-from polygateway.testing import Recorder, chat_chunk_events
+from polygateway.testing import Recorder, chat_chunk_events, chat_completion
 
 KEY = "sk-review-SECRET-42"
 HI = [{"role": "user", "content": "hi"}]
@@ -152,7 +152,9 @@ class Rig:
         assert self.recorder.outcomes() == [outcome]
 
 
-def settings(kind: str, base_url: str) -> GatewaySettings:
+def settings(kind: str, base_url: str, *, max_concurrency: int | None = None) -> GatewaySettings:
+    """One source ``p`` at ``base_url`` over ``kind``; its pool holds ``max_concurrency``."""
+    limits = {} if max_concurrency is None else {"max_concurrency": max_concurrency}
     source = SourceConfig(
         name="p",
         protocol="openai",
@@ -163,6 +165,7 @@ def settings(kind: str, base_url: str) -> GatewaySettings:
         ttft_timeout_s=2.0,
         stream_idle_timeout_s=IDLE_S,
         connect_timeout_s=2.0,
+        **limits,
     )
     return GatewaySettings(
         _env_file=None,
@@ -664,3 +667,90 @@ async def test_cancelled_again_while_closing_between_chunks_leaves_no_connection
         await cancel_twice(task, turns)
         await hung_up(upstream)
         await made.assert_released_once("cancelled")
+
+
+async def test_reads_cancelled_twice_leave_the_pool_its_connections(
+    kind: str, upstream: Upstream
+) -> None:
+    """A read cancelled, then cancelled again while it unwinds, must not keep its pool slot.
+
+    httpcore 1.0.9 marks a response closed before its close has finished, so a
+    second cancellation landing in that close leaves the connection counted as
+    active for good (encode/httpcore#1115). With a pool of one connection, the
+    next stream would then wait for a slot until its first-chunk deadline.
+    """
+    words = [f"w{i}" for i in range(40)]
+    upstream.play = flowing(words, gap_s=0.05)
+    url = f"http://127.0.0.1:{upstream.port}/v1"
+    chat = ChatClient(settings(kind, url, max_concurrency=1), "chat", backend=MemoryBackend())
+    async with chat:
+        for turns in range(5):
+            got: list[str] = []
+
+            async def consume(got: list[str] = got) -> None:
+                async for c in chat.stream(HI):
+                    got.append(c.text)
+
+            task = asyncio.create_task(consume())
+            async with asyncio.timeout(BOUND_S):
+                while len(got) < 2:
+                    await asyncio.sleep(0.005)
+            await asyncio.sleep(0.01)  # waiting on the socket for the next chunk
+            await cancel_twice(task, turns)
+            await hung_up(upstream)
+        async with asyncio.timeout(BOUND_S):
+            text = "".join([c.text async for c in chat.stream(HI)])
+        assert text == "".join(words)
+
+
+@dataclass
+class Trickled:
+    """A chat completion answered in full, its body one byte every 2 ms (about half a second)."""
+
+    port: int = 0
+    body: bytes = json.dumps(chat_completion("hello")).encode()
+    open: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open += 1
+        try:
+            await self._answer(reader, writer)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+            self.open -= 1
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            fields = dict(
+                line.lower().split(":", 1) for line in head.decode("latin-1").split("\r\n")[1:-2]
+            )
+            await reader.readexactly(int(fields["content-length"]))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(self.body)}\r\n\r\n".encode()
+            )
+            for i in range(len(self.body)):
+                writer.write(self.body[i : i + 1])
+                await writer.drain()
+                await asyncio.sleep(0.002)
+
+
+async def test_requests_cancelled_twice_leave_the_pool_its_connections(kind: str) -> None:
+    """A whole-body call cancelled twice while it reads the body keeps no pool slot either."""
+    async with serving(Trickled()) as up:
+        url = f"http://127.0.0.1:{up.port}/v1"
+        chat = ChatClient(settings(kind, url, max_concurrency=1), "chat", backend=MemoryBackend())
+        async with chat:
+            for turns in range(5):
+                task = asyncio.create_task(chat.complete(HI))
+                await asyncio.sleep(0.05)  # the body is arriving
+                await cancel_twice(task, turns)
+            async with asyncio.timeout(BOUND_S):
+                answer = await chat.complete(HI)
+        assert answer.text == "hello"
+        async with asyncio.timeout(BOUND_S):
+            while up.open:  # every connection hung up, its handler done
+                await asyncio.sleep(0.01)

@@ -158,6 +158,72 @@ def _translate(exc: Exception, request: HttpRequest, secrets: Sequence[str]) -> 
 _HTTPX_FAILURES = (httpx.TransportError, httpx.DecodingError, httpx.InvalidURL, ExceptionGroup)
 
 
+def _attr(obj: object, *names: str) -> Any:
+    """``obj.<names[0]>.<names[1]>...``, or None where one is missing."""
+    for name in names:
+        obj = getattr(obj, name, None)
+    return obj
+
+
+_RECLAIMS: set[asyncio.Task[None]] = set()
+"""Closes of orphaned connections, held until done (the loop keeps weak references)."""
+
+
+def _reclaimed(task: asyncio.Task[None]) -> None:
+    _RECLAIMS.discard(task)
+    if not task.cancelled():
+        task.exception()  # a socket that fails to close has nobody to tell: it is gone anyway
+
+
+class _Slot:
+    """The pooled HTTP/1.1 connection a response came on, closed if its close was cut short.
+
+    httpcore 1.0.9 marks a response closed before its close has finished
+    (encode/httpcore#1115): a second cancellation landing in that close
+    leaves the connection counted as active in its pool for good, so each
+    such call takes a slot for ever, until every request waits for one.
+    Once the response is over, a connection still active that has started
+    no request since is that orphan: it is closed in a task of its own
+    (the caller may be unwinding a cancellation), and the pool drops it at
+    its next request. The slot reads httpcore's private attributes; where
+    they are not found (another httpcore), it does nothing.
+    """
+
+    __slots__ = ("_connection", "_requests")
+
+    def __init__(self, connection: Any, requests: int) -> None:
+        self._connection = connection
+        self._requests = requests
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> _Slot | None:
+        """The slot of ``response``, when it came from an httpcore pool over HTTP/1.1."""
+        if response.http_version != "HTTP/1.1":
+            return None  # HTTP/2 multiplexes: an active connection may serve others
+        connection = _attr(response.stream, "_stream", "_httpcore_stream", "_pool_request")
+        connection = _attr(connection, "connection")
+        requests = _attr(connection, "_connection", "_request_count")
+        if not isinstance(requests, int):
+            return None
+        return cls(connection, requests)
+
+    def reclaim(self) -> None:
+        """Close the connection if the response left it orphaned (see the class)."""
+        connection = self._connection
+        if connection.is_closed() or connection.is_idle():
+            return
+        if _attr(connection, "_connection", "_request_count") != self._requests:
+            return  # it went on to another request
+        task = asyncio.get_running_loop().create_task(connection.aclose())
+        _RECLAIMS.add(task)
+        task.add_done_callback(_reclaimed)
+
+
+def _reclaim(slot: _Slot | None) -> None:
+    if slot is not None:
+        slot.reclaim()
+
+
 class HttpxTransport:
     """``Transport`` on httpx: one shard group of pooled ``AsyncClient``s per (verify, proxy).
 
@@ -240,17 +306,28 @@ class HttpxTransport:
         group = self._group(request.source)
         secrets = RequestSecrets(request)
         shard, client = group.acquire()
+        slot: _Slot | None = None
         try:
             # httpx's timeouts bound each phase; asyncio.timeout bounds the whole
             # exchange, as timeout_s promises (a trickling body cannot outlive it).
             async with asyncio.timeout(request.timeout_s):
-                response = await client.request(
-                    request.method,
-                    request.url,
-                    headers=dict(request.headers),
-                    timeout=httpx.Timeout(request.timeout_s, connect=connect_limit(request)),
-                    **self._body(request),
+                # client.request, with the response in hand while its body is read.
+                response = await client.send(
+                    client.build_request(
+                        request.method,
+                        request.url,
+                        headers=dict(request.headers),
+                        timeout=httpx.Timeout(request.timeout_s, connect=connect_limit(request)),
+                        **self._body(request),
+                    ),
+                    stream=True,
                 )
+                slot = _Slot.of(response)
+                try:
+                    await response.aread()
+                except BaseException:
+                    await response.aclose()
+                    raise
         except TimeoutError as exc:
             raise timeout_error("request timed out", request.source, request.timeout_s) from exc
         except _HTTPX_FAILURES as exc:
@@ -259,6 +336,7 @@ class HttpxTransport:
             # The body is read by now (or the exchange is over): the shard is free again,
             # whatever ended it, cancellation included.
             group.release(shard)
+            _reclaim(slot)
         if not response.is_success:
             raise answer_error(
                 response.status_code, response.headers, response.content, request, secrets
@@ -287,6 +365,9 @@ class HttpxTransport:
             shard, client = group.acquire()
             # Pushed first, so it runs last: the shard is free once its response is closed.
             stack.callback(group.release, shard)
+            # Then the connection's slot, checked once the response is closed (_Slot).
+            slot: list[_Slot | None] = [None]
+            stack.callback(lambda: _reclaim(slot[0]))
             try:
                 async with asyncio.timeout_at(first_deadline):
                     source = await stack.enter_async_context(
@@ -302,6 +383,7 @@ class HttpxTransport:
                         )
                     )
                     response = source.response
+                    slot[0] = _Slot.of(response)
                     await check_opened(
                         response.status_code, response.headers, response.aread, request, secrets
                     )
