@@ -47,6 +47,16 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
+def _rows(lines: list[str], start: int) -> list[list[str]]:
+    """The cells of each row of the table whose header is ``lines[start]``."""
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(_cells(line))
+    return rows
+
+
 @pytest.fixture(scope="module")
 def printed() -> str:
     """What one tiny run prints."""
@@ -65,11 +75,7 @@ def test_the_table_has_every_case_measured(printed: str) -> None:
     header = "| " + " | ".join(h for _, h in ROW_COLUMNS) + " |"
     lines = printed.splitlines()
     start = lines.index(header)
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append(_cells(line))
+    rows = _rows(lines, start)
     assert [(r[0], r[1]) for r in rows] == expected_rows(SOURCES)
     assert {(r[0], r[1]) for r in rows} == set(REQUIRED)
     for row in rows:
@@ -100,11 +106,7 @@ def test_every_call_layout_is_priced(printed: str) -> None:
     lines = printed.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| call layout"))
     assert f"{SOURCES}-candidate floor / 2-source pair" in lines[start]
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append(_cells(line))
+    rows = _rows(lines, start)
     assert [r[0] for r in rows] == [layout.label for layout in LAYOUTS] + [WALK_LABEL]
     for row in rows:
         assert len(row) == 4, row
@@ -116,11 +118,7 @@ def test_every_batch_size_is_measured(printed: str) -> None:
     lines = printed.splitlines()
     header = "| " + " | ".join(h for _, h in BATCH_COLUMNS) + " |"
     start = lines.index(header)
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append(_cells(line))
+    rows = _rows(lines, start)
     assert [int(r[0]) for r in rows] == list(BATCH_SIZES)
     for row in rows:
         assert len(row) == len(BATCH_COLUMNS), row
