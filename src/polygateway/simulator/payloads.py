@@ -36,7 +36,8 @@ calling) is answered as OpenAI answers it: a call of the function
 the default), as the message's ``function_call`` (no id, no ``tool_calls``),
 streamed as ``delta.function_call`` pieces (the name with ``"arguments": ""``
 first, then the arguments), ``finish_reason`` ``function_call``;
-``function_call: "none"`` gets text, as ``tool_choice: "none"`` does.
+``function_call: "none"`` gets text, as ``tool_choice: "none"`` does (and
+the Messages API's ``{"type": "none"}``).
 
 A request that asks for JSON of a schema gets an instance of it
 (``schema_instance``): ``response_format`` ``json_schema`` makes the reply
@@ -235,7 +236,7 @@ def chat_reply(
     tools = request.get("tools")
     functions = request.get("functions")
     called: tuple[Any, Any] | None = None
-    if isinstance(tools, list) and tools and request.get("tool_choice") != "none":
+    if isinstance(tools, list) and tools and not _declines_tools(request.get("tool_choice")):
         # Offered tools make the reply a call of the one tool_choice forces, else of the
         # first, named where OpenAI ({"function": {"name"}}) or Anthropic ({"name"}) puts it.
         called = _called_tool(tools, request.get("tool_choice"))
@@ -279,6 +280,11 @@ def chat_reply(
 
 _PUNCTUATION = ".,;:!?\"'()[]"
 """What a flagged word may be wrapped in and still be the word."""
+
+
+def _declines_tools(choice: Any) -> bool:
+    """Whether ``tool_choice`` says to call no tool: OpenAI's ``"none"``, Anthropic's object."""
+    return choice == "none" or (isinstance(choice, Mapping) and choice.get("type") == "none")
 
 
 def _tool_name_and_schema(tool: Any) -> tuple[Any, Any]:
