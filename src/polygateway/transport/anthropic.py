@@ -15,6 +15,15 @@ follows the public Messages API reference (``anthropic-version: 2023-06-01``):
   messages a user turn of ``tool_result`` blocks; consecutive turns of one
   role are merged, since the API wants user and assistant turns to alternate;
 - ``parallel_tool_calls=False`` becomes ``tool_choice.disable_parallel_tool_use``;
+- OpenAI's legacy function calling is mapped as its successor is: each of
+  ``functions`` as the tool a function tool would be, ``function_call`` as
+  ``tool_choice`` (one call at most: a legacy answer holds one), an
+  assistant's ``function_call`` as a ``tool_use`` block and the
+  ``role: "function"`` message after it as its ``tool_result``, the two
+  paired by an id made from the call's position (the legacy protocol has
+  none, the Messages API requires one); the combinations OpenAI refuses
+  (``functions`` with ``tools``, ``function_call`` with ``tool_choice`` or
+  without ``functions``) are refused unsent;
 - ``max_tokens`` is required by the API: ``DEFAULT_MAX_TOKENS`` when unset;
 - stop reasons are mapped to OpenAI's words (``end_turn`` -> ``stop``, ...),
   usage to prompt (input, cache writes, cache reads) and completion tokens.
@@ -24,8 +33,14 @@ connection closing, which the transport reports as a truncated stream; the
 ``message_delta`` before it carries the finish reason that makes that end a
 clean one for the chat client. A message the API cannot carry (an unknown
 role, tool-call arguments that are not a JSON object, an image URL that is
-neither ``data:`` nor http(s)) is refused as the request's fault, before
-anything is sent.
+neither ``data:`` nor http(s), a function result that answers no call) is
+refused as the request's fault, before anything is sent.
+
+The answer to a call that offered ``functions`` (``answers_legacy_functions``)
+reads back as OpenAI's legacy answer when the reader is told so
+(``parse_messages_response(..., legacy=True)``, ``MessagesStreamReader(legacy=True)``):
+its ``tool_use`` as a ``function_call`` call with an empty id, and the
+``tool_use`` stop as the ``function_call`` finish.
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ __all__ = [
     "ANTHROPIC_VERSION",
     "DEFAULT_MAX_TOKENS",
     "MessagesStreamReader",
+    "answers_legacy_functions",
     "event_has_content",
     "event_model",
     "finish_reason",
@@ -112,6 +128,8 @@ _MAPPED = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "functions",
+        "function_call",
         "user",
         "extra_body",
     }
@@ -126,6 +144,16 @@ _TOOL_CHOICES: Final[Mapping[str, dict[str, str]]] = {
     "none": {"type": "none"},
     "required": {"type": "any"},
 }
+
+_FUNCTION_CALLS: Final[Mapping[str, dict[str, Any]]] = {
+    "auto": {"type": "auto", "disable_parallel_tool_use": True},
+    "none": {"type": "none"},
+}
+"""Legacy ``function_call`` words as ``tool_choice``: a legacy answer holds one call at most."""
+
+_FUNCTION_CALL: Final = "function_call"
+"""The legacy protocol's word: the finish of an answer to ``functions`` that calls one, and
+the ``ToolCall.type`` of that call (``transport/openai.py`` reads an OpenAI answer so)."""
 
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 _JSON = "application/json"
@@ -254,23 +282,50 @@ def _tool_use(call: Any, what: str, source: str) -> dict[str, Any]:
     }
 
 
-def _assistant(message: Mapping[str, Any], what: str, source: str) -> str | list[dict[str, Any]]:
-    """An assistant turn: its content, then its tool calls as ``tool_use`` blocks."""
+def _legacy_call_id(position: int) -> str:
+    """The id of the legacy ``function_call`` of the assistant message at ``position``.
+
+    Made from the position alone, so the same conversation is the same
+    request; the ``function`` message answering the call refers to it.
+    """
+    return f"function_call_{position}"
+
+
+def _function_use(call: Any, call_id: str, what: str, source: str) -> dict[str, Any]:
+    """An assistant's legacy ``function_call`` (``{name, arguments}``) as a ``tool_use`` block."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
+        raise _rejected(source, f"{what} has no name")
+    return {
+        "type": "tool_use",
+        "id": call_id,
+        "name": call["name"],
+        "input": _tool_input(call.get("arguments"), f"{what}.arguments", source),
+    }
+
+
+def _assistant(
+    message: Mapping[str, Any], what: str, source: str, legacy_id: str
+) -> str | list[dict[str, Any]]:
+    """An assistant turn: its content, then its tool calls (and legacy call) as ``tool_use``."""
     content = _content(message.get("content"), f"{what}.content", source)
     calls = message.get("tool_calls")
-    if not calls:
+    legacy = message.get("function_call")
+    if not calls and legacy is None:
         return content
-    if not isinstance(calls, Sequence) or isinstance(calls, str):
-        raise _rejected(source, f"{what}.tool_calls is not a list")
-    uses = [_tool_use(call, f"{what}.tool_calls[{i}]", source) for i, call in enumerate(calls)]
+    uses = []
+    if calls:
+        if not isinstance(calls, Sequence) or isinstance(calls, str):
+            raise _rejected(source, f"{what}.tool_calls is not a list")
+        uses = [_tool_use(call, f"{what}.tool_calls[{i}]", source) for i, call in enumerate(calls)]
+    if legacy is not None:
+        uses.append(_function_use(legacy, legacy_id, f"{what}.function_call", source))
     return _blocks(content) + uses
 
 
-def _tool_result(message: Mapping[str, Any], what: str, source: str) -> list[dict[str, Any]]:
-    """A ``role: "tool"`` message as the ``tool_result`` block of a user turn."""
-    call_id = message.get("tool_call_id")
-    if not isinstance(call_id, str) or not call_id:
-        raise _rejected(source, f"{what} has no tool_call_id")
+def _tool_result(
+    message: Mapping[str, Any], call_id: str, what: str, source: str
+) -> list[dict[str, Any]]:
+    """A ``tool`` (or legacy ``function``) message as the ``tool_result`` block of a user turn."""
     result: dict[str, Any] = {"type": "tool_result", "tool_use_id": call_id}
     content = message.get("content")
     if content is not None:
@@ -282,6 +337,8 @@ def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, lis
     """The system text and the alternating user / assistant turns of OpenAI-style messages."""
     system: list[str] = []
     turns: list[dict[str, Any]] = []
+    # The id of the last assistant function_call no function message has answered yet.
+    unanswered: str | None = None
     for i, message in enumerate(messages):
         what = f"messages[{i}]"
         role = message.get("role")
@@ -294,9 +351,20 @@ def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, lis
         if role == "user":
             content = _content(message.get("content"), f"{what}.content", source)
         elif role == "assistant":
-            content = _assistant(message, what, source)
+            content = _assistant(message, what, source, _legacy_call_id(i))
+            unanswered = _legacy_call_id(i) if message.get("function_call") is not None else None
         elif role == "tool":
-            role, content = "user", _tool_result(message, what, source)
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _rejected(source, f"{what} has no tool_call_id")
+            role, content = "user", _tool_result(message, call_id, what, source)
+        elif role == "function":
+            if unanswered is None:
+                raise _rejected(
+                    source, f"{what} is a function result with no assistant function_call before it"
+                )
+            role, content = "user", _tool_result(message, unanswered, what, source)
+            unanswered = None
         else:
             raise _rejected(source, f"{what} has role {role!r}, which has no Messages API turn")
         if turns and turns[-1]["role"] == role:
@@ -313,9 +381,16 @@ def _tool(tool: Any, what: str, source: str) -> dict[str, Any]:
         raise _rejected(source, f"{what} is not an object")
     if tool.get("type") != "function":
         return dict(tool)
-    function = tool.get("function")
+    return _function_tool(tool.get("function"), f"{what}.function", source)
+
+
+def _function_tool(function: Any, what: str, source: str) -> dict[str, Any]:
+    """An OpenAI function (a function tool's, or one of legacy ``functions``) as an Anthropic tool.
+
+    ``parameters`` is the ``input_schema``; a function without one takes no arguments.
+    """
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise _rejected(source, f"{what}.function has no name")
+        raise _rejected(source, f"{what} has no name")
     mapped: dict[str, Any] = {"name": function["name"]}
     description = function.get("description")
     if description is not None:
@@ -340,6 +415,46 @@ def _tool_choice(choice: Any, source: str) -> dict[str, Any]:
             raise _rejected(source, "tool_choice.function has no name")
         return {"type": "tool", "name": function["name"]}
     return dict(choice)
+
+
+def _functions(
+    params: Mapping[str, Any], source: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Legacy ``functions`` and ``function_call`` as ``tools`` and ``tool_choice``.
+
+    Refused as OpenAI refuses them: ``functions`` beside ``tools``,
+    ``function_call`` beside ``tool_choice`` (the old and the new word for
+    one choice) or without ``functions``, and an empty ``functions``.
+    """
+    functions = params.get("functions")
+    choice = params.get("function_call")
+    if functions is not None and params.get("tools") is not None:
+        raise _rejected(
+            source, "functions and tools cannot both be given (tools replace functions)"
+        )
+    if choice is not None and params.get("tool_choice") is not None:
+        raise _rejected(
+            source, "function_call and tool_choice cannot both be given (tool_choice replaces it)"
+        )
+    if functions is None:
+        raise _rejected(source, "function_call is only allowed when functions are given")
+    if not isinstance(functions, Sequence) or isinstance(functions, str):
+        raise _rejected(source, "functions is not a list")
+    if not functions:
+        raise _rejected(source, "functions is empty")
+    tools = [_function_tool(f, f"functions[{i}]", source) for i, f in enumerate(functions)]
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, str) and choice in _FUNCTION_CALLS:
+        return tools, dict(_FUNCTION_CALLS[choice])
+    if isinstance(choice, Mapping) and isinstance(choice.get("name"), str):
+        return tools, {"type": "tool", "name": choice["name"], "disable_parallel_tool_use": True}
+    raise _rejected(source, "function_call is neither auto, none nor {'name': ...}")
+
+
+def answers_legacy_functions(params: Mapping[str, Any]) -> bool:
+    """Whether a call's answer is read as OpenAI's legacy one: the call offered ``functions``."""
+    return params.get("functions") is not None
 
 
 def _disable_parallel_tool_use(body: dict[str, Any]) -> None:
@@ -415,6 +530,8 @@ def messages_request(
         body["tools"] = [_tool(tool, f"tools[{i}]", name) for i, tool in enumerate(tools)]
     if (choice := params.get("tool_choice")) is not None:
         body["tool_choice"] = _tool_choice(choice, name)
+    if params.get("functions") is not None or params.get("function_call") is not None:
+        body["tools"], body["tool_choice"] = _functions(params, name)
     if params.get("parallel_tool_calls") is False and body.get("tools"):
         _disable_parallel_tool_use(body)
     if (user := params.get("user")) is not None:
@@ -443,10 +560,16 @@ def messages_request(
 # --- The answer ----------------------------------------------------------------------------
 
 
-def finish_reason(stop_reason: str | None) -> str | None:
-    """An Anthropic ``stop_reason`` in OpenAI's words (``end_turn`` -> ``stop``, ...)."""
+def finish_reason(stop_reason: str | None, *, legacy: bool = False) -> str | None:
+    """An Anthropic ``stop_reason`` in OpenAI's words (``end_turn`` -> ``stop``, ...).
+
+    ``legacy``: the answer is to a call that offered ``functions``, whose
+    call OpenAI finishes as ``function_call``, not ``tool_calls``.
+    """
     if stop_reason is None:
         return None
+    if legacy and stop_reason == "tool_use":
+        return _FUNCTION_CALL
     return _STOP_REASONS.get(stop_reason, stop_reason)
 
 
@@ -493,12 +616,21 @@ def _arguments(value: Any, what: str) -> str:
     return json.dumps(req_obj(value, what), ensure_ascii=False)
 
 
-def parse_messages_response(body: Any) -> ParsedChat:
+def parse_messages_response(body: Any, *, legacy: bool = False) -> ParsedChat:
     """Read a Messages API answer; any shape but the promised one is a malformed body.
 
     Text blocks are joined, ``tool_use`` blocks become tool calls; other
     blocks (thinking, server tools) have no place in the chat answer and are
     skipped. An error object raises its classified failure (``provider_error``).
+
+    ``legacy``: the answer is to a call that offered ``functions``
+    (``answers_legacy_functions``), read as an OpenAI source answers one: a
+    ``function_call`` call with an empty id, finished as ``function_call``.
+    Anthropic's ``toolu_`` id is dropped: the legacy protocol has no ids (a
+    ``function`` message answers the call by coming after it, and the
+    request side pairs the two by position), so a caller holding the id
+    could use it nowhere, and the same answer would read differently by the
+    source that served it.
     """
     answer = req_obj(body, "body")
     if _is_error(answer):
@@ -512,19 +644,20 @@ def parse_messages_response(body: Any) -> ParsedChat:
         if kind == "text":
             texts.append(req_str(block.get("text"), f"{what}.text"))
         elif kind == "tool_use":
+            call_id = req_str(block.get("id"), f"{what}.id")
             calls.append(
                 ToolCall(
-                    id=req_str(block.get("id"), f"{what}.id"),
+                    id="" if legacy else call_id,
                     name=req_str(block.get("name"), f"{what}.name"),
                     arguments=_arguments(block.get("input"), f"{what}.input"),
-                    type="function",
+                    type=_FUNCTION_CALL if legacy else "function",
                 )
             )
         elif not isinstance(kind, str):
             raise malformed_body(f"{what}.type is not a string")
     raw_usage = answer.get("usage")
     text = "".join(texts)
-    finish = finish_reason(opt_str(answer.get("stop_reason"), "stop_reason"))
+    finish = finish_reason(opt_str(answer.get("stop_reason"), "stop_reason"), legacy=legacy)
     return ParsedChat(
         text=text,
         finish_reason=finish,
@@ -610,12 +743,26 @@ class MessagesStreamReader:
     Events that carry nothing for the caller (``ping``, ``message_stop``, a
     thinking delta, the input of a server tool Anthropic runs itself, event
     types added to the API later) read as an empty chunk, which the chat
-    client does not deliver.
+    client does not deliver. ``legacy``: the stream answers a call that
+    offered ``functions``, read as ``parse_messages_response`` reads its
+    answer: every tool-call piece typed ``function_call``, no id, and the
+    ``function_call`` finish.
     """
 
-    __slots__ = ("_cache_read", "_cache_write", "_input", "_others", "_tools")
+    __slots__ = (
+        "_cache_read",
+        "_cache_write",
+        "_call_type",
+        "_input",
+        "_legacy",
+        "_others",
+        "_tools",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, *, legacy: bool = False) -> None:
+        self._legacy = legacy
+        self._call_type = _FUNCTION_CALL if legacy else None
+        """The type every tool-call piece names: ``function_call`` for a legacy answer."""
         self._input = 0
         self._cache_write = 0
         self._cache_read = 0
@@ -662,7 +809,8 @@ class MessagesStreamReader:
                     return ChatChunk("", (), None, source, None)
                 raise malformed_body(f"input_json_delta for block {index}, not a started block")
             partial = req_str(delta.get("partial_json"), "content_block_delta.delta.partial_json")
-            return ChatChunk("", (ToolCallDelta(call, arguments=partial),), None, source, None)
+            piece = ToolCallDelta(call, arguments=partial, type=self._call_type)
+            return ChatChunk("", (piece,), None, source, None)
         return ChatChunk("", (), None, source, None)
 
     def _block_start(self, event: dict[str, Any], source: str) -> ChatChunk:
@@ -671,11 +819,13 @@ class MessagesStreamReader:
         if kind == "tool_use":
             index = _block_index(event, "content_block_start")
             call = self._tools.setdefault(index, len(self._tools))
+            call_id = req_str(block.get("id"), "content_block.id")
             delta = ToolCallDelta(
                 call,
-                id=req_str(block.get("id"), "content_block.id"),
+                id=None if self._legacy else call_id,
                 name=req_str(block.get("name"), "content_block.name"),
                 arguments="",
+                type=self._call_type,
             )
             return ChatChunk("", (delta,), None, source, None)
         started = event.get("index")
@@ -686,7 +836,9 @@ class MessagesStreamReader:
 
     def _message_delta(self, event: dict[str, Any], source: str) -> ChatChunk:
         delta = req_obj(event.get("delta") or {}, "message_delta.delta")
-        finish = finish_reason(opt_str(delta.get("stop_reason"), "message_delta.stop_reason"))
+        finish = finish_reason(
+            opt_str(delta.get("stop_reason"), "message_delta.stop_reason"), legacy=self._legacy
+        )
         raw_usage = event.get("usage")
         usage = None
         if raw_usage is not None:
