@@ -48,6 +48,7 @@ from polygateway.middleware.lifecycle import GovernedClient, InFlight
 from polygateway.models import AttemptRecord, ChatChunk, ChatResponse
 from polygateway.transport.anthropic import (
     MessagesStreamReader,
+    answers_legacy_functions,
     event_model,
     messages_request,
     parse_messages_response,
@@ -126,29 +127,40 @@ class _ChatWire:
     ``stream_arguments`` writes a streamed tool call's joined argument pieces
     as the protocol's completion writes them (``None``: as they came).
     ``event_model`` reads the model a stream event names, if it names one.
+    ``parse_response`` and ``chunk_reader`` are given the call's parameters:
+    an answer reads as what the call asked for (an Anthropic answer to legacy
+    ``functions`` as OpenAI's ``function_call``).
     """
 
     request: _RequestBuilder
-    parse_response: Callable[[Any], ParsedChat]
-    chunk_reader: Callable[[], _ChunkParser]
+    parse_response: Callable[[Any, Mapping[str, Any]], ParsedChat]
+    chunk_reader: Callable[[Mapping[str, Any]], _ChunkParser]
     stream_arguments: Callable[[str], str] | None = None
     event_model: Callable[[Any], str | None] = response_model
 
 
-def _openai_chunks() -> _ChunkParser:
+def _openai_response(body: Any, params: Mapping[str, Any]) -> ParsedChat:
+    return parse_chat_response(body)
+
+
+def _openai_chunks(params: Mapping[str, Any]) -> _ChunkParser:
     # A reader per stream: tool calls sent without index are numbered across its chunks.
     return ChatChunkReader().read
 
 
-def _anthropic_chunks() -> _ChunkParser:
-    return MessagesStreamReader().read
+def _anthropic_response(body: Any, params: Mapping[str, Any]) -> ParsedChat:
+    return parse_messages_response(body, legacy=answers_legacy_functions(params))
+
+
+def _anthropic_chunks(params: Mapping[str, Any]) -> _ChunkParser:
+    return MessagesStreamReader(legacy=answers_legacy_functions(params)).read
 
 
 _WIRES: dict[str, _ChatWire] = {
-    "openai": _ChatWire(chat_request, parse_chat_response, _openai_chunks),
+    "openai": _ChatWire(chat_request, _openai_response, _openai_chunks),
     "anthropic": _ChatWire(
         messages_request,
-        parse_messages_response,
+        _anthropic_response,
         _anthropic_chunks,
         streamed_arguments,
         event_model,
@@ -273,7 +285,7 @@ class ChatClient(GovernedClient):
                 on_hint=ctx.see_hint,
                 extra_headers=ctx.headers,
             )
-            parsed = wire.parse_response(await transport.send(request))
+            parsed = wire.parse_response(await transport.send(request), sent)
             if answer is not None:
                 parsed = answer.read(source.protocol, parsed)
             ctx.usage = parsed.usage
@@ -506,7 +518,7 @@ class ChatStream:
         stack = AsyncExitStack()
         try:
             events = await stack.enter_async_context(self._client._transport.stream(request))
-            opened = _Opened(stack, aiter(events), wire.chunk_reader(), wire)
+            opened = _Opened(stack, aiter(events), wire.chunk_reader(self._params), wire)
             await self._fill(opened, ctx)
         except BaseException:
             # Clean-up only: the connection closes, the failure goes on to the loop.

@@ -104,6 +104,14 @@ async def test_functions_are_answered_with_one_call_plain_and_streamed(
             chunks = [c async for c in stream]
             streamed = await stream.response()
     (call,) = plain.tool_calls
+    assert (call.type, call.id, call.name) == ("function_call", "", "get_weather")
+    assert plain.finish_reason == "function_call"
+    assert streamed.tool_calls == plain.tool_calls
+    assert streamed.raw["choices"][0]["message"]["function_call"] == {
+        "name": "get_weather",
+        "arguments": call.arguments,
+    }
+    assert [d.type for d in (d for c in chunks for d in c.tool_calls)] == ["function_call"] * 4
     assert call.name == "get_weather"
     assert json.loads(call.arguments) == {"city": "lorem"}
     assert plain.text == ""
@@ -124,7 +132,7 @@ async def test_function_call_by_name_calls_that_function(sim: SimulatedUpstream)
             ASK, functions=[WEATHER, TIME], function_call={"name": "get_time"}
         )
         auto = await client.complete(ASK, functions=[WEATHER, TIME], function_call="auto")
-    assert [c.name for c in forced.tool_calls] == ["get_time"]
+    assert [(c.name, c.type) for c in forced.tool_calls] == [("get_time", "function_call")]
     assert json.loads(forced.tool_calls[0].arguments) == {"zone": "lorem", "hours": 1}
     assert [c.name for c in auto.tool_calls] == ["get_weather"]
 
