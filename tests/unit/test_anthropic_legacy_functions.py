@@ -104,16 +104,6 @@ class TestRequest:
     @pytest.mark.parametrize(
         ("params", "fragment"),
         [
-            (
-                {"functions": [WEATHER], "tools": [{"type": "function", "function": TIME}]},
-                "functions and tools",
-            ),
-            (
-                {"functions": [WEATHER], "function_call": "auto", "tool_choice": "auto"},
-                "function_call and tool_choice",
-            ),
-            ({"function_call": "auto"}, "function_call is only allowed when functions"),
-            ({"functions": []}, "functions is empty"),
             ({"functions": "get_weather"}, "functions is not a list"),
             ({"functions": [{"description": "nameless"}]}, "functions[0] has no name"),
             ({"functions": [WEATHER], "function_call": "required"}, "function_call"),
@@ -123,7 +113,11 @@ class TestRequest:
     def test_what_openai_refuses_is_refused_unsent(
         self, params: dict[str, Any], fragment: str
     ) -> None:
-        """Legacy and tool parameters together, or malformed legacy ones: the request's fault."""
+        """Legacy parameters the Messages API cannot carry: the request's fault.
+
+        What OpenAI itself refuses (legacy beside new parameters, an empty list)
+        the chat client refuses before the wire: ``test_params_legacy_functions.py``.
+        """
         assert fragment in _rejected(ASK, **params)
 
     def test_the_legacy_turn_is_a_tool_use_and_its_result(self) -> None:

@@ -23,7 +23,8 @@ follows the public Messages API reference (``anthropic-version: 2023-06-01``):
   paired by an id made from the call's position (the legacy protocol has
   none, the Messages API requires one); the combinations OpenAI refuses
   (``functions`` with ``tools``, ``function_call`` with ``tool_choice`` or
-  without ``functions``) are refused unsent;
+  without ``functions``) never get here: the chat client refuses them
+  before a permit is taken (``transport/params.py``);
 - ``max_tokens`` is required by the API: ``DEFAULT_MAX_TOKENS`` when unset;
 - stop reasons are mapped to OpenAI's words (``end_turn`` -> ``stop``, ...),
   usage to prompt (input, cache writes, cache reads) and completion tokens.
@@ -422,26 +423,15 @@ def _functions(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Legacy ``functions`` and ``function_call`` as ``tools`` and ``tool_choice``.
 
-    Refused as OpenAI refuses them: ``functions`` beside ``tools``,
-    ``function_call`` beside ``tool_choice`` (the old and the new word for
-    one choice) or without ``functions``, and an empty ``functions``.
+    The chat client has refused what OpenAI refuses (either beside its
+    successor, ``function_call`` without ``functions``, an empty list:
+    ``transport/params.py``) before any permit; what is left to refuse here
+    is what the Messages API cannot carry.
     """
     functions = params.get("functions")
     choice = params.get("function_call")
-    if functions is not None and params.get("tools") is not None:
-        raise _rejected(
-            source, "functions and tools cannot both be given (tools replace functions)"
-        )
-    if choice is not None and params.get("tool_choice") is not None:
-        raise _rejected(
-            source, "function_call and tool_choice cannot both be given (tool_choice replaces it)"
-        )
-    if functions is None:
-        raise _rejected(source, "function_call is only allowed when functions are given")
     if not isinstance(functions, Sequence) or isinstance(functions, str):
         raise _rejected(source, "functions is not a list")
-    if not functions:
-        raise _rejected(source, "functions is empty")
     tools = [_function_tool(f, f"functions[{i}]", source) for i, f in enumerate(functions)]
     if choice is None:
         choice = "auto"
@@ -530,7 +520,7 @@ def messages_request(
         body["tools"] = [_tool(tool, f"tools[{i}]", name) for i, tool in enumerate(tools)]
     if (choice := params.get("tool_choice")) is not None:
         body["tool_choice"] = _tool_choice(choice, name)
-    if params.get("functions") is not None or params.get("function_call") is not None:
+    if params.get("functions") is not None:
         body["tools"], body["tool_choice"] = _functions(params, name)
     if params.get("parallel_tool_calls") is False and body.get("tools"):
         _disable_parallel_tool_use(body)

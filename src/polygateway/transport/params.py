@@ -236,11 +236,33 @@ _EMBED_REFUSED: Final[Mapping[str, str]] = {
     "input": "the texts are embed()'s first argument",
 }
 _CHAT_OWNED: Final = ("model", "messages", "stream")
+
+_REPLACED: Final = (("functions", "tools"), ("function_call", "tool_choice"))
+"""OpenAI's deprecated function-calling parameters and their successors: one or the other."""
 _EMBED_OWNED: Final = ("model", "input")
 
 
 def _rejected(message: str, scope: str) -> RequestRejected:
     return RequestRejected(message, scope=scope)
+
+
+def _check_legacy_functions(params: Mapping[str, Any], scope: str) -> None:
+    """OpenAI's rules for ``functions`` / ``function_call``, which every scope follows.
+
+    OpenAI answers 400 to either beside its successor (``tools``,
+    ``tool_choice``), to ``function_call`` without ``functions`` and to an
+    empty ``functions``; the Anthropic wire maps the legacy pair onto the
+    new one and could not carry both. Refused here, before a permit is taken.
+    """
+    for old, new in _REPLACED:
+        if params.get(old) is not None and params.get(new) is not None:
+            raise _rejected(f"{old} and {new} cannot both be given ({new} replaces {old})", scope)
+    functions = params.get("functions")
+    if functions is None:
+        if params.get("function_call") is not None:
+            raise _rejected("function_call is only allowed when functions are given", scope)
+    elif not functions:
+        raise _rejected("functions is empty: offer at least one function, or leave it out", scope)
 
 
 def _shown(value: object) -> str:
@@ -536,6 +558,8 @@ class ChatCheck:
         checked = _check_messages(messages, self._native_blocks, scope)
         if params:
             _check_params(params, self._complete_table, self._complete_refused, _CHAT_OWNED, scope)
+            if "functions" in params or "function_call" in params:
+                _check_legacy_functions(params, scope)
         return checked
 
     def stream(
@@ -549,6 +573,8 @@ class ChatCheck:
         checked = _check_messages(messages, self._native_blocks, scope)
         if params:
             _check_params(params, self._table, self._stream_refused, _CHAT_OWNED, scope)
+            if "functions" in params or "function_call" in params:
+                _check_legacy_functions(params, scope)
             n = params.get("n")
             if n is not None and n != 1:
                 # Chunks carry every choice interleaved; a stream is read as one answer.
