@@ -226,8 +226,10 @@ class TestParameters:
     async def test_every_name_in_the_table_is_accepted_with_a_value_of_its_type(self) -> None:
         """Each chat parameter of the table passes with a value it declares (the table is sound)."""
         check = ChatCheck(["openai"])
+        # A parameter OpenAI takes only beside another one gets that one too.
+        companions = {"function_call": {"functions": [{"name": "f"}]}}
         for name, param in OPENAI_CHAT_PARAMS.items():
-            check.stream(MESSAGES, {name: sample(param)}, "chat")
+            check.stream(MESSAGES, {name: sample(param), **companions.get(name, {})}, "chat")
 
 
 def sample(param: Param) -> Any:
