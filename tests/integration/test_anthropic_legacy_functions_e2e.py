@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from _legacy_functions import ASK, TIME, WEATHER
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
@@ -28,24 +29,6 @@ from polygateway.simulator import FaultProfile, SimulatedUpstream
 KEY = "sk-ant-legacy-Fn-0123456789"
 BOUND_S = 30.0
 """Bounds the tests' own waits, never a timing under test."""
-ASK = [{"role": "user", "content": "weather in Paris"}]
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-TIME = {
-    "name": "get_time",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"type": "string"}, "hours": {"type": "integer"}},
-        "required": ["zone", "hours"],
-    },
-}
 
 
 @pytest.fixture
