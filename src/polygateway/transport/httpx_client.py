@@ -185,8 +185,9 @@ class _Slot:
     Once the response is over, a connection still active that has started
     no request since is that orphan: it is closed in a task of its own
     (the caller may be unwinding a cancellation), and the pool drops it at
-    its next request. The slot reads httpcore's private attributes; where
-    they are not found (another httpcore), it does nothing.
+    its next request or release (a request already queued for a slot then
+    gets it). The slot reads httpcore's private attributes; where they are
+    not found (another httpcore), it does nothing.
     """
 
     __slots__ = ("_connection", "_requests")
