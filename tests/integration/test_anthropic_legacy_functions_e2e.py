@@ -108,30 +108,6 @@ async def test_functions_are_answered_with_one_call_plain_and_streamed(
     assert sim.stats("claude").by_status == {200: 2}
 
 
-async def test_function_call_by_name_calls_that_function(sim: SimulatedUpstream) -> None:
-    """``function_call={"name": ...}`` forces the named one, not the first offered."""
-    async with _chat(sim) as client:
-        forced = await client.complete(
-            ASK, functions=[WEATHER, TIME], function_call={"name": "get_time"}
-        )
-        auto = await client.complete(ASK, functions=[WEATHER, TIME], function_call="auto")
-    assert [(c.name, c.type) for c in forced.tool_calls] == [("get_time", "function_call")]
-    assert json.loads(forced.tool_calls[0].arguments) == {"zone": "lorem", "hours": 1}
-    assert [c.name for c in auto.tool_calls] == ["get_weather"]
-
-
-async def test_function_call_none_answers_in_text(sim: SimulatedUpstream) -> None:
-    """``function_call="none"``: text and ``stop``, no call, plain and streamed."""
-    async with _chat(sim) as client:
-        plain = await client.complete(ASK, functions=[WEATHER], function_call="none")
-        async with client.stream(ASK, functions=[WEATHER], function_call="none") as stream:
-            streamed = await stream.response()
-    for answer in (plain, streamed):
-        assert answer.text.startswith("Simulated reply from claude.")
-        assert answer.tool_calls == ()
-        assert answer.finish_reason == "stop"
-
-
 async def test_the_function_result_turn_is_served(sim: SimulatedUpstream, transport: str) -> None:
     """The assistant's ``function_call`` and the ``function`` message answering it: text back."""
     async with _chat(sim, transport=transport) as client:

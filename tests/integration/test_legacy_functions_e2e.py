@@ -13,7 +13,9 @@ The library passes both parameters through as given (they are checked
 parameters of the chat completions API) and reads the answer as one tool
 call of type ``function_call`` with an empty id, plain and streamed alike;
 the follow-up turn (the assistant's ``function_call`` and a ``function``
-message with the result) is sent as given.
+message with the result) is sent as given. Forcing by name and ``"none"``
+run on an Anthropic source too, where the wire maps the pair onto tools
+(``test_anthropic_legacy_functions_e2e.py`` holds the rest of that mapping).
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ from polygateway.simulator import FaultProfile, SimulatedUpstream
 KEY = "sk-legacy-Fn-0123456789"
 BOUND_S = 30.0
 """Bounds the tests' own waits, never a timing under test."""
-Wire = Literal["openai", "azure"]
+Wire = Literal["openai", "azure", "anthropic"]
+SOURCE_OF: dict[Wire, str] = {"openai": "gpt", "azure": "az", "anthropic": "claude"}
 
 
 @pytest.fixture
 async def sim() -> AsyncIterator[SimulatedUpstream]:
-    """One source of each wire that serves legacy functions."""
+    """One source of each wire that serves legacy functions (Anthropic's as mapped tools)."""
     profiles = {
         "gpt": FaultProfile(wire="openai", api_key=KEY, stream_chunks=4),
         "az": FaultProfile(wire="azure", api_key=KEY, stream_chunks=4),
+        "claude": FaultProfile(wire="anthropic", api_key=KEY, stream_chunks=4),
     }
     async with SimulatedUpstream(profiles) as upstream:
         yield upstream
@@ -60,6 +64,15 @@ def _chat(sim: SimulatedUpstream, wire: Wire, transport: str = "httpx") -> ChatC
             api_key=KEY,
             api_key_header="api-key",
             query={"api-version": "2024-10-21"},
+            timeout_s=5.0,
+        )
+    elif wire == "anthropic":
+        source = SourceConfig(
+            name="claude",
+            base_url=sim.base_url("claude", "anthropic"),
+            protocol="anthropic",
+            model="claude-sonnet-4-5",
+            api_key=KEY,
             timeout_s=5.0,
         )
     else:
@@ -110,9 +123,12 @@ async def test_functions_are_answered_with_a_function_call_plain_and_streamed(
     }
 
 
-async def test_function_call_by_name_calls_that_function(sim: SimulatedUpstream) -> None:
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+async def test_function_call_by_name_calls_that_function(
+    sim: SimulatedUpstream, wire: Wire
+) -> None:
     """``function_call={"name": ...}`` forces the named one, not the first offered."""
-    async with _chat(sim, "openai") as client:
+    async with _chat(sim, wire) as client:
         forced = await client.complete(
             ASK, functions=[WEATHER, TIME], function_call={"name": "get_time"}
         )
@@ -122,14 +138,15 @@ async def test_function_call_by_name_calls_that_function(sim: SimulatedUpstream)
     assert [c.name for c in auto.tool_calls] == ["get_weather"]
 
 
-async def test_function_call_none_answers_in_text(sim: SimulatedUpstream) -> None:
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+async def test_function_call_none_answers_in_text(sim: SimulatedUpstream, wire: Wire) -> None:
     """``function_call="none"``: text and ``stop``, no call, plain and streamed."""
-    async with _chat(sim, "openai") as client:
+    async with _chat(sim, wire) as client:
         plain = await client.complete(ASK, functions=[WEATHER], function_call="none")
         async with client.stream(ASK, functions=[WEATHER], function_call="none") as stream:
             streamed = await stream.response()
     for answer in (plain, streamed):
-        assert answer.text.startswith("Simulated reply from gpt.")
+        assert answer.text.startswith(f"Simulated reply from {SOURCE_OF[wire]}.")
         assert answer.tool_calls == ()
         assert answer.finish_reason == "stop"
 
