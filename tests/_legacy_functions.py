@@ -7,7 +7,9 @@ so that both ask the same question with the same functions.
 
 from __future__ import annotations
 
-__all__ = ["ASK", "TIME", "WEATHER"]
+from typing import Any
+
+__all__ = ["ASK", "TIME", "WEATHER", "result_turn"]
 
 ASK = [{"role": "user", "content": "weather in Paris"}]
 WEATHER = {
@@ -27,3 +29,16 @@ TIME = {
         "required": ["zone", "hours"],
     },
 }
+
+
+def result_turn(name: str, arguments: str, result: str = "sunny, 21 C") -> list[dict[str, Any]]:
+    """``ASK``, the assistant's legacy call of ``name``, and the ``function`` message answering."""
+    return [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": name, "arguments": arguments},
+        },
+        {"role": "function", "name": name, "content": result},
+    ]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from _legacy_functions import ASK, TIME, WEATHER
+from _legacy_functions import ASK, TIME, WEATHER, result_turn
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
@@ -113,14 +113,8 @@ async def test_the_function_result_turn_is_served(sim: SimulatedUpstream, transp
     async with _chat(sim, transport=transport) as client:
         first = await client.complete(ASK, functions=[WEATHER])
         call = first.tool_calls[0]
-        turn: list[dict[str, Any]] = [
-            *ASK,
-            {
-                "role": "assistant",
-                "content": None,
-                "function_call": {"name": call.name, "arguments": call.arguments},
-            },
-            {"role": "function", "name": call.name, "content": "sunny, 21 C"},
+        turn = [
+            *result_turn(call.name, call.arguments),
             {"role": "user", "content": "and tomorrow"},
         ]
         answer = await client.complete(turn, functions=[WEATHER], function_call="none")

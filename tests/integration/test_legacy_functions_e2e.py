@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 
-from _legacy_functions import ASK, TIME, WEATHER
+from _legacy_functions import ASK, TIME, WEATHER, result_turn
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
@@ -156,15 +156,7 @@ async def test_the_function_result_turn_goes_back_as_sent(sim: SimulatedUpstream
     async with _chat(sim, "openai") as client:
         first = await client.complete(ASK, functions=[WEATHER])
         call = first.tool_calls[0]
-        turn: list[dict[str, Any]] = [
-            *ASK,
-            {
-                "role": "assistant",
-                "content": None,
-                "function_call": {"name": call.name, "arguments": call.arguments},
-            },
-            {"role": "function", "name": call.name, "content": "sunny, 21 C"},
-        ]
+        turn = result_turn(call.name, call.arguments)
         answer = await client.complete(turn, functions=[WEATHER], function_call="none")
     assert answer.finish_reason == "stop"
     assert "sunny," in answer.text
