@@ -236,10 +236,10 @@ _EMBED_REFUSED: Final[Mapping[str, str]] = {
     "input": "the texts are embed()'s first argument",
 }
 _CHAT_OWNED: Final = ("model", "messages", "stream")
+_EMBED_OWNED: Final = ("model", "input")
 
 _REPLACED: Final = (("functions", "tools"), ("function_call", "tool_choice"))
 """OpenAI's deprecated function-calling parameters and their successors: one or the other."""
-_EMBED_OWNED: Final = ("model", "input")
 
 
 def _rejected(message: str, scope: str) -> RequestRejected:
