@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 import pytest
+from _release_race import ReleasedDuringAcquire
 
 from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.memory import MemoryBackend
@@ -483,33 +484,11 @@ async def test_a_rejected_request_names_the_call_the_source_and_the_reason() -> 
 # --- wake-ups of the queue ----------------------------------------------------------------
 
 
-class _FreedAndRetaken(MemoryBackend):
-    """Inside the next acquire (once ``lease`` is set), ``lease`` is released and retaken.
-
-    The release is announced to the scope's waiting room while the call's
-    refused acquire is in flight; a holder outside the loop takes the permit
-    back at once, so the call's next acquire is refused as well.
-    """
-
-    def __init__(self, clock: FakeClock) -> None:
-        super().__init__(now=clock)
-        self.lease: Any = None
-
-    async def acquire(self, scope: str, candidates: Any, **options: Any) -> Any:
-        result = await super().acquire(scope, candidates, **options)
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            await self.release(lease, AttemptOutcome("success"))
-            again = await super().acquire(scope, candidates, ttl_s=1e6)
-            assert again.lease is not None
-        return result
-
-
 async def test_a_release_heard_while_queued_wakes_the_head_for_one_ask_only() -> None:
     """A queued head refused while a release was announced asks once more at once; refused
     again, it waits its poll (the wake-up is spent), not a second ask at once."""
     clock = FakeClock()
-    backend = _FreedAndRetaken(clock)
+    backend = ReleasedDuringAcquire(clock, retake=True)
     mw = _loop(clock, _source(max_concurrency=1), backend=backend, poll_interval_s=10.0)
     held = await backend.acquire(SCOPE, [SourceSpec("primary", max_concurrency=1)], ttl_s=1e6)
     call = mw.begin()

@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 from _closing import closing
+from _release_race import ReleasedDuringAcquire
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.base import SourceSpec
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings
@@ -194,26 +195,6 @@ def test_a_permit_freed_always_reaches_a_call_still_waiting(
         assert asyncio.all_tasks() == {asyncio.current_task()}
 
     asyncio.run(scenario())
-
-
-class ReleasedDuringAcquire(MemoryBackend):
-    """A memory backend on which ``lease`` is released while the next acquire is in flight.
-
-    The acquire is refused (the permit was still held when it ran), and the
-    permit is freed before its answer reaches the caller: the race of a
-    release elsewhere in the process against a call that asked at once.
-    """
-
-    def __init__(self, clock: FakeClock) -> None:
-        super().__init__(now=clock)
-        self.lease: Any = None
-
-    async def acquire(self, scope: str, candidates: Any, **options: Any) -> Any:
-        result = await super().acquire(scope, candidates, **options)
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            await self.release(lease, AttemptOutcome("success"))
-        return result
 
 
 async def test_a_permit_freed_while_a_call_asked_at_once_is_taken_without_a_poll() -> None:
