@@ -2,14 +2,21 @@
 
 Shared by ``tests/integration/test_legacy_functions_e2e.py`` (OpenAI and
 Azure wires) and ``tests/integration/test_anthropic_legacy_functions_e2e.py``,
-so that both ask the same question with the same functions.
+so that both ask the same question with the same functions, of sources
+configured alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ASK", "TIME", "WEATHER", "result_turn"]
+from polygateway.backends.memory import MemoryBackend
+from polygateway.chat import ChatClient
+from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
+from polygateway.simulator import SimulatedUpstream
+
+__all__ = ["ASK", "TIME", "WEATHER", "legacy_chat", "result_turn", "source"]
 
 ASK = [{"role": "user", "content": "weather in Paris"}]
 WEATHER = {
@@ -42,3 +49,48 @@ def result_turn(name: str, arguments: str, result: str = "sunny, 21 C") -> list[
         },
         {"role": "function", "name": name, "content": result},
     ]
+
+
+def source(sim: SimulatedUpstream, name: str, key: str, *, priority: int = 0) -> SourceConfig:
+    """The simulator's source ``name`` (``gpt``, ``az`` on Azure, ``claude``) as a user sets it."""
+    if name == "az":
+        return SourceConfig(
+            name="az",
+            base_url=sim.base_url("az", "azure", deployment="gpt-4o"),
+            protocol="openai",
+            model="gpt-4o",
+            api_key=key,
+            api_key_header="api-key",
+            query={"api-version": "2024-10-21"},
+            timeout_s=5.0,
+            priority=priority,
+        )
+    if name == "claude":
+        return SourceConfig(
+            name="claude",
+            base_url=sim.base_url("claude", "anthropic"),
+            protocol="anthropic",
+            model="claude-sonnet-4-5",
+            api_key=key,
+            timeout_s=5.0,
+            priority=priority,
+        )
+    return SourceConfig(
+        name=name,
+        base_url=sim.base_url(name),
+        protocol="openai",
+        model="gpt-4o",
+        api_key=key,
+        timeout_s=5.0,
+        priority=priority,
+    )
+
+
+def legacy_chat(sources: Sequence[SourceConfig], transport: str = "httpx") -> ChatClient:
+    """A chat client of one scope over ``sources``, on a memory backend."""
+    settings = GatewaySettings(
+        _env_file=None,
+        transport=transport,
+        scopes={"chat": ScopeConfig(kind="chat", sources=list(sources))},
+    )
+    return ChatClient.from_settings(settings, "chat", backend=MemoryBackend())

@@ -19,10 +19,8 @@ from typing import Any
 
 import pytest
 
-from _legacy_functions import ASK, TIME, WEATHER, result_turn
-from polygateway.backends.memory import MemoryBackend
+from _legacy_functions import ASK, TIME, WEATHER, legacy_chat, result_turn, source
 from polygateway.chat import ChatClient
-from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.errors import RequestRejected
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 
@@ -42,39 +40,12 @@ async def sim() -> AsyncIterator[SimulatedUpstream]:
         yield upstream
 
 
-def _claude(sim: SimulatedUpstream) -> SourceConfig:
-    return SourceConfig(
-        name="claude",
-        base_url=sim.base_url("claude", "anthropic"),
-        protocol="anthropic",
-        model="claude-sonnet-4-5",
-        api_key=KEY,
-        timeout_s=5.0,
-        priority=0,
-    )
-
-
-def _gpt(sim: SimulatedUpstream) -> SourceConfig:
-    return SourceConfig(
-        name="gpt",
-        base_url=sim.base_url("gpt"),
-        protocol="openai",
-        model="gpt-4o",
-        api_key=KEY,
-        timeout_s=5.0,
-        priority=1,
-    )
-
-
 def _chat(sim: SimulatedUpstream, *, mixed: bool = False, transport: str = "httpx") -> ChatClient:
     """A chat client over the Anthropic source (first), and the OpenAI one when ``mixed``."""
-    sources = [_claude(sim), _gpt(sim)] if mixed else [_claude(sim)]
-    settings = GatewaySettings(
-        _env_file=None,
-        transport=transport,
-        scopes={"chat": ScopeConfig(kind="chat", sources=sources)},
-    )
-    return ChatClient.from_settings(settings, "chat", backend=MemoryBackend())
+    sources = [source(sim, "claude", KEY)]
+    if mixed:
+        sources.append(source(sim, "gpt", KEY, priority=1))
+    return legacy_chat(sources, transport)
 
 
 async def test_functions_are_answered_with_one_call_plain_and_streamed(

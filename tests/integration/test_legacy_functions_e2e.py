@@ -27,10 +27,8 @@ from typing import Literal
 
 import pytest
 
-from _legacy_functions import ASK, TIME, WEATHER, result_turn
-from polygateway.backends.memory import MemoryBackend
+from _legacy_functions import ASK, TIME, WEATHER, legacy_chat, result_turn, source
 from polygateway.chat import ChatClient
-from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.errors import RequestRejected
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 
@@ -55,41 +53,7 @@ async def sim() -> AsyncIterator[SimulatedUpstream]:
 
 def _chat(sim: SimulatedUpstream, wire: Wire, transport: str = "httpx") -> ChatClient:
     """A chat client over the source of ``wire``, configured as a user configures it."""
-    if wire == "azure":
-        source = SourceConfig(
-            name="az",
-            base_url=sim.base_url("az", "azure", deployment="gpt-4o"),
-            protocol="openai",
-            model="gpt-4o",
-            api_key=KEY,
-            api_key_header="api-key",
-            query={"api-version": "2024-10-21"},
-            timeout_s=5.0,
-        )
-    elif wire == "anthropic":
-        source = SourceConfig(
-            name="claude",
-            base_url=sim.base_url("claude", "anthropic"),
-            protocol="anthropic",
-            model="claude-sonnet-4-5",
-            api_key=KEY,
-            timeout_s=5.0,
-        )
-    else:
-        source = SourceConfig(
-            name="gpt",
-            base_url=sim.base_url("gpt"),
-            protocol="openai",
-            model="gpt-4o",
-            api_key=KEY,
-            timeout_s=5.0,
-        )
-    settings = GatewaySettings(
-        _env_file=None,
-        transport=transport,
-        scopes={"chat": ScopeConfig(kind="chat", sources=[source])},
-    )
-    return ChatClient.from_settings(settings, "chat", backend=MemoryBackend())
+    return legacy_chat([source(sim, SOURCE_OF[wire], KEY)], transport)
 
 
 @pytest.mark.parametrize("wire", ["openai", "azure"])
