@@ -14,6 +14,10 @@ follows the public Messages API reference (``anthropic-version: 2023-06-01``):
 - an assistant's ``tool_calls`` become ``tool_use`` blocks and ``role: "tool"``
   messages a user turn of ``tool_result`` blocks; consecutive turns of one
   role are merged, since the API wants user and assistant turns to alternate;
+- each ``tool_result`` goes into the user turn right after its ``tool_use``
+  turn, ahead of that turn's text, even when user messages came between the
+  call and its result: the API refuses a ``tool_use`` not answered there,
+  results first (``_place_result``);
 - ``parallel_tool_calls=False`` becomes ``tool_choice.disable_parallel_tool_use``;
 - OpenAI's legacy function calling is mapped as its successor is: each of
   ``functions`` as the tool a function tool would be, ``function_call`` as
@@ -325,13 +329,39 @@ def _assistant(
 
 def _tool_result(
     message: Mapping[str, Any], call_id: str, what: str, source: str
-) -> list[dict[str, Any]]:
+) -> dict[str, Any]:
     """A ``tool`` (or legacy ``function``) message as the ``tool_result`` block of a user turn."""
     result: dict[str, Any] = {"type": "tool_result", "tool_use_id": call_id}
     content = message.get("content")
     if content is not None:
         result["content"] = _content(content, f"{what}.content", source)
-    return [result]
+    return result
+
+
+def _place_result(
+    turns: list[dict[str, Any]], result: dict[str, Any], call_turn: int | None
+) -> None:
+    """Put a ``tool_result`` block in the first user turn after its ``tool_use`` turn.
+
+    The API refuses a ``tool_use`` whose result is not in the very next turn,
+    and a turn whose ``tool_result`` blocks do not come before its other
+    content; an OpenAI conversation may hold user messages between a call and
+    its result, so the result goes after the results already there and
+    before that turn's text. A result whose call is the last turn opens the
+    next one; one answering no call is mapped where it stands.
+    """
+    if call_turn is not None and call_turn + 1 < len(turns):
+        turn = turns[call_turn + 1]
+        blocks = _blocks(turn["content"])
+        first = next(
+            (i for i, block in enumerate(blocks) if block.get("type") != "tool_result"),
+            len(blocks),
+        )
+        turn["content"] = [*blocks[:first], result, *blocks[first:]]
+    elif turns and turns[-1]["role"] == "user":
+        turns[-1]["content"] = [*_blocks(turns[-1]["content"]), result]
+    else:
+        turns.append({"role": "user", "content": [result]})
 
 
 def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, list[dict[str, Any]]]:
@@ -340,6 +370,8 @@ def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, lis
     turns: list[dict[str, Any]] = []
     # The id of the last assistant function_call no function message has answered yet.
     unanswered: str | None = None
+    # Each tool_use id, and the index of the assistant turn holding it.
+    call_turns: dict[str, int] = {}
     for i, message in enumerate(messages):
         what = f"messages[{i}]"
         role = message.get("role")
@@ -358,14 +390,18 @@ def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, lis
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise _rejected(source, f"{what} has no tool_call_id")
-            role, content = "user", _tool_result(message, call_id, what, source)
+            result = _tool_result(message, call_id, what, source)
+            _place_result(turns, result, call_turns.get(call_id))
+            continue
         elif role == "function":
             if unanswered is None:
                 raise _rejected(
                     source, f"{what} is a function result with no assistant function_call before it"
                 )
-            role, content = "user", _tool_result(message, unanswered, what, source)
+            result = _tool_result(message, unanswered, what, source)
+            _place_result(turns, result, call_turns.get(unanswered))
             unanswered = None
+            continue
         else:
             raise _rejected(source, f"{what} has role {role!r}, which has no Messages API turn")
         if turns and turns[-1]["role"] == role:
@@ -373,6 +409,10 @@ def _turns(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[str, lis
             last["content"] = _blocks(last["content"]) + _blocks(content)
         else:
             turns.append({"role": role, "content": content})
+        if role == "assistant" and isinstance(content, list):
+            for block in content:
+                if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
+                    call_turns[block["id"]] = len(turns) - 1
     return "\n\n".join(system), turns
 
 
