@@ -128,6 +128,33 @@ def check_base_url(value: str) -> str:
     return value
 
 
+_AZURE_OPENAI_ROUTES = "/openai/"
+"""Where Azure OpenAI's routes start (``/openai/deployments/...``, ``/openai/v1``) on any host."""
+
+_EMBEDDING_INPUTS_CAP = 2048
+"""Inputs OpenAI and Azure OpenAI accept in one embeddings request; more is a 400."""
+
+
+def _embedding_inputs_cap(base_url: str) -> tuple[str, int] | None:
+    """The provider at ``base_url`` and the most inputs it takes per embeddings request.
+
+    Only providers whose documentation states such a limit are known: OpenAI
+    (``api.openai.com`` and its regional ``<region>.api.openai.com``) and Azure
+    OpenAI (``*.openai.azure.com``, or an ``/openai/`` route on another
+    ``*.azure.com`` resource), both 2048. Any other server (vLLM, a LiteLLM
+    proxy, a gateway in front of either) is ``None``: its limit is unknown.
+    """
+    parts = urlsplit(base_url)
+    host = (parts.hostname or "").rstrip(".")
+    if host == "api.openai.com" or host.endswith(".api.openai.com"):
+        return "OpenAI", _EMBEDDING_INPUTS_CAP
+    if host.endswith(".openai.azure.com") or (
+        host.endswith(".azure.com") and parts.path.startswith(_AZURE_OPENAI_ROUTES)
+    ):
+        return "Azure OpenAI", _EMBEDDING_INPUTS_CAP
+    return None
+
+
 def _looks_like_key(name: str) -> bool:
     """Whether a valid variable name is more likely a pasted key (an Azure hex key, say).
 
@@ -487,6 +514,29 @@ class ScopeConfig(BaseModel):
                 f"({capacity}: the sum of its sources' max_concurrency)",
                 at=f".priority_classes.{last}.reserved",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_batch_caps(self) -> Self:
+        """An embed source's batches fit in one request of its provider (``_embedding_inputs_cap``).
+
+        With a larger ``max_batch_size`` every full batch would be refused with a
+        400 at run time (``RequestRejected``, its texts never embedded): refused
+        here, once.
+        """
+        if self.kind != "embed":
+            return self
+        for index, source in enumerate(self.sources):
+            cap = _embedding_inputs_cap(source.base_url)
+            if cap is not None and source.max_batch_size > cap[1]:
+                provider, limit = cap
+                raise config_problem(
+                    f"source {source.name!r}: max_batch_size = {source.max_batch_size} is more "
+                    f"than the {limit} inputs {provider} accepts in one embeddings request "
+                    f"(a larger batch is refused with a 400): set max_batch_size to {limit} "
+                    "or less",
+                    at=f".sources[{index}].max_batch_size",
+                )
         return self
 
     @model_validator(mode="before")
