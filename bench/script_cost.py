@@ -50,6 +50,16 @@ candidates, each with the empty script at 2 and at N candidates (``INFO
 cpu`` per call, best round), and the Lua loop that walks a candidate order
 against a verdict string: what a many-source ACQUIRE pays before any work,
 against the current scripts' whole 2-source pair.
+
+The batch table prices serving several calls in one script run, at 1, 4
+and 16 calls a run (1 source, grants then successes, ``INFO cpu`` per pair,
+best round), four ways: the real scripts' body looped (``looped``); the same
+over a write-back cache of its commands (``cached``: each call still parses,
+decides and formats, the commands are sent once a run); a run that reads the
+state once, decides each call on it and writes once (``state_once``, the
+measured path only, pinned to the real scripts' decisions by
+``tests/integration/test_bench_state_once.py``); and that run's commands with
+no logic (``shared_calls``).
 """
 
 from __future__ import annotations
@@ -83,12 +93,14 @@ __all__ = [
     "VARIANTS",
     "Layout",
     "Variant",
+    "cached",
     "expected_rows",
     "looped",
     "main",
     "measure",
     "measure_batches",
     "measure_layouts",
+    "state_once",
 ]
 
 STATE_TTL_S = 86400
@@ -740,6 +752,280 @@ def looped(source: str, calls: int) -> str:
     )
 
 
+_CACHED = """-- EXPERIMENT: the real script's body looped over a write-back cache of its commands
+local real = redis.call
+local ids = {}
+for i = 1, @calls do
+  ids[i] = ARGV[2] .. ':' .. i
+end
+local clock                                 -- TIME, read once a run
+local hashes, dirty = {}, {}                -- key -> field -> value (false: absent) / moved
+local counts, adds, added = {}, {}, {}      -- zset key -> live count / ZADD pairs / members
+local swept, live, rems = {}, {}, {}        -- zset key -> swept / the run's live ids / ZREMs
+local sets, cards = {}, {}                  -- SET arguments / ZCARD replies, a key
+local cache = {}
+function cache.call(cmd, key, ...)
+  if cmd == 'TIME' then
+    clock = clock or real('TIME')
+    return clock
+  elseif cmd == 'HMGET' then
+    local h = hashes[key]
+    if h == nil then
+      h = {}
+      hashes[key] = h
+    end
+    local fields, missing = {...}, {}
+    for _, f in ipairs(fields) do
+      if h[f] == nil then
+        missing[#missing + 1] = f
+      end
+    end
+    if #missing > 0 then
+      local got = real('HMGET', key, unpack(missing))
+      for k, f in ipairs(missing) do
+        h[f] = got[k]
+      end
+    end
+    local out = {}
+    for k, f in ipairs(fields) do
+      out[k] = h[f]
+    end
+    return out
+  elseif cmd == 'HSET' then
+    local h, d = hashes[key] or {}, dirty[key] or {}
+    hashes[key], dirty[key] = h, d
+    local a = {...}
+    for k = 1, #a, 2 do
+      h[a[k]] = a[k + 1]
+      d[a[k]] = true
+    end
+    return 0
+  elseif cmd == 'ZCOUNT' then
+    if counts[key] == nil then
+      counts[key] = real('ZCOUNT', key, ...)
+    end
+    return counts[key]
+  elseif cmd == 'ZADD' then
+    local a, p, m = {...}, adds[key] or {}, added[key] or {}
+    adds[key], added[key] = p, m
+    for k = 1, #a, 2 do
+      if not m[a[k + 1]] then
+        m[a[k + 1]] = true
+        p[#p + 1] = a[k]
+        p[#p + 1] = a[k + 1]
+      end
+    end
+    if counts[key] then
+      counts[key] = counts[key] + 1
+    end
+    return 1
+  elseif cmd == 'ZREMRANGEBYSCORE' then
+    if not swept[key] then
+      swept[key] = true
+      real('ZREMRANGEBYSCORE', key, ...)
+    end
+    return 0
+  elseif cmd == 'ZREM' then
+    local member, l = ..., live[key]
+    if l == nil then
+      l = {}
+      local scores = real('ZMSCORE', key, unpack(ids))
+      for k, id in ipairs(ids) do
+        l[id] = scores[k] and true or nil
+      end
+      live[key] = l
+    end
+    if l[member] then
+      l[member] = nil
+      local r = rems[key] or {}
+      rems[key] = r
+      r[#r + 1] = member
+      return 1
+    end
+    return 0
+  elseif cmd == 'SET' then
+    sets[key] = {...}
+    return 'OK'
+  elseif cmd == 'ZCARD' then
+    if cards[key] == nil then
+      cards[key] = real('ZCARD', key)
+    end
+    return cards[key]
+  end
+  return real(cmd, key, ...)
+end
+local function body(ARGV, redis)
+@source
+end
+local reply
+for i = 1, @calls do
+  local args = {}
+  for k = 1, #ARGV do
+    args[k] = ARGV[k]
+  end
+  args[2] = ids[i]
+  reply = body(args, cache)
+end
+-- What moved, written once a run.
+for key, d in pairs(dirty) do
+  local w = {}
+  for f in pairs(d) do
+    w[#w + 1] = f
+    w[#w + 1] = hashes[key][f]
+  end
+  real('HSET', key, unpack(w))
+end
+for key, p in pairs(adds) do
+  real('ZADD', key, unpack(p))
+end
+for key, r in pairs(rems) do
+  real('ZREM', key, unpack(r))
+end
+for key, a in pairs(sets) do
+  real('SET', key, unpack(a))
+end
+return reply
+"""
+
+
+def cached(source: str, calls: int) -> str:
+    """EXPERIMENT: the real script's body run ``calls`` times in one run over a write-back
+    cache of its commands: ``TIME`` once, a hash's fields read once and what moved written
+    once (one ``HSET``), a lease zset counted once and its adds and removals sent as one
+    ``ZADD`` and one ``ZREM`` (whether a lease is live: one ``ZMSCORE`` of the run's ids),
+    the sweep, ``SET`` and ``ZCARD`` once. Right only on the measured path (grants with
+    room, successes, nobody waiting; the zsets' keys already made): the ceiling of a run
+    that reads and writes the state once while each call still parses, decides and formats
+    as a script run of its own does."""
+    return _CACHED.replace("@calls", str(calls)).replace("@source", source)
+
+
+_RUN_ACQUIRE = """-- EXPERIMENT: @calls grants a run: state read once, each decided, written once
+-- @clock
+local n = @calls
+local sk, lk = KEYS[2], KEYS[3]
+local ttl, cost = num(ARGV[3]), num(ARGV[4])
+local maxc, rpm, rpm_cap = num(ARGV[7]), num(ARGV[8]), num(ARGV[9])
+local tpm, tpm_cap = num(ARGV[10]), num(ARGV[11])
+local h = redis.call('HMGET', sk, 'limit', 'breaker', 'not_before', 'rpm_tokens', 'rpm_at',
+  'tpm_tokens', 'tpm_at', 'reopen_probe', 'spec', 'expires_at')
+local limit, not_before = num(h[1]), num(h[3])
+local rpm_tokens, rpm_at, tpm_tokens, tpm_at = num(h[4]), num(h[5]), num(h[6]), num(h[7])
+if limit == nil or h[2] ~= 'closed' or h[8] == '1' or h[9] ~= ARGV[15] or rpm_at == nil
+    or tpm_at == nil then
+  return redis.error_reply('EXPERIMENT: off the measured path')
+end
+local live = redis.call('ZCOUNT', lk, '(' .. now_s, '+inf')
+local cap = math.max(1, math.min(maxc, math.floor(limit)))
+local expiry = fmt(now + ttl)
+local leases = {}
+for i = 1, n do
+  local reason
+  repeat
+    if now < not_before then
+      reason = 'p'
+      break
+    end
+    if live >= cap then
+      reason = 'c'
+      break
+    end
+    rpm_tokens = math.min(rpm_cap, rpm_tokens + (now - rpm_at) * rpm / 60)
+    rpm_at = now
+    if not (rpm_tokens >= 1) then
+      reason = 'r'
+      break
+    end
+    tpm_tokens = math.min(tpm_cap, tpm_tokens + (now - tpm_at) * tpm / 60)
+    tpm_at = now
+    if not (tpm_tokens >= math.min(cost, tpm_cap)) then
+      reason = 't'
+      break
+    end
+    rpm_tokens = rpm_tokens - 1
+    tpm_tokens = tpm_tokens - cost
+    live = live + 1
+    leases[#leases + 1] = expiry
+    leases[#leases + 1] = ARGV[2] .. ':' .. i
+  until true
+  if reason then
+    return redis.error_reply('EXPERIMENT: refused (' .. reason .. ') off the measured path')
+  end
+end
+redis.call('HSET', sk, 'rpm_tokens', fmt(rpm_tokens), 'rpm_at', now_s, 'tpm_tokens',
+  fmt(tpm_tokens), 'tpm_at', now_s)
+redis.call('ZADD', lk, unpack(leases))
+local life = math.max(num(ARGV[5]), 2 * (math.max(math.ceil(ttl), math.ceil(num(ARGV[14]))) + 1))
+if num(h[10]) - now < life / 2 then
+  return redis.error_reply('EXPERIMENT: a renewal is off the measured path')
+end
+return {1, 0, ''}
+"""
+_RUN_RELEASE = """-- EXPERIMENT: @calls successes a run: state read once, each decided, written once
+-- @clock
+local n = @calls
+local sk, lk = KEYS[1], KEYS[2]
+redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)
+local ids = {}
+for i = 1, n do
+  ids[i] = ARGV[2] .. ':' .. i
+end
+local scores = redis.call('ZMSCORE', lk, unpack(ids))
+local freed = {}
+for i = 1, n do
+  if scores[i] then
+    freed[#freed + 1] = ids[i]
+  end
+end
+if #freed == 0 then
+  return 0
+end
+redis.call('ZREM', lk, unpack(freed))
+local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
+  'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
+  'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
+local maxc, tpm_cap, limit, tpm_tokens = num(h[1]), num(h[3]), num(h[10]), num(h[11])
+if maxc == nil or h[5] ~= 'closed' or num(h[6]) ~= 0 or (h[15] and h[15] ~= '')
+    or ARGV[5] ~= '' or tpm_tokens == nil then
+  return redis.error_reply('EXPERIMENT: off the measured path')
+end
+local used, reserved = num(ARGV[6]), num(ARGV[7])
+local read_limit = limit
+for _ = 1, #freed do
+  limit = math.min(maxc, limit + 1 / limit)
+  tpm_tokens = math.min(tpm_cap, tpm_tokens + reserved - used)
+end
+local writes = {'tpm_tokens', fmt(tpm_tokens)}
+if limit ~= read_limit then
+  writes[3], writes[4] = 'limit', fmt(limit)
+end
+redis.call('HSET', sk, unpack(writes))
+if num(h[14]) - now < math.ceil(num(h[4])) + 1 then
+  return redis.error_reply('EXPERIMENT: a renewal is off the measured path')
+end
+redis.call('SET', KEYS[3], now_s, 'EX', ARGV[10])
+if redis.call('ZCARD', KEYS[5]) > 0 then
+  return redis.error_reply('EXPERIMENT: a wake-up is off the measured path')
+end
+return 1
+"""
+
+
+def state_once(calls: int) -> tuple[str, str]:
+    """EXPERIMENT: the two scripts a run of ``calls`` calls would be if it read a source's
+    state once, decided each call on it and wrote what moved once: grants with room and
+    successes at one closed source with rpm and tpm (the measured path, the same decisions
+    and arithmetic as the real scripts there; anything else stops the script with an
+    error). One lease id a call, ``<id>:<i>``."""
+    texts = (_RUN_ACQUIRE, _RUN_RELEASE)
+    return cast(
+        tuple[str, str],
+        tuple(
+            t.replace("@calls", str(calls)).replace("-- @clock\n", scripts._CLOCK, 1) for t in texts
+        ),
+    )
+
+
 def shared_calls(calls: int) -> tuple[str, str]:
     """EXPERIMENT: the commands ``calls`` grants and successes at one source would need if
     one run read and wrote the state once for all of them (one ``ZADD`` and one ``ZREM``
@@ -762,6 +1048,10 @@ BATCH_COLUMNS = (
     ("calls", "calls per script run"),
     ("looped", "body looped: pair CPU µs"),
     ("looped_x", "x INCR+DECR"),
+    ("cached", "body looped over a write-back cache: pair CPU µs"),
+    ("cached_x", "x INCR+DECR"),
+    ("once", "state read once, decided per call: pair CPU µs"),
+    ("once_x", "x INCR+DECR"),
     ("shared", "commands alone, state read once: pair CPU µs"),
 )
 
@@ -796,28 +1086,38 @@ def measure_batches(url: str, *, pairs: int, rounds: int) -> list[dict[str, Any]
         shas[("looped", n)] = tuple(
             client.script_load(looped(s, n)) for s in (scripts.ACQUIRE, scripts.RELEASE)
         )
+        shas[("cached", n)] = tuple(
+            client.script_load(cached(s, n)) for s in (scripts.ACQUIRE, scripts.RELEASE)
+        )
+        shas[("once", n)] = tuple(client.script_load(s) for s in state_once(n))
         shas[("shared", n)] = tuple(client.script_load(s) for s in shared_calls(n))
     best: dict[tuple[str, int], float] = {}
     for round_ in range(rounds):
         for n in BATCH_SIZES:
-            for kind in ("looped", "shared"):
+            for kind in ("looped", "cached", "once", "shared"):
                 tag = f"{kind}-{n}-{round_}"
                 scope = _Scope(f"batch-{tag}", 1)
                 # First sight by the real scripts, then the variant once (compiled, checked).
                 _check([client.evalsha(real[0], *scope.acquire("warm"))], 1, tag)
                 _check([client.evalsha(real[1], *scope.release("warm"))], None, tag)
                 acquire, release = shas[(kind, n)]
-                if kind == "looped":
+                if kind != "shared":
                     _check([client.evalsha(acquire, *scope.acquire("check"))], 1, tag)
                     _check([client.evalsha(release, *scope.release("check"))], None, tag)
                 us = _batch_run(client, (acquire, release), n, pairs, tag)
                 best[(kind, n)] = min(us, best.get((kind, n), us))
                 leases = client.zrangebyscore(codec.key(scope.name, "leases", "s000"), 0, "+inf")
-                if kind == "looped" and leases:
+                if kind != "shared" and leases:
                     raise RuntimeError(f"{tag}: leases left behind: {leases[:3]!r}")
         client.flushall()
     return [
-        {"calls": n, "looped": best[("looped", n)], "shared": best[("shared", n)]}
+        {
+            "calls": n,
+            "looped": best[("looped", n)],
+            "cached": best[("cached", n)],
+            "once": best[("once", n)],
+            "shared": best[("shared", n)],
+        }
         for n in BATCH_SIZES
     ]
 
@@ -900,7 +1200,11 @@ def _layouts(layouts: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], 
 def _batches(batches: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
     """The batch table, the looped scripts against the INCR + DECR pair of the main table."""
     base = rows[0]["pair_cpu_us"]
-    return _table([{**row, "looped_x": row["looped"] / base} for row in batches], BATCH_COLUMNS)
+    rows_x = [
+        {**row, **{f"{k}_x": row[k] / base for k in ("looped", "cached", "once")}}
+        for row in batches
+    ]
+    return _table(rows_x, BATCH_COLUMNS)
 
 
 def _revision() -> str:
