@@ -12,7 +12,8 @@ routes it serves and how every answer looks:
 - every source: MonkeyOCR's ``/{source}/ocr/text`` and ``/{source}/parse``.
 
 A request is checked at the gate (route, ``api-version``, key headers: 401 /
-404 like the real service), read and validated (400), then admitted by the
+404 like the real service), read and validated (400, on ``openai`` and
+``azure`` for more than 2048 embeddings inputs too), then admitted by the
 source's server-side limits (429 with the wire's headers), then plays at most
 one random fault drawn from the source's seeded generator, then waits its
 latency and answers. Every answer of a limited source carries the wire's
@@ -464,6 +465,19 @@ async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Jo
     )
 
 
+_MAX_INPUTS = 2048
+"""Inputs one embeddings request may hold on OpenAI and Azure OpenAI, as both document.
+
+vLLM documents no such limit, and a LiteLLM proxy passes on what its backend answers.
+"""
+
+_TOO_MANY_INPUTS: dict[Wire, str] = {
+    "openai": "Invalid 'input': array length must be 2048 or less.",
+    "azure": "Too many inputs. The max number of inputs is 2048.",
+}
+"""The 400 message of a request over ``_MAX_INPUTS``, in each capping wire's words."""
+
+
 async def _parse_embeddings(request: Request, body: bytes, source: _Source) -> _Job | Response:
     """Validate an embeddings request (a string or a non-empty list of strings)."""
     wire = source.profile.wire
@@ -478,6 +492,9 @@ async def _parse_embeddings(request: Request, body: bytes, source: _Source) -> _
         return error_response(
             wire, 400, "'input' must be a non-empty string or list of non-empty strings"
         )
+    too_many = _TOO_MANY_INPUTS.get(wire)
+    if too_many is not None and len(inputs) > _MAX_INPUTS:
+        return error_response(wire, 400, too_many)
     assert data is not None  # for mypy: a valid input came from a body
     model = data.get("model")
     if not isinstance(model, str):
