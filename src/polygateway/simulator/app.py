@@ -8,7 +8,8 @@ routes it serves and how every answer looks:
 - ``azure``: ``/{source}/openai/deployments/{deployment}/chat/completions``
   and ``.../embeddings``, with a required ``api-version`` query parameter;
 - ``anthropic``: ``/{source}/v1/messages`` (``x-api-key`` and
-  ``anthropic-version`` required, ``max_tokens`` required);
+  ``anthropic-version`` required, ``max_tokens`` required, each ``tool_use``
+  answered first in the next message);
 - every source: MonkeyOCR's ``/{source}/ocr/text`` and ``/{source}/parse``.
 
 A request is checked at the gate (route, ``api-version``, key headers: 401 /
@@ -434,6 +435,42 @@ async def _parse_chat(request: Request, body: bytes, source: _Source) -> _Job | 
     )
 
 
+def _blocks_of(message: Any) -> list[Any]:
+    """A Messages API message's content blocks; string content has none of interest here."""
+    content = message.get("content") if isinstance(message, dict) else None
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+
+
+def _unanswered_tool_use(messages: list[Any]) -> str | None:
+    """The Messages API's 400 for a ``tool_use`` its next message does not answer first, if any.
+
+    The API wants every ``tool_use`` id of a message answered by a
+    ``tool_result`` block in the message right after it, the results ahead
+    of any other block there; a client mapping an OpenAI conversation, where
+    a user message may stand between a call and its result, must move the
+    result there (``transport/anthropic.py``).
+    """
+    for i, message in enumerate(messages):
+        uses = [b.get("id") for b in _blocks_of(message) if b.get("type") == "tool_use"]
+        if not uses:
+            continue
+        answered = set()
+        after = messages[i + 1] if i + 1 < len(messages) else None
+        if isinstance(after, dict) and after.get("role") == "user":
+            for block in _blocks_of(after):
+                if block.get("type") != "tool_result":
+                    break
+                answered.add(block.get("tool_use_id"))
+        missing = [str(use) for use in uses if use not in answered]
+        if missing:
+            return (
+                f"messages.{i}: `tool_use` ids were found without `tool_result` blocks"
+                f" immediately after: {', '.join(missing)}. Each `tool_use` block must have"
+                " a corresponding `tool_result` block in the next message."
+            )
+    return None
+
+
 async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Job | Response:
     """Validate an Anthropic Messages request (``max_tokens`` required) and prepare its reply."""
     data = _json_body(body)
@@ -445,6 +482,8 @@ async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Jo
         # OpenAI's legacy function calling is no field of the Messages API, which refuses extras.
         extra = "functions" if "functions" in data else "function_call"
         return error_response("anthropic", 400, f"{extra}: Extra inputs are not permitted")
+    if (unanswered := _unanswered_tool_use(data["messages"])) is not None:
+        return error_response("anthropic", 400, unanswered)
     max_tokens = data.get("max_tokens")
     if max_tokens is None:
         return error_response("anthropic", 400, "max_tokens: Field required")
