@@ -126,31 +126,38 @@ async def check_outage(rig: Rig, traffic: Traffic, outage: Callable[[], Awaitabl
 
 @dataclass
 class Freeze:
-    """An outage: Redis frozen (SIGSTOP) for ``seconds``, then thawed; ``thawed_at`` says when."""
+    """An outage: Redis frozen (SIGSTOP) for ``seconds``, then thawed; ``thawed_at`` says when,
+    ``requests_at_thaw`` how many requests the upstream had seen by then."""
 
     server: Any
     seconds: float
+    sim: SimulatedUpstream
     thawed_at: float = 0.0
+    requests_at_thaw: int = 0
 
     async def __call__(self) -> None:
         self.server.pause()
         try:
             await asyncio.sleep(self.seconds)
         finally:
+            self.requests_at_thaw = self.sim.stats("a").requests
             self.thawed_at = time.monotonic()
             self.server.resume()
 
 
 async def check_recovery(
-    rig: Rig, traffic: Traffic, answering_from: float, run_s: float = 1.5
+    rig: Rig, traffic: Traffic, answering_from: float, requests_then: int, run_s: float = 1.5
 ) -> None:
     """After the fault: the same client serves again, and the limits hold.
 
     ``answering_from`` is the moment just before Redis could answer again (its
-    restart or thaw): the rpm bucket refills from then (a restarted server's
-    starts full), and calls are admitted from then, before this check begins.
+    restart or thaw), ``requests_then`` the upstream's count of requests at that
+    moment: the rpm bucket refills from then (a restarted server's starts
+    full), and calls are admitted from then, before this check begins; every
+    one of them is counted, the burst of the first moment included. The
+    upstream's record of concurrency runs over the whole test, which no phase
+    may take past the permits either.
     """
-    rig.sim.reset_stats()
     recovered_at = time.monotonic()
 
     async def serving() -> bool:
@@ -170,7 +177,8 @@ async def check_recovery(
     stats = rig.sim.stats("a")
     assert stats.max_concurrent <= PERMITS
     # The rpm bucket: admissions <= rate x t + burst (one more for the window's edges).
-    assert stats.requests <= RPM / 60.0 * window_s + RPM_BURST + 1, (stats.requests, window_s)
+    admitted = stats.requests - requests_then
+    assert admitted <= RPM / 60.0 * window_s + RPM_BURST + 1, (admitted, window_s)
 
 
 async def finish(rig: Rig, traffic: Traffic, running: asyncio.Task[None]) -> None:
@@ -200,9 +208,9 @@ async def test_redis_killed_mid_run_fails_closed_then_recovers_on_restart(
         await asyncio.sleep(1.5)
 
     await check_outage(rig, traffic, outage)
-    restarted_at = time.monotonic()
+    requests_then, restarted_at = rig.sim.stats("a").requests, time.monotonic()
     await asyncio.to_thread(redis_server.start)
-    await check_recovery(rig, traffic, restarted_at)
+    await check_recovery(rig, traffic, restarted_at, requests_then)
     await finish(rig, traffic, running)
 
 
@@ -219,9 +227,9 @@ async def test_redis_frozen_past_the_socket_timeout_fails_closed_then_recovers(
     await asyncio.sleep(0.5)
     assert any(o.kind == "ok" for o in traffic.outcomes)
 
-    frozen = Freeze(redis_server, 1.5)  # five socket timeouts
+    frozen = Freeze(redis_server, 1.5, rig.sim)  # five socket timeouts
     await check_outage(rig, traffic, frozen)
-    await check_recovery(rig, traffic, frozen.thawed_at)
+    await check_recovery(rig, traffic, frozen.thawed_at, frozen.requests_at_thaw)
     await finish(rig, traffic, running)
 
 
@@ -281,13 +289,15 @@ async def test_redis_chaos_for_minutes_fails_closed_and_recovers_every_time(
                 await asyncio.sleep(rng.uniform(1.0, 2.5))
 
             await check_outage(rig, traffic, down)
-            answering_from = time.monotonic()
+            requests_then, answering_from = rig.sim.stats("a").requests, time.monotonic()
             await asyncio.to_thread(redis_server.start)
         else:
-            frozen = Freeze(redis_server, rng.uniform(1.0, 2.5))
+            frozen = Freeze(redis_server, rng.uniform(1.0, 2.5), rig.sim)
             await check_outage(rig, traffic, frozen)
-            answering_from = frozen.thawed_at
-        await check_recovery(rig, traffic, answering_from, run_s=rng.uniform(0.5, 2.0))
+            requests_then, answering_from = frozen.requests_at_thaw, frozen.thawed_at
+        await check_recovery(
+            rig, traffic, answering_from, requests_then, run_s=rng.uniform(0.5, 2.0)
+        )
     await finish(rig, traffic, running)
     assert min(cycles.values()) >= 3, cycles
 
