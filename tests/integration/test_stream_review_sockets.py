@@ -30,8 +30,10 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
 from polygateway.errors import AllSourcesExhausted, GatewayError, StreamInterrupted
+from polygateway.middleware.lifecycle import _default_transport
 from polygateway.simulator import FaultProfile, SimulatedUpstream
 from polygateway.testing import Recorder, chat_chunk_events, chat_completion
+from polygateway.transport.http import HttpRequest
 
 KEY = "sk-review-SECRET-42"
 HI = [{"role": "user", "content": "hi"}]
@@ -754,3 +756,73 @@ async def test_requests_cancelled_twice_leave_the_pool_its_connections(kind: str
         async with asyncio.timeout(BOUND_S):
             while up.open:  # every connection hung up, its handler done
                 await asyncio.sleep(0.01)
+
+
+# Bounds the wait of a request queued for the pool's one connection: far below its own
+# first-event deadline (BOUND_S), the stream's only bound, since it has no pool timeout.
+PROMPT_S = 2.0
+
+
+def slow_then_quick(upstream: Upstream, words: list[str]) -> Play:
+    """The first connection streams ``words`` slowly; every later one ``["b"]`` at once."""
+    slow, quick = flowing(words, gap_s=0.05), flowing(["b"], gap_s=0)
+
+    async def play(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await (slow if upstream.requests == 1 else quick)(reader, writer)
+
+    return play
+
+
+def stream_request(upstream: Upstream) -> HttpRequest:
+    """A chat stream request to ``upstream``'s source ``p``, bounded by BOUND_S alone."""
+    return HttpRequest(
+        source="p",
+        url=f"http://127.0.0.1:{upstream.port}/v1/chat/completions",
+        timeout_s=BOUND_S,
+        idle_timeout_s=BOUND_S,
+        connect_timeout_s=BOUND_S,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "m", "messages": HI, "stream": True},
+    )
+
+
+@pytest.mark.parametrize("turns", range(5))
+async def test_a_stream_queued_behind_a_read_cancelled_twice_gets_its_slot(
+    kind: str, upstream: Upstream, turns: int
+) -> None:
+    """A request queued for the pool's one connection is served once a read cancelled twice ends.
+
+    The pool is sized as a client sizes it, to its one source's concurrency of 1.
+    A second stream asks for a connection while the first holds it, so it waits in
+    the pool. The first read is then cancelled twice (encode/httpcore#1115): with
+    httpcore 1.0.9 the connection is left counted as active and is closed from
+    outside, which does not hand the pool's freed slot to the request queued there.
+    """
+    words = [f"w{i}" for i in range(40)]
+    upstream.play = slow_then_quick(upstream, words)
+    client = settings(kind, f"http://127.0.0.1:{upstream.port}/v1", max_concurrency=1)
+    transport = _default_transport(client, client.scopes["chat"].sources)
+    request = stream_request(upstream)
+    first: list[Any] = []
+    second: list[Any] = []
+
+    async def read(into: list[Any]) -> None:
+        async with transport.stream(request) as events:
+            async for event in events:
+                into.append(event)
+
+    try:
+        reading = asyncio.create_task(read(first))
+        async with asyncio.timeout(BOUND_S):
+            while len(first) < 2:
+                await asyncio.sleep(0.005)
+        queued = asyncio.create_task(read(second))
+        await asyncio.sleep(0.01)  # the first read waits on its socket, the second for the pool
+        assert upstream.requests == 1
+        await cancel_twice(reading, turns)
+        async with asyncio.timeout(PROMPT_S):
+            await queued
+        assert second == chat_chunk_events(["b"])
+        await hung_up(upstream)
+    finally:
+        await transport.aclose()

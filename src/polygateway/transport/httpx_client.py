@@ -184,29 +184,30 @@ class _Slot:
     such call takes a slot for ever, until every request waits for one.
     Once the response is over, a connection still active that has started
     no request since is that orphan: it is closed in a task of its own
-    (the caller may be unwinding a cancellation), and the pool drops it at
-    its next request or release (a request already queued for a slot then
-    gets it). The slot reads httpcore's private attributes; where they are
-    not found (another httpcore), it does nothing.
+    (the caller may be unwinding a cancellation), and its pool is then
+    told to hand the freed slot to a request already queued for one
+    (``_reassign``). The slot reads httpcore's private attributes; where
+    they are not found (another httpcore), it does nothing.
     """
 
-    __slots__ = ("_connection", "_requests")
+    __slots__ = ("_connection", "_pool", "_requests")
 
-    def __init__(self, connection: Any, requests: int) -> None:
+    def __init__(self, connection: Any, requests: int, pool: Any = None) -> None:
         self._connection = connection
         self._requests = requests
+        self._pool = pool
 
     @classmethod
     def of(cls, response: httpx.Response) -> _Slot | None:
         """The slot of ``response``, when it came from an httpcore pool over HTTP/1.1."""
         if response.http_version != "HTTP/1.1":
             return None  # HTTP/2 multiplexes: an active connection may serve others
-        connection = _attr(response.stream, "_stream", "_httpcore_stream", "_pool_request")
-        connection = _attr(connection, "connection")
+        stream = _attr(response.stream, "_stream", "_httpcore_stream")
+        connection = _attr(stream, "_pool_request", "connection")
         requests = _attr(connection, "_connection", "_request_count")
         if not isinstance(requests, int):
             return None
-        return cls(connection, requests)
+        return cls(connection, requests, _attr(stream, "_pool"))
 
     def reclaim(self) -> None:
         """Close the connection if the response left it orphaned (see the class)."""
@@ -215,9 +216,41 @@ class _Slot:
             return
         if _attr(connection, "_connection", "_request_count") != self._requests:
             return  # it went on to another request
-        task = asyncio.get_running_loop().create_task(connection.aclose())
+        task = asyncio.get_running_loop().create_task(_close_orphan(connection, self._pool))
         _RECLAIMS.add(task)
         task.add_done_callback(_reclaimed)
+
+
+async def _close_orphan(connection: Any, pool: Any) -> None:
+    """Close an orphaned connection, then let its pool give the freed slot away."""
+    try:
+        await connection.aclose()
+    finally:
+        # The connection counts as closed from the start of its close: the slot is
+        # free even when the socket fails to close.
+        await _reassign(pool)
+
+
+async def _reassign(pool: Any) -> None:
+    """Hand ``pool``'s free slots to the requests queued in it, as httpcore itself does.
+
+    httpcore 1.0.9 assigns queued requests to connections only when a request
+    starts or a response is closed (``AsyncConnectionPool.handle_async_request``
+    and ``PoolByteStream.aclose``), never when a connection is closed from
+    outside. The orphan of encode/httpcore#1115 is closed from outside, so a
+    request queued for its slot would wait for the pool's next request or
+    release, or its pool timeout. This runs the pool's own assignment step,
+    under its lock, and closes what that step drops, as those two paths do.
+    Where httpcore's private attributes are not found, it does nothing.
+    """
+    lock = _attr(pool, "_optional_thread_lock")
+    assign = _attr(pool, "_assign_requests_to_connections")
+    close = _attr(pool, "_close_connections")
+    if not (hasattr(lock, "__enter__") and callable(assign) and callable(close)):
+        return
+    with lock:
+        closing = assign()
+    await close(closing)
 
 
 def _reclaim(slot: _Slot | None) -> None:
