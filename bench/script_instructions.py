@@ -25,6 +25,10 @@ stopping the server cancel out. ``INCR + DECR`` is the issue's baseline;
 semantics' calls, so the current row less it is what the scripts' own Lua
 costs.
 
+``--runs`` adds, at 1 source, the experiment of ``bench.script_cost``'s batch
+table that serves several calls in one script run, reading the state once
+(``state_once``), at each of its sizes: a pair's share of a run.
+
 ``--against`` names another checkout (a directory with
 ``src/polygateway/backends/redis/scripts.py``, e.g. from ``git archive``)
 whose scripts are counted beside the current ones; they must take the same
@@ -50,7 +54,16 @@ from typing import Any
 
 import redis
 
-from bench.script_cost import _CALLS_ACQUIRE, _CALLS_RELEASE, BATCH, _check, _fill, _Scope
+from bench.script_cost import (
+    _CALLS_ACQUIRE,
+    _CALLS_RELEASE,
+    BATCH,
+    BATCH_SIZES,
+    _check,
+    _fill,
+    _Scope,
+    state_once,
+)
 from bench.services import _free_port, _ping
 from polygateway.backends.redis import scripts
 
@@ -178,6 +191,33 @@ def _pairs(
     return drive
 
 
+def _runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
+    """``pairs`` grants and successes at one source, ``calls`` a run, by the experiment
+    ``bench.script_cost.state_once`` (the state read once a run, each call decided on it),
+    after the real scripts' warm-up."""
+
+    def drive(client: redis.Redis) -> None:
+        warm_acquire, warm_release = (
+            client.script_load(s) for s in (scripts.ACQUIRE, scripts.RELEASE)
+        )
+        acquire, release = (client.script_load(s) for s in state_once(calls))
+        scope = _Scope("instructions", 1)
+        for lease in ("warm-0", "warm-1"):
+            _check([client.evalsha(warm_acquire, *scope.acquire(lease))], 1, "acquire")
+            _check([client.evalsha(warm_release, *scope.release(lease))], None, "release")
+        runs, per_pipe = max(1, pairs // calls), max(1, BATCH // calls)
+        for start in range(0, runs, per_pipe):
+            pipe = client.pipeline(transaction=False)
+            for serial in range(start, min(start + per_pipe, runs)):
+                pipe.evalsha(acquire, *scope.acquire(f"{serial:012x}bench"))
+                pipe.evalsha(release, *scope.release(f"{serial:012x}bench"))
+            replies = pipe.execute()
+            _check(replies[0::2], 1, "acquire")
+            _check(replies[1::2], None, "release")
+
+    return drive
+
+
 def count(
     server: str, drive_for: Callable[[int], Callable[[redis.Redis], None]], pairs: int
 ) -> int:
@@ -189,7 +229,7 @@ def count(
 
 
 def measure(
-    server: str, versions: Sequence[Scripts], *, pairs: int, sources: int
+    server: str, versions: Sequence[Scripts], *, pairs: int, sources: int, runs: bool = False
 ) -> list[dict[str, Any]]:
     baseline = count(server, _baseline, pairs)
     rows: list[dict[str, Any]] = [
@@ -215,6 +255,13 @@ def measure(
                         "instructions": per_pair,
                     }
                 )
+    if runs:
+        # Several calls a script run (script-cost.md, "Several calls per script run"): a pair's
+        # share of a run of the experiment, per size.
+        for calls in BATCH_SIZES:
+            per_pair = count(server, functools.partial(_runs, calls), pairs)
+            label = f"state read once, {calls} call{'s' if calls > 1 else ''} a run"
+            rows.append({"case": "1 source", "version": label, "instructions": per_pair})
     for row in rows:
         row["x INCR+DECR"] = row["instructions"] / baseline
     return rows
@@ -244,9 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sources", type=int, default=200, help="sources of the walk case")
     parser.add_argument("--against", type=Path, help="another checkout's scripts, beside")
     parser.add_argument("--server", default="redis-server", help="the server binary")
+    parser.add_argument(
+        "--runs", action="store_true", help="also the experiment of several calls a script run"
+    )
     args = parser.parse_args(argv)
     if args.pairs < 5 or args.sources < 3:
         parser.error("--pairs must be at least 5 and --sources at least 3")
+    whole = 5 * max(BATCH_SIZES)
+    if args.runs and args.pairs % whole:
+        # Both runs of a count (``--pairs`` and a fifth of it) whole runs of every size.
+        parser.error(f"with --runs, --pairs must be a multiple of {whole}")
     server = shutil.which(args.server)
     if server is None or shutil.which("valgrind") is None:
         print("needs valgrind and the server binary (apt-get install valgrind)", file=sys.stderr)
@@ -256,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         versions.append(_load(args.against))
     print(
         render(
-            measure(server, versions, pairs=args.pairs, sources=args.sources), server, args.pairs
+            measure(server, versions, pairs=args.pairs, sources=args.sources, runs=args.runs),
+            server,
+            args.pairs,
         )
     )
     return 0

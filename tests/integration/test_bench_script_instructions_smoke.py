@@ -4,8 +4,9 @@ The tool runs redis-server under valgrind's callgrind (``make redis-server``
 installs valgrind with it) and differences two runs of different lengths.
 This runs it as a person would, small: the printed table has every case, and
 a pair of the scripts counts more instructions than their commands alone, and
-those more than an INCR + DECR pair, which a broken difference (nothing
-driven, the runs swapped) would not.
+those more than an INCR + DECR pair, and the experiment of several calls a
+script run counts fewer a pair the more calls a run, which a broken
+difference (nothing driven, the runs swapped) would not.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def test_the_total_is_read_from_either_line_callgrind_writes() -> None:
 
 
 def test_a_tiny_run_counts_every_case() -> None:
-    command = [sys.executable, "-m", "bench.script_instructions", "--pairs", "10"]
-    command += ["--sources", "3"]
+    command = [sys.executable, "-m", "bench.script_instructions", "--pairs", "80"]
+    command += ["--sources", "3", "--runs"]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
     )
@@ -48,6 +49,16 @@ def test_a_tiny_run_counts_every_case() -> None:
         ("1 source, 50 leases live", "current"),
         ("2 sources, 1st full", "current"),
         ("3 sources, 2 full", "current"),
+        ("1 source", "state read once, 1 call a run"),
+        ("1 source", "state read once, 4 calls a run"),
+        ("1 source", "state read once, 16 calls a run"),
     ]
     calls = rows[("1 source", "its commands alone, no logic")]
-    assert rows[("1 source", "current")] > calls > 10 * rows[("INCR + DECR", "baseline")] > 0
+    baseline = rows[("INCR + DECR", "baseline")]
+    assert rows[("1 source", "current")] > calls > 10 * baseline > 0
+    # A run shares its state's reads and writes: the more calls a run, the less a pair.
+    runs = [
+        rows[("1 source", f"state read once, {n} call{'s' if n > 1 else ''} a run")]
+        for n in (1, 4, 16)
+    ]
+    assert rows[("1 source", "current")] > runs[0] > runs[1] > runs[2] > baseline
