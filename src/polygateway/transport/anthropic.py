@@ -144,6 +144,45 @@ _MAPPED = frozenset(
 ``extra_body`` is merged into the body last, its fields winning over any of the same name.
 """
 
+IGNORED_OPENAI_PARAMS: Final = frozenset(
+    {
+        "audio",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "modalities",
+        "moderation",
+        "prediction",
+        "presence_penalty",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "seed",
+        "store",
+        "top_logprobs",
+        "verbosity",
+        "web_search_options",
+    }
+)
+"""OpenAI chat parameters the Messages API has no field for: left out of the body.
+
+Sent, each is a 400 ("``seed``: Extra inputs are not permitted") that ends the
+call as ``RequestRejected``, even in a scope whose OpenAI sources would serve
+it. Anthropic's own OpenAI compatibility layer ignores them alike
+(https://docs.anthropic.com/en/api/openai-sdk, "Request fields"); a request
+that needs one honoured belongs on a scope of sources that have it.
+"""
+
+_MAX_TEMPERATURE: Final = 1
+"""The Messages API's highest ``temperature`` (OpenAI's is 2): higher is capped to it, as
+Anthropic's OpenAI compatibility layer caps it."""
+
+_SERVICE_TIERS: Final = frozenset({"auto", "standard_only"})
+"""The Messages API's ``service_tier`` values; OpenAI's others (``flex``, ...) are left out."""
+
 _TOOL_CHOICES: Final[Mapping[str, dict[str, str]]] = {
     "auto": {"type": "auto"},
     "none": {"type": "none"},
@@ -509,6 +548,36 @@ def _stop_sequences(stop: Any, source: str) -> list[str]:
     raise _rejected(source, "stop is neither a string nor a list of strings")
 
 
+def _passed(params: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The parameters that go into the body as they are, or as far as the Messages API has them.
+
+    Those this module translates are left for ``messages_request``; an OpenAI parameter
+    without a Messages API field is left out (``IGNORED_OPENAI_PARAMS``); ``temperature``
+    is capped at 1, ``metadata`` keeps ``user_id``, ``service_tier`` only the API's own
+    tiers; ``n`` must be 1 (the API answers one choice).
+    """
+    body: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None or key in _MAPPED or key in IGNORED_OPENAI_PARAMS:
+            continue
+        if key == "n":
+            if value != 1:
+                raise _rejected(
+                    source, f"the Messages API answers one choice: n must be 1, not {value!r}"
+                )
+            continue
+        if key == "temperature" and isinstance(value, int | float) and value > _MAX_TEMPERATURE:
+            value = _MAX_TEMPERATURE
+        elif key == "metadata" and isinstance(value, Mapping):
+            if "user_id" not in value:
+                continue
+            value = {"user_id": value["user_id"]}
+        elif key == "service_tier" and value not in _SERVICE_TIERS:
+            continue
+        body[key] = value
+    return body
+
+
 def messages_request(
     source: SourceConfig,
     messages: Sequence[Mapping[str, Any]],
@@ -529,8 +598,10 @@ def messages_request(
     most one tool call, ``_disable_parallel_tool_use``; true is the API's
     default) and ``user`` are translated,
     ``stream_options`` is dropped (every Anthropic stream reports usage),
-    every other parameter (temperature, top_p, top_k, ...) passes through as
-    given, and the fields of ``extra_body`` are merged into the top level
+    OpenAI's parameters without a Messages API field are left out and
+    ``temperature``, ``metadata``, ``service_tier`` and ``n`` kept to what the
+    API takes (``_passed``), every other parameter (top_p, top_k, ...) passes
+    through as given, and the fields of ``extra_body`` are merged into the top level
     last, winning over any of the same name (as the openai SDK merges it).
     A stream carries the TTFT timeout as its ``timeout_s``, which runs to the
     first content (``event_has_content``), and the idle timeout separately;
@@ -543,7 +614,7 @@ def messages_request(
     """
     name = source.name
     system, turns = _turns(messages, name)
-    body: dict[str, Any] = {k: v for k, v in params.items() if v is not None and k not in _MAPPED}
+    body = _passed(params, name)
     body["model"] = source.model
     limit = params.get("max_tokens")
     if limit is None:
