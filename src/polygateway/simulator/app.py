@@ -58,7 +58,7 @@ from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -471,6 +471,55 @@ def _unanswered_tool_use(messages: list[Any]) -> str | None:
     return None
 
 
+_MESSAGES_API_FIELDS: Final = frozenset(
+    {
+        "cache_control",
+        "container",
+        "context_management",
+        "inference_geo",
+        "max_tokens",
+        "mcp_servers",
+        "messages",
+        "metadata",
+        "model",
+        "output_config",
+        "service_tier",
+        "stop_sequences",
+        "stream",
+        "system",
+        "temperature",
+        "thinking",
+        "tool_choice",
+        "tools",
+        "top_k",
+        "top_p",
+    }
+)
+"""The Messages API's request fields; any other is refused as an extra input."""
+
+
+def _not_messages_api(data: dict[str, Any]) -> str | None:
+    """The Messages API's 400 for a field it does not define, or a value out of its range.
+
+    The API refuses extra inputs (OpenAI's ``seed``, ``functions``, ... among them)
+    and a ``metadata`` field other than ``user_id``; ``temperature`` runs from 0 to 1.
+    """
+    for name in data:
+        if name not in _MESSAGES_API_FIELDS:
+            return f"{name}: Extra inputs are not permitted"
+    metadata = data.get("metadata")
+    if isinstance(metadata, dict):
+        for name in metadata:
+            if name != "user_id":
+                return f"metadata.{name}: Extra inputs are not permitted"
+    temperature = data.get("temperature")
+    if isinstance(temperature, int | float) and temperature > 1:
+        return "temperature: Input should be less than or equal to 1"
+    if isinstance(temperature, int | float) and temperature < 0:
+        return "temperature: Input should be greater than or equal to 0"
+    return None
+
+
 async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Job | Response:
     """Validate an Anthropic Messages request (``max_tokens`` required) and prepare its reply."""
     data = _json_body(body)
@@ -478,10 +527,8 @@ async def _parse_messages(request: Request, body: bytes, source: _Source) -> _Jo
         return error_response("anthropic", 400, "the request body is not a JSON object")
     if not isinstance(data.get("messages"), list) or not data["messages"]:
         return error_response("anthropic", 400, "messages: Field required")
-    if "functions" in data or "function_call" in data:
-        # OpenAI's legacy function calling is no field of the Messages API, which refuses extras.
-        extra = "functions" if "functions" in data else "function_call"
-        return error_response("anthropic", 400, f"{extra}: Extra inputs are not permitted")
+    if (refused := _not_messages_api(data)) is not None:
+        return error_response("anthropic", 400, refused)
     if (unanswered := _unanswered_tool_use(data["messages"])) is not None:
         return error_response("anthropic", 400, unanswered)
     max_tokens = data.get("max_tokens")
