@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import SecretStr
+from _anthropic_source import claude_source
 
-from polygateway.config import SourceConfig
 from polygateway.models import ToolCall, ToolCallDelta
 from polygateway.testing import TransientError
 from polygateway.transport.anthropic import (
@@ -37,25 +36,15 @@ WEATHER = {
 TIME = {"name": "get_time"}
 
 
-def _source() -> SourceConfig:
-    return SourceConfig(
-        name="claude",
-        protocol="anthropic",
-        base_url="https://api.anthropic.test/v1/",
-        model="claude-test",
-        api_key=SecretStr("sk-ant-test-SECRET-0123"),
-    )
-
-
 def _body(messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-    request = messages_request(_source(), messages, params, stream=False, timeout_s=30.0)
+    request = messages_request(claude_source(), messages, params, stream=False, timeout_s=30.0)
     body: dict[str, Any] = request.json
     return body
 
 
 def _rejected(messages: list[dict[str, Any]], **params: Any) -> str:
     with pytest.raises(TransientError) as info:
-        messages_request(_source(), messages, params, stream=False, timeout_s=30.0)
+        messages_request(claude_source(), messages, params, stream=False, timeout_s=30.0)
     assert info.value.failure == "request_rejected"
     return str(info.value)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import SecretStr
+from _anthropic_source import claude_source
 
-from polygateway.config import SourceConfig
 from polygateway.testing import TransientError
-from polygateway.transport.anthropic import IGNORED_OPENAI_PARAMS, messages_request
+from polygateway.transport.anthropic import _MAPPED, IGNORED_OPENAI_PARAMS, messages_request
 from polygateway.transport.params import ANTHROPIC_MESSAGES_PARAMS, OPENAI_CHAT_PARAMS
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -48,18 +47,8 @@ SAMPLES: dict[str, Any] = {
 }
 
 
-def _source() -> SourceConfig:
-    return SourceConfig(
-        name="claude",
-        protocol="anthropic",
-        base_url="https://api.anthropic.test/v1/",
-        model="claude-test",
-        api_key=SecretStr("sk-ant-test-SECRET-0123"),
-    )
-
-
 def _body(**params: Any) -> dict[str, Any]:
-    request = messages_request(_source(), MESSAGES, params, stream=False, timeout_s=30.0)
+    request = messages_request(claude_source(), MESSAGES, params, stream=False, timeout_s=30.0)
     body: dict[str, Any] = request.json
     return body
 
@@ -67,20 +56,7 @@ def _body(**params: Any) -> dict[str, Any]:
 def test_every_openai_parameter_has_its_way_onto_the_anthropic_wire() -> None:
     """A parameter added to the OpenAI table must be placed: mapped, left out, or carried."""
     handled = {"temperature", "top_p", "n", "metadata", "service_tier"}
-    mapped = {
-        "max_tokens",
-        "max_completion_tokens",
-        "stop",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "functions",
-        "function_call",
-        "user",
-        "stream_options",
-        "extra_body",
-    }
-    placed = handled | mapped | IGNORED_OPENAI_PARAMS
+    placed = handled | _MAPPED | IGNORED_OPENAI_PARAMS
     assert set(OPENAI_CHAT_PARAMS) - placed == set()
     assert set(SAMPLES) == set(IGNORED_OPENAI_PARAMS)
     assert not IGNORED_OPENAI_PARAMS & set(ANTHROPIC_MESSAGES_PARAMS)

@@ -17,27 +17,16 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import SecretStr
+from _anthropic_source import claude_source
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
-from polygateway.config import SourceConfig
 from polygateway.testing import TransientError, gateway_settings
 from polygateway.transport.anthropic import messages_request
 from polygateway.transport.httpx_client import HttpxTransport
 
 ASK = {"role": "user", "content": "weather in Paris"}
 HURRY = {"role": "user", "content": "also, hurry"}
-
-
-def _source() -> SourceConfig:
-    return SourceConfig(
-        name="claude",
-        protocol="anthropic",
-        base_url="https://api.anthropic.test/v1/",
-        model="claude-test",
-        api_key=SecretStr("sk-ant-test-SECRET-0123"),
-    )
 
 
 def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,7 +51,7 @@ def _assert_anthropic_accepts(turns: list[dict[str, Any]]) -> None:
 
 
 def _body(messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-    request = messages_request(_source(), messages, params, stream=False, timeout_s=30.0)
+    request = messages_request(claude_source(), messages, params, stream=False, timeout_s=30.0)
     body: dict[str, Any] = request.json
     _assert_anthropic_accepts(body["messages"])
     return body
@@ -264,7 +253,7 @@ def test_parallel_results_already_in_place_are_unchanged() -> None:
 def test_a_tool_result_answering_no_call_stays_where_it_stands() -> None:
     """A tool_call_id no call made: the result is mapped in place, as before; the API judges it."""
     request = messages_request(
-        _source(), [ASK, _result("tool", "nothing", "x")], {}, stream=False, timeout_s=30.0
+        claude_source(), [ASK, _result("tool", "nothing", "x")], {}, stream=False, timeout_s=30.0
     )
     assert request.json["messages"] == [
         {"role": "user", "content": [_text("weather in Paris"), _answer("call_nothing", "x")]}
@@ -275,7 +264,7 @@ def test_a_function_result_answering_no_call_is_still_refused() -> None:
     """A function message with no function_call before it: request_rejected, as before."""
     with pytest.raises(TransientError) as info:
         messages_request(
-            _source(),
+            claude_source(),
             [ASK, HURRY, _result("function", "weather", "x")],
             {},
             stream=False,

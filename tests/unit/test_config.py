@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -53,13 +52,8 @@ base_url = "http://127.0.0.1:8001/v1"
 """
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Each test starts in an empty directory (no stray .env) with no PolyGateway variables set."""
-    for name in list(os.environ):
-        if name.upper().startswith("POLYGATEWAY_") or name in ("OPENAI_API_KEY", "EMBED_KEY"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("clean_environment")
+"""An empty directory and no PolyGateway variables (``conftest.clean_environment``)."""
 
 
 @pytest.fixture

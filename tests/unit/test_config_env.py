@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,8 @@ base_url = "http://127.0.0.1:8001/v1"
 """
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """An empty directory (no stray .env), no PolyGateway variables, no OPENAI_API_KEY."""
-    for name in list(os.environ):
-        if name.upper().startswith("POLYGATEWAY_") or name == "OPENAI_API_KEY":
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("clean_environment")
+"""An empty directory and no PolyGateway variables (``conftest.clean_environment``)."""
 
 
 def base_toml(tmp_path: Path, extra: str = "") -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,8 @@ base_url = "http://127.0.0.1:8001/v1"
 """
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """An empty directory (no stray .env) and no PolyGateway variables."""
-    for name in list(os.environ):
-        if name.upper().startswith("POLYGATEWAY_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("clean_environment")
+"""An empty directory and no PolyGateway variables (``conftest.clean_environment``)."""
 
 
 def settings_file(tmp_path: Path, extra: str = "") -> Path:

@@ -8,7 +8,6 @@ naming the source, the field, the value and the provider's limit.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,8 @@ OPENAI = "https://api.openai.com/v1"
 AZURE = "https://contoso.openai.azure.com/openai/deployments/embedder"
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """An empty directory (no stray .env) and no PolyGateway variables."""
-    for name in list(os.environ):
-        if name.upper().startswith("POLYGATEWAY_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("clean_environment")
+"""An empty directory and no PolyGateway variables (``conftest.clean_environment``)."""
 
 
 def embed_file(tmp_path: Path, base_url: str, batch: int, *, kind: str = "embed") -> Path:
@@ -61,21 +55,25 @@ def in_code(*sources: dict[str, Any]) -> GatewaySettings:
     return GatewaySettings(scopes={"embed": {"kind": "embed", "sources": list(sources)}})
 
 
-def test_openai_source_over_2048_inputs_is_refused_at_load(tmp_path: Path) -> None:
-    """``max_batch_size = 2049`` at api.openai.com: ConfigError naming source, field and limit."""
-    error = load_error(embed_file(tmp_path, OPENAI, 2049))
+@pytest.mark.parametrize(("base_url", "service"), [(OPENAI, "OpenAI"), (AZURE, "Azure OpenAI")])
+def test_a_source_over_2048_inputs_is_refused_at_load(
+    tmp_path: Path, base_url: str, service: str
+) -> None:
+    """``max_batch_size = 2049``: ConfigError naming the source, the field, the service, 2048."""
+    error = load_error(embed_file(tmp_path, base_url, 2049))
     assert error.field == "scopes.embed.sources[0].max_batch_size"
     assert error.scope == "embed"
     message = str(error)
     assert "'primary'" in message
     assert "max_batch_size = 2049" in message
-    assert "OpenAI" in message
+    assert service in message
     assert "2048" in message
 
 
-def test_openai_source_at_2048_inputs_loads(tmp_path: Path) -> None:
-    """2048 is what OpenAI accepts: the settings load and keep it."""
-    settings = GatewaySettings.load(embed_file(tmp_path, OPENAI, 2048), env_file=None)
+@pytest.mark.parametrize("base_url", [OPENAI, AZURE])
+def test_a_source_at_2048_inputs_loads(tmp_path: Path, base_url: str) -> None:
+    """2048 is what OpenAI and Azure OpenAI accept: the settings load and keep it."""
+    settings = GatewaySettings.load(embed_file(tmp_path, base_url, 2048), env_file=None)
     assert settings.scope("embed").sources[0].max_batch_size == 2048
 
 
@@ -84,23 +82,6 @@ def test_openai_regional_host_is_capped_like_the_global_one(tmp_path: Path) -> N
     error = load_error(embed_file(tmp_path, "https://eu.api.openai.com/v1", 2049))
     assert error.field == "scopes.embed.sources[0].max_batch_size"
     assert "OpenAI" in str(error)
-
-
-def test_azure_openai_source_over_2048_inputs_is_refused_at_load(tmp_path: Path) -> None:
-    """An ``*.openai.azure.com`` deployment at 2049: refused, naming Azure OpenAI and 2048."""
-    error = load_error(embed_file(tmp_path, AZURE, 2049))
-    assert error.field == "scopes.embed.sources[0].max_batch_size"
-    message = str(error)
-    assert "'primary'" in message
-    assert "Azure OpenAI" in message
-    assert "max_batch_size = 2049" in message
-    assert "2048" in message
-
-
-def test_azure_openai_source_at_2048_inputs_loads(tmp_path: Path) -> None:
-    """2048 is what Azure OpenAI accepts: the settings load."""
-    settings = GatewaySettings.load(embed_file(tmp_path, AZURE, 2048), env_file=None)
-    assert settings.scope("embed").sources[0].max_batch_size == 2048
 
 
 def test_azure_openai_route_on_a_cognitive_services_host_is_capped(tmp_path: Path) -> None:
