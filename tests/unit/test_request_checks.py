@@ -29,6 +29,7 @@ from polygateway.testing import (
     embedding_body,
     gateway_settings,
 )
+from polygateway.testing.recording import CountingBackend
 from polygateway.transport.params import OPENAI_CHAT_PARAMS, ChatCheck, Param
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -259,6 +260,25 @@ class TestAnthropicScopes:
         await assert_chat_refused(
             MESSAGES, {"top_k": 5}, "'top_k'", how="complete", sources=[ANTHROPIC, "primary"]
         )
+
+    async def test_several_choices_are_refused_before_any_permit_in_an_all_anthropic_scope(
+        self,
+    ) -> None:
+        """The Messages API answers one choice: n > 1 there is refused, no permit asked for."""
+        clock = FakeClock()
+        backend = CountingBackend(MemoryBackend(now=clock))
+        transport = FakeTransport([message_body()], clock=clock)
+        settings = gateway_settings(ANTHROPIC, ANTHROPIC | {"name": "claude-2"})
+        async with ChatClient(
+            settings, backend=backend, transport=transport, now=clock, sleep=BoundedSleep(clock)
+        ) as chat:
+            with pytest.raises(RequestRejected, match="n must be 1") as caught:
+                await chat.complete(MESSAGES, n=2)
+            assert backend.calls.get("acquire", 0) == 0
+            assert transport.requests == []
+            assert caught.value.scope == "chat"
+            await chat.complete(MESSAGES, n=1)
+            assert backend.calls["acquire"] == 1
 
     async def test_anthropic_blocks_pass_only_in_an_all_anthropic_scope(self) -> None:
         """A Messages API image block is sent as given to Anthropic; refused where OpenAI serves."""

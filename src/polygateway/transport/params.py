@@ -560,6 +560,14 @@ class ChatCheck:
             _check_params(params, self._complete_table, self._complete_refused, _CHAT_OWNED, scope)
             if "functions" in params or "function_call" in params:
                 _check_legacy_functions(params, scope)
+            n = params.get("n")
+            if self._native_blocks and n is not None and n != 1:
+                # No source of the scope could answer more than one (transport/anthropic.py).
+                raise _rejected(
+                    f"the Messages API answers one choice: n must be 1, not {_shown(n)} "
+                    "(every source of this scope is an Anthropic one)",
+                    scope,
+                )
         return checked
 
     def stream(
