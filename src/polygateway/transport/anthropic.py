@@ -9,8 +9,13 @@ follows the public Messages API reference (``anthropic-version: 2023-06-01``):
 
 - system (and developer) messages become the top-level ``system`` text;
 - content parts: text as text blocks, ``image_url`` as an image block (a
-  ``data:`` URL as a base64 source, an http(s) URL as a url source), any
-  other part (a block already in Anthropic's shape) as given;
+  ``data:`` URL as a base64 source, an http(s) URL as a url source), a
+  ``file`` part's PDF (``file_data``) as a document block titled by its
+  ``filename``, any other part (a block already in Anthropic's shape) as
+  given; audio and a Files API ``file_id`` have no Messages API block and
+  are refused;
+- OpenAI's parameters without a Messages API field are left out, as
+  Anthropic's own OpenAI compatibility layer ignores them (``_passed``);
 - an assistant's ``tool_calls`` become ``tool_use`` blocks and ``role: "tool"``
   messages a user turn of ``tool_result`` blocks; consecutive turns of one
   role are merged, since the API wants user and assistant turns to alternate;
@@ -227,15 +232,26 @@ def _headers(source: SourceConfig) -> dict[str, str]:
     return headers
 
 
+def _base64_data(url: str) -> tuple[str, str] | None:
+    """A base64 ``data:`` URL's media type and data; ``None`` for any other text."""
+    if not url.startswith("data:"):
+        return None
+    header, comma, data = url[5:].partition(",")
+    media_type, *options = header.split(";")
+    if not comma or "base64" not in options or not media_type:
+        return None
+    return media_type, data
+
+
 def _image(url: Any, what: str, source: str) -> dict[str, Any]:
     """An ``image_url`` as an image block: a base64 ``data:`` URL or an http(s) URL."""
     if not isinstance(url, str):
         raise _rejected(source, f"{what} has no URL")
     if url.startswith("data:"):
-        header, comma, data = url[5:].partition(",")
-        media_type, *options = header.split(";")
-        if not comma or "base64" not in options or not media_type:
+        inline = _base64_data(url)
+        if inline is None:
             raise _rejected(source, f"{what} is a data: URL that is not base64 with a media type")
+        media_type, data = inline
         return {
             "type": "image",
             "source": {"type": "base64", "media_type": media_type, "data": data},
@@ -243,6 +259,38 @@ def _image(url: Any, what: str, source: str) -> dict[str, Any]:
     if url[:8].lower().startswith(("http://", "https://")):
         return {"type": "image", "source": {"type": "url", "url": url}}
     raise _rejected(source, f"{what} is neither a data: URL nor an http(s) URL")
+
+
+def _document(file: Any, what: str, source: str) -> dict[str, Any]:
+    """A ``file`` part's PDF (``file_data``, a base64 ``data:`` URL) as a document block.
+
+    Its ``filename`` becomes the document's ``title``. A ``file_id`` names a
+    file of OpenAI's Files API, which an Anthropic source cannot read.
+    """
+    if not isinstance(file, Mapping):
+        raise _rejected(source, f"{what} is not an object")
+    file_data = file.get("file_data")
+    if file_data is None and file.get("file_id") is not None:
+        raise _rejected(
+            source,
+            f"{what}.file_id names a file of OpenAI's Files API, which an Anthropic source "
+            "cannot read: send the file's content as file_data",
+        )
+    inline = _base64_data(file_data) if isinstance(file_data, str) else None
+    if inline is None or inline[0] != "application/pdf":
+        raise _rejected(
+            source,
+            f"{what}.file_data is no base64 data: URL of a PDF, the one file the Messages "
+            "API reads as a document",
+        )
+    block: dict[str, Any] = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": inline[1]},
+    }
+    filename = file.get("filename")
+    if isinstance(filename, str) and filename:
+        block["title"] = filename
+    return block
 
 
 def _part(part: Any, what: str, source: str) -> dict[str, Any]:
@@ -259,6 +307,10 @@ def _part(part: Any, what: str, source: str) -> dict[str, Any]:
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, Mapping) else image
         return _image(url, f"{what}.image_url", source)
+    if kind == "file":
+        return _document(part.get("file"), f"{what}.file", source)
+    if kind == "input_audio":
+        raise _rejected(source, f"{what} is audio, which the Messages API does not take")
     # Anything else is taken to be a block in Anthropic's own shape (image, document, ...).
     return dict(part)
 
