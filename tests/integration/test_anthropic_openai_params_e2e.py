@@ -94,6 +94,31 @@ async def test_a_mixed_scope_serves_them_on_its_anthropic_source(sim: SimulatedU
     assert sim.stats("gpt").requests == 0
 
 
+PDF_PART = {
+    "type": "file",
+    "file": {"file_data": "data:application/pdf;base64,JVBERi0xLjQK", "filename": "a.pdf"},
+}
+
+
+async def test_a_pdf_file_part_is_read_by_an_anthropic_source(
+    sim: SimulatedUpstream, transport: str
+) -> None:
+    """The simulator refuses OpenAI's part as the Messages API does; the document is served."""
+    url = sim.base_url("claude", "anthropic").rstrip("/") + "/messages"
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    raw = {"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [PDF_PART]}]}
+    async with httpx.AsyncClient(timeout=BOUND_S) as http:
+        refused = await http.post(url, json=raw, headers=headers)
+    assert refused.status_code == 400
+    assert "Input tag 'file'" in refused.json()["error"]["message"]
+    messages = [{"role": "user", "content": [PDF_PART, {"type": "text", "text": "Summarize."}]}]
+    async with legacy_chat([source(sim, "claude", KEY)], transport) as client:
+        response = await asyncio.wait_for(client.complete(messages), BOUND_S)
+    assert response.source == "claude"
+    assert response.text
+    assert sim.stats("claude").requests == 2
+
+
 async def test_several_choices_are_refused_on_an_anthropic_source(sim: SimulatedUpstream) -> None:
     async with legacy_chat([source(sim, "claude", KEY)]) as client:
         with pytest.raises(RequestRejected, match="n must be 1") as caught:

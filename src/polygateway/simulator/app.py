@@ -498,11 +498,16 @@ _MESSAGES_API_FIELDS: Final = frozenset(
 """The Messages API's request fields; any other is refused as an extra input."""
 
 
+_OPENAI_PART_TYPES: Final = frozenset({"image_url", "input_audio", "file"})
+"""OpenAI's content part types that are no Messages API block (its own are image, document)."""
+
+
 def _not_messages_api(data: dict[str, Any]) -> str | None:
     """The Messages API's 400 for a field it does not define, or a value out of its range.
 
-    The API refuses extra inputs (OpenAI's ``seed``, ``functions``, ... among them)
-    and a ``metadata`` field other than ``user_id``; ``temperature`` runs from 0 to 1.
+    The API refuses extra inputs (OpenAI's ``seed``, ``functions``, ... among them),
+    a ``metadata`` field other than ``user_id`` and a content block of OpenAI's part
+    types; ``temperature`` runs from 0 to 1.
     """
     for name in data:
         if name not in _MESSAGES_API_FIELDS:
@@ -512,6 +517,15 @@ def _not_messages_api(data: dict[str, Any]) -> str | None:
         for name in metadata:
             if name != "user_id":
                 return f"metadata.{name}: Extra inputs are not permitted"
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        for j, block in enumerate(_blocks_of(message) if isinstance(message, dict) else []):
+            kind = block.get("type")
+            if kind in _OPENAI_PART_TYPES:
+                return (
+                    f"messages.{i}.content.{j}: Input tag {kind!r} found using 'type' does not"
+                    " match any of the expected tags"
+                )
     temperature = data.get("temperature")
     if isinstance(temperature, int | float) and temperature > 1:
         return "temperature: Input should be less than or equal to 1"
