@@ -90,7 +90,7 @@ SOURCE_NOTES: dict[str, str] = {
     "headers": "extra headers (not Authorization)",
     "verify": "TLS verification, or a CA bundle path",
     "proxy": "http://, https:// or socks5:// URL; empty: none",
-    "max_batch_size": "embed: inputs per request",
+    "max_batch_size": "embed: inputs per request (OpenAI, Azure: 2048 at most)",
     "max_batch_tokens": "embed: estimated tokens per request",
     "max_upload_bytes": "ocr: largest upload this source takes",
     "max_output_tokens": "vision_ocr: max_tokens per transcription; unset: the server's",
@@ -131,7 +131,7 @@ base_url = "http://127.0.0.1:8002/v1"
 model = "text-embedding-3-small"
 api_key_env = "OPENAI_API_KEY"
 max_concurrency = 4
-max_batch_size = 64               # inputs per request
+max_batch_size = 64               # inputs per request (OpenAI, Azure: 2048 at most)
 max_batch_tokens = 8000           # estimated tokens per request
 
 [scopes.ocr]
