@@ -15,6 +15,8 @@ closing under the read) and the refresh that serves a scrape on the loop.
 #   xǁLiveGaugesǁ_on_loop__mutmut_8, 11
 #   xǁLiveGaugesǁ_refresh_later__mutmut_3, 6, 7, 8, 9, 10, 11, 12, 13, 14
 #   xǁLiveGaugesǁ_families__mutmut_138, 141, 157, 158, 159, 160, 161
+# and of the run of 2026-12-07 18:32 UTC, in polygateway.middleware.gauges:
+#   xǁLiveReaderǁadopt_loop__mutmut_9, xǁLiveReaderǁ_refresh_later__mutmut_19
 
 from __future__ import annotations
 
@@ -209,6 +211,20 @@ def _record(scope: str) -> CallRecord:
     return CallRecord("c0ffee", scope, "chat.complete", "served", 1, "primary", 0.1, 0.0, 0.0)
 
 
+async def test_a_binding_on_a_running_loop_keeps_it_when_another_loop_adopts_the_scope() -> None:
+    """A call record on another loop hands its loop to bindings without a live one only."""
+    clock = FakeClock()
+    registry, gauges = collector(clock)
+    backend = AsyncOnly(MemoryBackend(now=clock))  # held: a binding lives with its backend
+    gauges.bind(info(backend))  # on this loop, which runs on
+
+    async def adopt() -> None:
+        gauges.adopt_loop("chat")
+
+    await asyncio.to_thread(asyncio.run, adopt())  # a loop that is gone once this returns
+    assert up(await asyncio.to_thread(scrape, registry)) == 1.0  # read through this loop
+
+
 async def test_clients_of_two_scopes_built_outside_a_loop_learn_it_from_their_first_calls() -> None:
     """Each scope's first call record gives it the loop; a record of an unbound scope is inert."""
     clock = FakeClock()
@@ -397,8 +413,16 @@ async def test_scrapes_on_the_loop_run_one_refresh_at_a_time_and_start_the_next(
     await settle()
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        GovernanceBackendError("connection refused", operation="snapshot"),
+        RuntimeError("connection refused"),  # a bug: logged as a warning, down alike
+    ],
+    ids=["backend", "bug"],
+)
 async def test_a_failed_refresh_withdraws_the_snapshot_served_and_logs_why(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, error: Exception
 ) -> None:
     """Stale state would read as live: after a failed refresh the scope shows it down, no state."""
     clock = FakeClock()
@@ -409,7 +433,7 @@ async def test_a_failed_refresh_withdraws_the_snapshot_served_and_logs_why(
     await settle()
     assert up(scrape(registry)) == 1.0
     await settle()
-    backend.error = GovernanceBackendError("connection refused", operation="snapshot")
+    backend.error = error
     with caplog.at_level(logging.DEBUG, logger="polygateway"):
         assert up(scrape(registry)) == 1.0  # the latest snapshot; its refresh fails
         await settle()
@@ -424,7 +448,7 @@ async def test_a_failed_refresh_withdraws_the_snapshot_served_and_logs_why(
     failed = [m for m in caplog.messages if "refresh failed" in m]
     assert failed
     assert all(
-        m.startswith("live gauges of scope chat: refresh failed: GovernanceBackendError(")
+        m.startswith(f"live gauges of scope chat: refresh failed: {type(error).__name__}(")
         and "connection refused" in m
         for m in failed
     ), failed
