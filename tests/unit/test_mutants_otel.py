@@ -32,6 +32,7 @@ for an SDK while idle; and its repr and its error without the API.
 #   xǁOpenTelemetryEmitterǁ_snapshots__mutmut_4, 5, 6, 9, 10, 13 to 20
 #   xǁOpenTelemetryEmitterǁ_source_callback__mutmut_7, 8; ǁ_breaker_callback__mutmut_4, 5
 #   xǁOpenTelemetryEmitterǁ_waiting_callback__mutmut_4, 5
+# and of the run of 2026-12-07 18:32 UTC: xǁOpenTelemetryEmitterǁ_call_shape__mutmut_2, 3, 7
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 
 import polygateway.middleware.otel as otel
@@ -589,6 +591,58 @@ def test_live_spans_of_a_failover_are_dated_named_and_attributed_in_full(live: S
     ]
     ids = [f"{s.context.span_id:016x}" for s in live.spans()[:2] if s.context is not None]
     assert [first["traceparent"].split("-")[2], second["traceparent"].split("-")[2]] == ids
+
+
+class _Seen(Sampler):
+    """A sampler that records what each span starts with: what a real sampler decides on."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, Attrs]] = []
+
+    def should_sample(
+        self,
+        parent_context: Any,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Any = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        self.started.append((name, dict(attributes or {})))
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+
+    def get_description(self) -> str:
+        return "seen"
+
+
+def test_each_live_call_span_starts_with_its_own_scope_and_operation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shape a call's span starts with is per (scope, operation), a source unbound too."""
+    seen = _Seen()
+    monkeypatch.setattr(otel, "time", types.SimpleNamespace(time_ns=lambda: NOW))
+    emitter = OpenTelemetryEmitter(
+        tracer_provider=TracerProvider(sampler=seen),
+        meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
+        propagate=True,
+    )
+    backend = MemoryBackend(now=FakeClock())
+    emitter.bind(ClientInfo("chat", "chat", chat_sources(), backend, lambda: 0))
+    emitter.bind(ClientInfo("ocr", "ocr", ocr_sources(), backend, lambda: 0))
+    hook = emitter.attempt_headers
+    assert hook is not None
+    hook(AttemptStart("c1", "chat", "chat.complete", "primary", 1, 0.0))
+    hook(AttemptStart("c2", "ocr", "ocr.recognize_text", "vision", 1, 0.0))
+    hook(AttemptStart("c3", "chat", "embed.embed", "primary", 1, 0.0))
+    hook(AttemptStart("c4", "unbound", "chat.complete", "elsewhere", 1, 0.0))
+    calls = [attrs for _, attrs in seen.started[0::2]]  # each call's span, then its attempt's
+    assert [(a["polygateway.scope"], a["gen_ai.operation.name"]) for a in calls] == [
+        ("chat", "chat"),
+        ("ocr", "generate_content"),
+        ("chat", "embeddings"),
+        ("unbound", "chat"),
+    ]
 
 
 def test_a_failed_live_call_is_named_for_the_last_source_tried_and_marked_an_error(
