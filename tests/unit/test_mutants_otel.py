@@ -46,12 +46,12 @@ from typing import Any
 import opentelemetry.metrics
 import opentelemetry.trace
 import pytest
+from _start_attributes import StartAttributes
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 
 import polygateway.middleware.otel as otel
@@ -593,34 +593,11 @@ def test_live_spans_of_a_failover_are_dated_named_and_attributed_in_full(live: S
     assert [first["traceparent"].split("-")[2], second["traceparent"].split("-")[2]] == ids
 
 
-class _Seen(Sampler):
-    """A sampler that records what each span starts with: what a real sampler decides on."""
-
-    def __init__(self) -> None:
-        self.started: list[tuple[str, Attrs]] = []
-
-    def should_sample(
-        self,
-        parent_context: Any,
-        trace_id: int,
-        name: str,
-        kind: Any = None,
-        attributes: Any = None,
-        links: Any = None,
-        trace_state: Any = None,
-    ) -> SamplingResult:
-        self.started.append((name, dict(attributes or {})))
-        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
-
-    def get_description(self) -> str:
-        return "seen"
-
-
 def test_each_live_call_span_starts_with_its_own_scope_and_operation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The shape a call's span starts with is per (scope, operation), a source unbound too."""
-    seen = _Seen()
+    seen = StartAttributes()
     monkeypatch.setattr(otel, "time", types.SimpleNamespace(time_ns=lambda: NOW))
     emitter = OpenTelemetryEmitter(
         tracer_provider=TracerProvider(sampler=seen),
@@ -636,7 +613,7 @@ def test_each_live_call_span_starts_with_its_own_scope_and_operation(
     hook(AttemptStart("c2", "ocr", "ocr.recognize_text", "vision", 1, 0.0))
     hook(AttemptStart("c3", "chat", "embed.embed", "primary", 1, 0.0))
     hook(AttemptStart("c4", "unbound", "chat.complete", "elsewhere", 1, 0.0))
-    calls = [attrs for _, attrs in seen.started[0::2]]  # each call's span, then its attempt's
+    calls = [attrs for _, attrs in seen.seen[0::2]]  # each call's span, then its attempt's
     assert [(a["polygateway.scope"], a["gen_ai.operation.name"]) for a in calls] == [
         ("chat", "chat"),
         ("ocr", "generate_content"),

@@ -16,12 +16,12 @@ import pytest
 from _async_only import AsyncOnly
 from _closing import closing
 from _failover_chat import failover_chat
+from _start_attributes import StartAttributes
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler, SamplingResult
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -195,29 +195,6 @@ def test_a_live_call_served_by_an_attempt_without_a_live_span_names_its_answer(
 
 
 # --- live spans: the source a call span names -------------------------------------------------
-
-
-class StartAttributes(Sampler):
-    """Samples every span, keeping the name and attributes each had as it started."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def should_sample(
-        self,
-        parent_context: Any,
-        trace_id: int,
-        name: str,
-        kind: Any = None,
-        attributes: Any = None,
-        links: Any = None,
-        trace_state: Any = None,
-    ) -> SamplingResult:
-        self.seen.append((name, dict(attributes or {})))
-        return ALWAYS_ON.should_sample(parent_context, trace_id, name, kind, attributes, links)
-
-    def get_description(self) -> str:
-        return "StartAttributes"
 
 
 SOURCE_KEYS = (
