@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ANTHROPIC_VERSION",
     "DEFAULT_MAX_TOKENS",
+    "IGNORED_OPENAI_PARAMS",
     "MessagesStreamReader",
     "answers_legacy_functions",
     "event_has_content",
