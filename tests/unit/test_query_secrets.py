@@ -19,8 +19,8 @@ from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.errors import AllSourcesExhausted, RequestRejected
 from polygateway.middleware.telemetry import LoggingEmitter
-from polygateway.testing import BoundedSleep, FakeClock, gateway_settings
-from polygateway.transport.http import HttpRequest
+from polygateway.testing import BoundedSleep, FakeClock, FakeTransport, gateway_settings
+from polygateway.transport.http import HttpRequest, TransientError
 from polygateway.transport.httpx_client import HttpxTransport
 from polygateway.transport.wire import endpoint
 
@@ -87,3 +87,40 @@ def test_a_request_repr_masks_the_key_in_its_url() -> None:
     assert KEY in request.url
     assert KEY not in repr(request)
     assert "alt=sse" in repr(request)
+
+
+@pytest.mark.parametrize(
+    ("fields", "secret"),
+    [
+        ({"query": {"key": KEY}}, KEY),
+        ({"base_url": "https://gw:pw-Base-Url-SECRET@llm.example/v1"}, "pw-Base-Url-SECRET"),
+    ],
+    ids=["query", "userinfo"],
+)
+async def test_the_loop_scrubs_a_url_secret_a_transport_let_through(
+    fields: dict[str, object], secret: str
+) -> None:
+    """Defence in depth: a failure message that still carries a credential of the source's URL
+    (a transport of the application's own, say) is scrubbed by the loop itself."""
+    clock = FakeClock()
+    settings = gateway_settings({"name": "g", **fields}, max_attempts=1)
+    failure = TransientError(f"upstream said: {secret} is not valid", status_code=500)
+    async with ChatClient(
+        settings,
+        backend=MemoryBackend(now=clock),
+        transport=FakeTransport([failure], clock=clock),
+        now=clock,
+        sleep=BoundedSleep(clock),
+        rng=random.Random(1),
+    ) as chat:
+        with pytest.raises(AllSourcesExhausted) as caught:
+            await chat.complete(MESSAGES)
+    error = caught.value
+    assert "upstream said" in str(error) or any(
+        "upstream said" in (a.error or "") for a in error.attempts
+    )
+    assert secret not in str(error)
+    assert secret not in repr(error)
+    assert error.attempts
+    for attempt in error.attempts:
+        assert secret not in (attempt.error or "")
