@@ -371,11 +371,18 @@ def _tool_use(call: Any, what: str, source: str) -> dict[str, Any]:
         raise _rejected(source, f"{what}.function has no name")
     if not isinstance(call_id, str) or not call_id:
         raise _rejected(source, f"{what} has no id, which a tool_result must refer to")
+    return _use_block(
+        call_id, function["name"], function.get("arguments"), f"{what}.function.arguments", source
+    )
+
+
+def _use_block(call_id: str, name: str, arguments: Any, what: str, source: str) -> dict[str, Any]:
+    """A ``tool_use`` block: the call's id and name, its JSON ``arguments`` as the input."""
     return {
         "type": "tool_use",
         "id": call_id,
-        "name": function["name"],
-        "input": _tool_input(function.get("arguments"), f"{what}.function.arguments", source),
+        "name": name,
+        "input": _tool_input(arguments, what, source),
     }
 
 
@@ -392,12 +399,7 @@ def _function_use(call: Any, call_id: str, what: str, source: str) -> dict[str, 
     """An assistant's legacy ``function_call`` (``{name, arguments}``) as a ``tool_use`` block."""
     if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
         raise _rejected(source, f"{what} has no name")
-    return {
-        "type": "tool_use",
-        "id": call_id,
-        "name": call["name"],
-        "input": _tool_input(call.get("arguments"), f"{what}.arguments", source),
-    }
+    return _use_block(call_id, call["name"], call.get("arguments"), f"{what}.arguments", source)
 
 
 def _assistant(
