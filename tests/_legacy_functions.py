@@ -8,15 +8,17 @@ configured alike.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from polygateway.backends.memory import MemoryBackend
 from polygateway.chat import ChatClient
 from polygateway.config import GatewaySettings, ScopeConfig, SourceConfig
+from polygateway.models import ChatChunk, ChatResponse
 from polygateway.simulator import SimulatedUpstream
 
-__all__ = ["ASK", "TIME", "WEATHER", "legacy_chat", "result_turn", "source"]
+__all__ = ["ASK", "TIME", "WEATHER", "answered", "legacy_chat", "result_turn", "source"]
 
 ASK = [{"role": "user", "content": "weather in Paris"}]
 WEATHER = {
@@ -94,3 +96,15 @@ def legacy_chat(sources: Sequence[SourceConfig], transport: str = "httpx") -> Ch
         scopes={"chat": ScopeConfig(kind="chat", sources=list(sources))},
     )
     return ChatClient.from_settings(settings, "chat", backend=MemoryBackend())
+
+
+async def answered(
+    client: ChatClient, bound_s: float, **params: Any
+) -> tuple[ChatResponse[Any], list[ChatChunk], ChatResponse[Any]]:
+    """``ASK`` answered plain (within ``bound_s``), then streamed: the answer, the stream's
+    chunks and the streamed answer."""
+    plain = await asyncio.wait_for(client.complete(ASK, **params), bound_s)
+    async with client.stream(ASK, **params) as stream:
+        chunks = [c async for c in stream]
+        streamed = await stream.response()
+    return plain, chunks, streamed

@@ -12,14 +12,13 @@ an OpenAI source, where the Anthropic one serves.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from _legacy_functions import ASK, TIME, WEATHER, legacy_chat, result_turn, source
+from _legacy_functions import ASK, TIME, WEATHER, answered, legacy_chat, result_turn, source
 from polygateway.chat import ChatClient
 from polygateway.errors import RequestRejected
 from polygateway.simulator import FaultProfile, SimulatedUpstream
@@ -53,10 +52,7 @@ async def test_functions_are_answered_with_one_call_plain_and_streamed(
 ) -> None:
     """The offered function is called with arguments of its schema; the stream reads the same."""
     async with _chat(sim, transport=transport) as client:
-        plain = await asyncio.wait_for(client.complete(ASK, functions=[WEATHER]), BOUND_S)
-        async with client.stream(ASK, functions=[WEATHER]) as stream:
-            chunks = [c async for c in stream]
-            streamed = await stream.response()
+        plain, chunks, streamed = await answered(client, BOUND_S, functions=[WEATHER])
     (call,) = plain.tool_calls
     assert (call.type, call.id, call.name) == ("function_call", "", "get_weather")
     assert plain.finish_reason == "function_call"

@@ -20,14 +20,13 @@ run on an Anthropic source too, where the wire maps the pair onto tools
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Literal
 
 import pytest
 
-from _legacy_functions import ASK, TIME, WEATHER, legacy_chat, result_turn, source
+from _legacy_functions import ASK, TIME, WEATHER, answered, legacy_chat, result_turn, source
 from polygateway.chat import ChatClient
 from polygateway.errors import RequestRejected
 from polygateway.simulator import FaultProfile, SimulatedUpstream
@@ -62,10 +61,7 @@ async def test_functions_are_answered_with_a_function_call_plain_and_streamed(
 ) -> None:
     """One ``function_call`` tool call, no id, arguments of the schema; the stream's the same."""
     async with _chat(sim, wire, transport) as client:
-        plain = await asyncio.wait_for(client.complete(ASK, functions=[WEATHER]), BOUND_S)
-        async with client.stream(ASK, functions=[WEATHER]) as stream:
-            chunks = [c async for c in stream]
-            streamed = await stream.response()
+        plain, chunks, streamed = await answered(client, BOUND_S, functions=[WEATHER])
     (call,) = plain.tool_calls
     assert (call.type, call.id, call.name) == ("function_call", "", "get_weather")
     assert json.loads(call.arguments) == {"city": "lorem"}
