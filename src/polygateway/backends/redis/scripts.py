@@ -177,6 +177,9 @@ ACQUIRE = """
 -- made here from KEYS[1]'s prefix and the stored name: same hash tag, same slot.
 -- ARGV[1]  now ("" = server TIME)       ARGV[2] lease id       ARGV[3] ttl_s
 -- ARGV[4]  cost_tokens                  ARGV[5] state key TTL in seconds
+-- A run (several calls of one process, class and candidate order in one script run:
+-- research-wiki/designs/script-cost.md, "Several calls per script run"): ARGV[2], ARGV[3]
+-- and ARGV[4] hold a word per call, in order, joined by spaces.
 -- ARGV[6 .. 15] the first candidate: name, max_concurrency, rpm, rpm_cap, tpm, tpm_cap,
 --          breaker_failures, cooldown_s, cooldown_max_s   (rpm / tpm "" = no limit),
 --          then the eight limits joined by spaces (its spec: compared with the one
@@ -192,6 +195,8 @@ ACQUIRE = """
 -- ARGV[21] the class flags, one character per class (one, m = 1, without classes):
 --          "0" when no call of the caller's process waits or asks in the class, "1"
 --          when some do but none will once this call is granted, "2" when some will.
+--          A run sends two such words, joined by a space: the flags of its calls before
+--          the last (its own class "2"), then those of the last.
 -- With priority classes (m of them), the registry is one such pair per class
 -- (KEYS[4+2j], KEYS[5+2j]: pgw:{scope}:waiting:<class j>, ...:waiting_until:<class j>).
 -- With tenants (the caller's room named one; m = 1 without classes):
@@ -216,6 +221,13 @@ ACQUIRE = """
 -- each rejection that has one (b, p, r, t), in order. Candidates after the granted one
 -- are not examined (nor registered). {-1} when a candidate after the first needs the
 -- spec set and none is stored under the digest: the client sends it and calls again.
+-- A run decides its calls in order, each as if alone after the ones before it (a run of
+-- one is a lone call), and stops at the first refusal or at a call that needs the spec
+-- set where none is stored: it returns a reply per call decided, in a list ({-1} when
+-- none is), and the calls after those are undecided, to be asked again. Its state,
+-- registries and held permits end as the decided calls one by one would leave them:
+-- each candidate's state read once and written once, the grants before the last call
+-- moved in the registries once (at one now however many), then the last call's step.
 -- Verdicts (calls of two candidates or more): a candidate refused for concurrency is
 -- marked full until its earliest live lease expires (not when that is at most 1 s away,
 -- as a hand-off placeholder may be), and later calls refuse it for concurrency
@@ -246,26 +258,41 @@ local HASHTABLE = '@hashtable'
 -- so that Redis keeps it a skiplist, which adds and counts a lease in O(log n) where a
 -- listpack parses every lease's score.
 local SKIPLIST = '@skiplist'
-local lease_id = ARGV[2]
-local ttl = num(ARGV[3])
-local cost = num(ARGV[4])
+-- The run's calls, in order: one, or several of one process, class and candidate order,
+-- each a lease id, a TTL and a cost, as words of ARGV[2], ARGV[3] and ARGV[4].
+local ids, ttls, costs
+if string.find(ARGV[2], ' ', 1, true) then
+  ids, ttls, costs = {}, {}, {}
+  for w in string.gmatch(ARGV[2], '%S+') do ids[#ids + 1] = w end
+  for w in string.gmatch(ARGV[3], '%S+') do ttls[#ttls + 1] = w end
+  for w in string.gmatch(ARGV[4], '%S+') do costs[#costs + 1] = w end
+else
+  ids, ttls, costs = {ARGV[2]}, {ARGV[3]}, {ARGV[4]}
+end
 local state_ttl = num(ARGV[5])
 local digest, order = ARGV[16], ARGV[17]
 local count = math.max(1, #order / 2)
 local tail = #ARGV - 18
 local proc, promised
 -- Per class: its two registry keys, whether proc waits in it, with tenants its three
--- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there, and
--- at [8] whether calls of proc are left there once this call is granted (flag "2").
+-- tenant keys (flows, flows_of, tenants) and the tenant list proc waits with there, at
+-- [8] whether calls of proc are left there once the run's last call is granted (flag
+-- "2"), and at [9] the same once a call before the last is (a run's first flags).
 local classes = {}
 if tail >= 3 then
   proc = ARGV[19]
   promised = 'handoff:' .. proc
   local flags = ARGV[21]
+  local mid = flags
+  local space = string.find(flags, ' ', 1, true)
+  if space then
+    mid, flags = string.sub(flags, 1, space - 1), string.sub(flags, space + 1)
+  end
   for j = 1, #flags do
     local flag = string.sub(flags, j, j)
     classes[j] = {KEYS[4 + 2 * j], KEYS[5 + 2 * j], flag ~= '0'}
     classes[j][8] = flag == '2'
+    classes[j][9] = string.sub(mid, j, j) == '2'
   end
   if tail == 4 then
     local lists, at = ARGV[22], 1
@@ -286,102 +313,103 @@ if tail == 4 then
 end
 local hk = KEYS[others + 1]
 local vk, setk = KEYS[4], KEYS[5]
-local verdicts = ''  -- this call's view of the marks: the digest, then 13 bytes an index
+local verdicts = ''  -- this run's view of the marks: the digest, then 13 bytes an index
+local sources_life  -- the scope's list of sources: its lifetime, when set again
 
--- The checks of source_state.admit, in order; returns the reason (its code letter, as
--- in the reply: see the header; nil for a grant), reopen_in_s, probe. ``off`` is the
--- candidate's offset among the marks (nil for a single candidate). Stored whatever the
--- verdict, in one HSET: first sight, a changed spec, open -> half_open, refills, the
--- commit. Dead leases are not counted (and left to RELEASE's sweep).
-local function examine(c, off)
-  local sk, lk = c.sk, c.lk
-  local maxc = num(c[2])
-  local rpm = num(c[3])
-  local rpm_cap = num(c[4])
-  local tpm = num(c[5])
-  local tpm_cap = num(c[6])
-  local cooldown_max = num(c[9])
-  local spec = c[10]
+-- A field and its text, to store in one HSET (a field put twice: the last wins).
+local function put(w, field, value)
+  local n = #w
+  w[n + 1] = field
+  w[n + 2] = value
+end
 
+-- A candidate's state, read and parsed once a run (load), then each call of the run
+-- decided on it (decide), then what moved written once (store): the calls one by one
+-- would leave the same (research-wiki/designs/script-cost.md, "Several calls per script
+-- run"). ``t.w`` lists the fields to store and their texts; ``t.leases`` the grants'
+-- (expiry, lease id) pairs, added in one ZADD.
+local function load(c, off)
   -- What every call reads; the probes' fields only when a breaker is not closed or a
   -- pause waits for its probe (one more read, in those states alone).
-  local h = redis.call('HMGET', sk, 'limit', 'breaker', 'not_before', 'rpm_tokens',
+  local h = redis.call('HMGET', c.sk, 'limit', 'breaker', 'not_before', 'rpm_tokens',
     'rpm_at', 'tpm_tokens', 'tpm_at', 'reopen_probe', 'spec', 'expires_at')
-  local writes = {}
-  local function put(field, value)
-    writes[#writes + 1] = field
-    writes[#writes + 1] = value
-  end
   local limit = num(h[1])
-  local breaker, open_until, probe_id, probe_until, not_before
-  local rpm_tokens, rpm_at = num(h[4]), num(h[5])
-  local tpm_tokens, tpm_at = num(h[6]), num(h[7])
-  local rpm_moved, tpm_moved = false, false  -- a bucket's values below are to be stored
-  local reopen_probe = h[8] == '1'
-  local pprobe_id, pprobe_until  -- read below only when a pause waits for its probe
+  -- Every field named in the constructor, nil ones too: Lua sizes the table once for
+  -- them, where fields added one by one would grow it a rehash at a time.
+  local t = {sk = c.sk, lk = c.lk, name = c[1], off = off, w = {}, leases = {},
+    maxc = num(c[2]), rpm = num(c[3]), rpm_cap = num(c[4]), tpm = num(c[5]),
+    tpm_cap = num(c[6]), cooldown_max = num(c[9]), limit = limit, breaker = h[2],
+    not_before = num(h[3]), rpm_tokens = num(h[4]), rpm_at = num(h[5]),
+    tpm_tokens = num(h[6]), tpm_at = num(h[7]), reopen_probe = h[8] == '1',
+    expires_at = num(h[10]), open_until = nil, probe_id = nil, probe_until = nil,
+    pprobe_id = nil, pprobe_until = nil, live = nil, claimed = nil, full = nil,
+    soonest = nil, life = nil, rpm_moved = nil, tpm_moved = nil}
+  local w = t.w
   if limit == nil then
-    -- First sight (source_state.new_source_state): closed, limit at its max, buckets full.
-    limit, breaker, open_until, probe_id, probe_until, not_before = maxc, 'closed', 0, '', 0, 0
-    put('limit', fmt(limit))
-    put('breaker', breaker)
-    put('failures', '0')
-    put('trips', '0')
-    put('open_until', '0')
-    put('probe_id', '')
-    put('probe_until', '0')
-    put('not_before', '0')
-    -- Buckets start full: made so when first checked (below), as a full bucket refills to
-    -- itself, whatever the time between.
-    rpm_tokens, rpm_at, tpm_tokens, tpm_at = nil, nil, nil, nil
-  else
-    breaker = h[2]
-    not_before = num(h[3])
-    -- The probes' fields, read only where admit() reads them: an open or half-open
-    -- breaker, a pause waiting for its probe.
-    if breaker ~= 'closed' or reopen_probe then
-      local p = redis.call('HMGET', sk, 'open_until', 'probe_id', 'probe_until', 'pprobe_id',
-        'pprobe_until')
-      open_until, probe_id, probe_until = num(p[1]), p[2] or '', num(p[3])
-      pprobe_id, pprobe_until = p[4] or '', num(p[5]) or 0
-    end
+    -- First sight (source_state.new_source_state): closed, limit at its max, buckets full
+    -- (made so when first checked, as a full bucket refills to itself).
+    limit = t.maxc
+    t.breaker, t.open_until, t.probe_id, t.probe_until, t.not_before = 'closed', 0, '', 0, 0
+    t.rpm_tokens, t.rpm_at, t.tpm_tokens, t.tpm_at = nil, nil, nil, nil
+    put(w, 'limit', fmt(limit))
+    put(w, 'breaker', 'closed')
+    put(w, 'failures', '0')
+    put(w, 'trips', '0')
+    put(w, 'open_until', '0')
+    put(w, 'probe_id', '')
+    put(w, 'probe_until', '0')
+    put(w, 'not_before', '0')
+  elseif t.breaker ~= 'closed' or t.reopen_probe then
+    local p = redis.call('HMGET', c.sk, 'open_until', 'probe_id', 'probe_until',
+      'pprobe_id', 'pprobe_until')
+    t.open_until, t.probe_id, t.probe_until = num(p[1]), p[2] or '', num(p[3])
+    t.pprobe_id, t.pprobe_until = p[4] or '', num(p[5]) or 0
   end
   -- The last spec seen, which release and snapshot work from: written when it changed,
   -- and then the state brought inside it (source_state.new_limits): a lowered max lowers
   -- the limit to it (aimd.on_max_change).
-  if h[9] ~= spec then
-    if limit > maxc then
-      limit = maxc
-      put('limit', fmt(limit))
+  if h[9] ~= c[10] then
+    if limit > t.maxc then
+      limit = t.maxc
+      put(w, 'limit', fmt(limit))
     end
-    put('max_concurrency', c[2])
-    put('rpm', c[3])
-    put('rpm_cap', c[4])
-    put('tpm', c[5])
-    put('tpm_cap', c[6])
-    put('breaker_failures', c[7])
-    put('cooldown_s', c[8])
-    put('cooldown_max_s', c[9])
-    put('spec', spec)
+    put(w, 'max_concurrency', c[2])
+    put(w, 'rpm', c[3])
+    put(w, 'rpm_cap', c[4])
+    put(w, 'tpm', c[5])
+    put(w, 'tpm_cap', c[6])
+    put(w, 'breaker_failures', c[7])
+    put(w, 'cooldown_s', c[8])
+    put(w, 'cooldown_max_s', c[9])
+    put(w, 'spec', c[10])
   end
+  t.limit = limit
+  return t
+end
 
+-- The checks of source_state.admit, in order, for one call at candidate ``t``; returns
+-- the reason (its code letter, as in the reply: see the header; nil for a grant),
+-- reopen_in_s, probe. What moves is kept in ``t`` (first sight, a changed spec, open ->
+-- half_open, refills, the commit, the lifetimes) for ``store``. Dead leases are not
+-- counted (and left to RELEASE's sweep).
+local function decide(t, lease_id, ttl, cost)
+  local w = t.w
   -- The checks run in one block that a refusal leaves by ``break``, with its reason set:
-  -- written inline, not as a function of returns, since a function nested here would close
-  -- over every local above at each call (research-wiki/designs/script-cost.md, "The Lua's
-  -- own share").
+  -- written inline, not as functions of returns (research-wiki/designs/script-cost.md,
+  -- "The Lua's own share").
   local reason, reopen, probe = nil, nil, false
-  local made = false  -- the grant's lease made its zset anew
   repeat
     -- 1. Breaker (breaker.admit).
-    if breaker == 'open' then
-      if now < open_until then
-        reason, reopen = 'b', open_until - now  -- breaker_open
+    if t.breaker == 'open' then
+      if now < t.open_until then
+        reason, reopen = 'b', t.open_until - now  -- breaker_open
         break
       end
-      breaker = 'half_open'
-      put('breaker', breaker)
+      t.breaker = 'half_open'
+      put(w, 'breaker', 'half_open')
     end
-    if breaker == 'half_open' then
-      if probe_id ~= '' and probe_until > now then
+    if t.breaker == 'half_open' then
+      if t.probe_id ~= '' and t.probe_until > now then
         reason = 'i'  -- probe_in_flight
         break
       end
@@ -389,13 +417,13 @@ local function examine(c, off)
     end
 
     -- 2. Pacer; once a failure's pause lapses, one probe fleet-wide.
-    if now < not_before then
-      reason, reopen = 'p', not_before - now  -- paced
+    if now < t.not_before then
+      reason, reopen = 'p', t.not_before - now  -- paced
       break
     end
     local pace_probe = false
-    if reopen_probe then
-      if pprobe_id ~= '' and pprobe_until > now then
+    if t.reopen_probe then
+      if t.pprobe_id ~= '' and t.pprobe_until > now then
         reason = 'i'  -- probe_in_flight
         break
       end
@@ -405,28 +433,37 @@ local function examine(c, off)
     -- 3. Concurrency (aimd.concurrency_cap): floor(limit), at least 1, at most the max. A
     -- full source still admits the process a release promised a permit to (RELEASE's
     -- hand-off): its placeholder is counted already. Looked up here only when full; a
-    -- grant removes it whether full or not (below).
-    local live = redis.call('ZCOUNT', lk, '(' .. now_s, '+inf')
-    if live >= math.max(1, math.min(maxc, math.floor(limit))) then
-      local held = promised and num(redis.call('ZSCORE', lk, promised))
+    -- grant removes it whether full or not (below). The live leases are counted once a
+    -- run (again after a placeholder is taken), with the run's grants not yet added.
+    local live = t.live
+    if live == nil then
+      live = redis.call('ZCOUNT', t.lk, '(' .. now_s, '+inf') + #t.leases / 2
+      t.live = live
+    end
+    if live >= math.max(1, math.min(t.maxc, math.floor(t.limit))) then
+      local held = promised and not t.claimed and num(redis.call('ZSCORE', t.lk, promised))
       if not (held and held > now) then
-        if off then
+        if t.off then
           -- The verdict (see the header): full until the earliest live lease lapses, in ms
           -- rounded down, so that it never outlasts the lease. None when that is at most a
           -- second away: a hand-off placeholder (at most 1 s, RELEASE) may be live here,
           -- and the process it waits for would skip the source it may claim; a lease that
           -- close to its end would lapse the mark at once anyway.
-          local first = redis.call('ZRANGEBYSCORE', lk, '(' .. now_s, '+inf', 'WITHSCORES',
+          local first = redis.call('ZRANGEBYSCORE', t.lk, '(' .. now_s, '+inf', 'WITHSCORES',
             'LIMIT', 0, 1)
           local lapse = num(first[2])
+          if t.soonest and not (lapse and lapse <= t.soonest) then
+            lapse = t.soonest  -- a grant of this run, not added yet, lapses first
+          end
           if lapse > now + 1 then
             if verdicts == '' then
               redis.call('SET', vk, digest, 'EX', state_ttl)
               verdicts = digest
             end
-            redis.call('SETRANGE', vk, off,
+            redis.call('SETRANGE', vk, t.off,
               string.format('%013d', math.floor(lapse * 1000)))
-            put('verdict', off)
+            put(w, 'verdict', t.off)
+            t.full = true  -- the run's later calls skip it, as they would read the mark
           end
         end
         reason = 'c'  -- concurrency
@@ -435,101 +472,145 @@ local function examine(c, off)
     end
 
     -- 4. rpm bucket (ratelimit.refill, then wait_for 1 token).
-    if rpm ~= nil then
-      if rpm_tokens == nil then
-        rpm_tokens, rpm_at = rpm_cap, now
+    if t.rpm ~= nil then
+      local tokens = t.rpm_tokens
+      if tokens == nil then
+        tokens, t.rpm_at = t.rpm_cap, now
       end
-      rpm_tokens = math.min(rpm_cap, rpm_tokens + (now - rpm_at) * rpm / 60)
-      rpm_at = now
-      rpm_moved = true
-      if not (rpm_tokens >= 1) then
-        reason, reopen = 'r', (1 - rpm_tokens) * 60 / rpm  -- rpm
+      tokens = math.min(t.rpm_cap, tokens + (now - t.rpm_at) * t.rpm / 60)
+      t.rpm_tokens, t.rpm_at, t.rpm_moved = tokens, now, true
+      if not (tokens >= 1) then
+        reason, reopen = 'r', (1 - tokens) * 60 / t.rpm  -- rpm
         break
       end
     end
 
     -- 5. tpm bucket: the reservation is capped at the bucket, so a big request can pass.
-    if tpm ~= nil then
-      if tpm_tokens == nil then
-        tpm_tokens, tpm_at = tpm_cap, now
+    if t.tpm ~= nil then
+      local tokens = t.tpm_tokens
+      if tokens == nil then
+        tokens, t.tpm_at = t.tpm_cap, now
       end
-      tpm_tokens = math.min(tpm_cap, tpm_tokens + (now - tpm_at) * tpm / 60)
-      tpm_at = now
-      tpm_moved = true
-      local need = math.min(cost, tpm_cap)
-      if not (tpm_tokens >= need) then
-        reason, reopen = 't', (need - tpm_tokens) * 60 / tpm  -- tpm
+      tokens = math.min(t.tpm_cap, tokens + (now - t.tpm_at) * t.tpm / 60)
+      t.tpm_tokens, t.tpm_at, t.tpm_moved = tokens, now, true
+      local need = math.min(cost, t.tpm_cap)
+      if not (tokens >= need) then
+        reason, reopen = 't', (need - tokens) * 60 / t.tpm  -- tpm
         break
       end
     end
 
     -- Commit (source_state.commit): take the tokens (buckets may go negative), add the
     -- lease.
-    if rpm ~= nil then
-      rpm_tokens = rpm_tokens - 1
+    if t.rpm ~= nil then
+      t.rpm_tokens = t.rpm_tokens - 1
     end
-    if tpm ~= nil then
-      tpm_tokens = tpm_tokens - cost
+    if t.tpm ~= nil then
+      t.tpm_tokens = t.tpm_tokens - cost
     end
     local expiry = now + ttl
-    if promised then
+    if promised and not t.claimed then
       -- A grant here fulfils the process's promise, claimed at a full source or not:
       -- left standing, it would hold a permit for nobody once the process stops waiting.
-      redis.call('ZREM', lk, promised)
+      t.claimed = true
+      if redis.call('ZREM', t.lk, promised) == 1 then
+        t.live = nil  -- counted again when next needed
+      end
     end
-    made = redis.call('ZADD', lk, fmt(expiry), lease_id, '-inf', SKIPLIST) == 2
+    local leases = t.leases
+    leases[#leases + 1] = fmt(expiry)
+    leases[#leases + 1] = lease_id
+    if t.live then
+      t.live = t.live + 1
+    end
+    if not (t.soonest and t.soonest <= expiry) then
+      t.soonest = expiry
+    end
     if probe then
-      put('probe_id', lease_id)
-      put('probe_until', fmt(expiry))
+      t.probe_id, t.probe_until = lease_id, expiry
+      put(w, 'probe_id', lease_id)
+      put(w, 'probe_until', fmt(expiry))
     end
     if pace_probe then
-      put('pprobe_id', lease_id)
-      put('pprobe_until', fmt(expiry))
+      t.pprobe_id, t.pprobe_until = lease_id, expiry
+      put(w, 'pprobe_id', lease_id)
+      put(w, 'pprobe_until', fmt(expiry))
     end
   until true
-  probe = reason == nil and probe
-  -- A bucket that moved was refilled up to now: its time is now_s.
-  if rpm_moved then
-    put('rpm_tokens', fmt(rpm_tokens))
-    put('rpm_at', now_s)
-  end
-  if tpm_moved then
-    put('tpm_tokens', fmt(tpm_tokens))
-    put('tpm_at', now_s)
-  end
 
   -- Lifetimes: the source's keys (and the scope's list of sources) outlive the last
   -- touch by between ``life / 2`` and ``life``, so that a lease, a breaker's cool-down
   -- and a day's idleness fit in. ``expires_at`` is when they were last set to expire;
   -- they are set again only once half of that is gone, not at every call.
-  local need = math.max(math.ceil(ttl), math.ceil(cooldown_max)) + 1
+  local need = math.max(math.ceil(ttl), math.ceil(t.cooldown_max)) + 1
   local life = math.max(state_ttl, 2 * need)
-  local expires_at = num(h[10])
-  local renewed = expires_at == nil or expires_at - now < life / 2
-  if renewed then
-    expires_at = now + life
-    put('expires_at', fmt(expires_at))
-    put('encoding', HASHTABLE)
-  end
-  if #writes > 0 then
-    redis.call('HSET', sk, unpack(writes))
-  end
-  if renewed then
-    redis.call('EXPIRE', sk, life)
-    redis.call('EXPIRE', lk, life)
-    if not redis.call('ZSCORE', KEYS[1], c[1]) then
-      redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), c[1])
+  if t.expires_at == nil or t.expires_at - now < life / 2 then
+    t.expires_at = now + life
+    put(w, 'expires_at', fmt(t.expires_at))
+    put(w, 'encoding', HASHTABLE)
+    t.life = life
+    if not redis.call('ZSCORE', KEYS[1], t.name) then
+      redis.call('ZADD', KEYS[1], redis.call('ZCARD', KEYS[1]), t.name)
     end
-    redis.call('EXPIRE', KEYS[1], life)
+    sources_life = life
+  end
+  return reason, reopen, reason == nil and probe
+end
+
+-- What moved at candidate ``t`` in the run, written: one HSET, one ZADD of its grants,
+-- the lifetimes as the run's last renewal (or its first grant's new key) left them.
+local function store(t)
+  local w = t.w
+  -- A bucket that moved was refilled up to now: its time is now_s.
+  if t.rpm_moved then
+    put(w, 'rpm_tokens', fmt(t.rpm_tokens))
+    put(w, 'rpm_at', now_s)
+  end
+  if t.tpm_moved then
+    put(w, 'tpm_tokens', fmt(t.tpm_tokens))
+    put(w, 'tpm_at', now_s)
+  end
+  if #w > 0 then
+    redis.call('HSET', t.sk, unpack(w))
+  end
+  local made = false
+  local leases = t.leases
+  if #leases > 0 then
+    leases[#leases + 1] = '-inf'
+    leases[#leases + 1] = SKIPLIST
+    -- Every lease id is new: SKIPLIST is too exactly when the grant made the key anew.
+    made = redis.call('ZADD', t.lk, unpack(leases)) == #leases / 2
+  end
+  if t.life then
+    redis.call('EXPIRE', t.sk, t.life)
+    redis.call('EXPIRE', t.lk, t.life)
   elseif made then
     -- The lease made the key anew (with SKIPLIST): it gets the lifetime the others have
     -- left.
-    redis.call('EXPIRE', lk, math.ceil(expires_at - now))
+    redis.call('EXPIRE', t.lk, math.ceil(t.expires_at - now))
   end
-  return reason, reopen, probe
 end
 
 -- @tenant-functions
+
+-- A grant's step in the waiting registries: per class, with its flag at ``at`` (8 for the
+-- run's last call, 9 for a call before it), the process stays registered at the back or
+-- leaves the class.
+local function granted_in_classes(at)
+  for _, k in ipairs(classes) do
+    if k[at] then
+      -- Calls of the process are left here: it stays registered, at the back, where
+      -- its next call's refusal would put it, with no moment out of the turn between.
+      redis.call('ZADD', k[1], 'XX', now_s, proc)
+    else
+      redis.call('ZREM', k[1], proc)
+      redis.call('ZREM', k[2], proc)
+      if k[4] then
+        drop_flows(k[4], k[5], proc)
+      end
+    end
+  end
+end
 
 -- The first candidate from ARGV; the others from the spec set, read when reached (the
 -- set, when the call carries it, stored first).
@@ -558,117 +639,159 @@ if dl > 0 then
 end
 
 local now_ms = dl > 0 and string.format('%013d', math.floor(now * 1000))  -- marks' clock
-local codes, reopens, skipped = {}, {}, 0
-local for_release = false
 local byte, sub = string.byte, string.sub  -- per candidate walked: no global lookups
-for j = 1, count do
-  local c, off = nil, nil
-  if dl > 0 then
-    local hi, lo = byte(order, 2 * j - 1, 2 * j)
-    off = dl + 13 * (hi * 256 + lo)
-  end
-  if off and sub(verdicts, off + 1, off + 13) > now_ms then
-    -- Marked full, and it stands: refused for concurrency unexamined (runs as one string).
-    skipped = skipped + 1
-    for_release = true
-  else
-    if skipped > 0 then
-      codes[#codes + 1] = string.rep('c', skipped)  -- the run before it
-      skipped = 0
+-- Per candidate position, its state once loaded; the loaded ones in load order.
+local states, loaded = {}, {}
+local replies, held, holds = {}, {}, {}
+local unset = false  -- a candidate's spec is not stored under the digest
+local for_release = false  -- the last call refused waits for a release
+for i = 1, #ids do
+  local lease_id, ttl, cost = ids[i], num(ttls[i]), num(costs[i])
+  local codes, reopens, skipped = {}, {}, 0
+  local granted, probe = 0, false
+  for_release = false
+  for j = 1, count do
+    local off
+    if dl > 0 then
+      local hi, lo = byte(order, 2 * j - 1, 2 * j)
+      off = dl + 13 * (hi * 256 + lo)
     end
-    if j == 1 then
-      c = first
+    local t = states[j]
+    if off and (sub(verdicts, off + 1, off + 13) > now_ms or (t and t.full)) then
+      -- Marked full, and it stands: refused for concurrency unexamined (runs as one string).
+      skipped = skipped + 1
+      for_release = true
     else
-      local idx = (off - dl) / 13
-      local s = redis.call('HMGET', setk, 'n' .. idx, 's' .. idx)
-      if not s[1] then
-        return {-1}
+      if skipped > 0 then
+        codes[#codes + 1] = string.rep('c', skipped)  -- the run before it
+        skipped = 0
       end
-      c = {s[1]}
-      for w in string.gmatch(s[2] .. ' ', '([^ ]*) ') do
-        c[#c + 1] = w
-      end
-      c[10] = s[2]
-      c.sk, c.lk = prefix .. 'src:' .. s[1], prefix .. 'leases:' .. s[1]
-    end
-    local reason, reopen, probe = examine(c, off)
-    if reason == nil then
-      if hk then
-        -- The lease counts toward its class's permits held fleet-wide until it ends or
-        -- lapses; the key outlives every live member.
-        redis.call('ZADD', hk, fmt(now + ttl), lease_id)
-        local need = math.ceil(ttl) + 1
-        if redis.call('TTL', hk) < need then
-          redis.call('EXPIRE', hk, 2 * need)
+      if t == nil then
+        local c = first
+        if j > 1 then
+          local idx = (off - dl) / 13
+          local s = redis.call('HMGET', setk, 'n' .. idx, 's' .. idx)
+          if not s[1] then
+            unset = true
+            break
+          end
+          c = {s[1]}
+          for w in string.gmatch(s[2] .. ' ', '([^ ]*) ') do
+            c[#c + 1] = w
+          end
+          c[10] = s[2]
+          c.sk, c.lk = prefix .. 'src:' .. s[1], prefix .. 'leases:' .. s[1]
         end
+        t = load(c, off)
+        states[j] = t
+        loaded[#loaded + 1] = t
       end
-      if proc then
-        for _, k in ipairs(classes) do
-          if k[8] then
-            -- Calls of the process are left here: it stays registered, at the back, where
-            -- its next call's refusal would put it, with no moment out of the turn between.
-            redis.call('ZADD', k[1], 'XX', now_s, proc)
-          else
-            redis.call('ZREM', k[1], proc)
-            redis.call('ZREM', k[2], proc)
-            if k[4] then
-              drop_flows(k[4], k[5], proc)
-            end
+      local reason, reopen
+      reason, reopen, probe = decide(t, lease_id, ttl, cost)
+      if reason == nil then
+        granted = j
+        break
+      end
+      if reason == 'c' or reason == 'i' then
+        for_release = true  -- concurrency, probe_in_flight
+      end
+      codes[#codes + 1] = reason
+      if reopen ~= nil then
+        reopens[#reopens + 1] = fmt(reopen)
+      end
+    end
+  end
+  if unset then
+    break  -- this call and the ones after it are left undecided
+  end
+  if granted > 0 then
+    replies[i] = {granted, probe and 1 or 0, table.concat(codes), unpack(reopens)}
+    if hk then
+      held[#held + 1] = fmt(now + ttl)
+      held[#held + 1] = lease_id
+      holds[#holds + 1] = ttl
+    end
+  else
+    codes[#codes + 1] = string.rep('c', skipped)
+    replies[i] = {0, 0, table.concat(codes), unpack(reopens)}
+    break  -- the calls after a refusal are left undecided
+  end
+end
+for _, t in ipairs(loaded) do
+  store(t)
+end
+if sources_life then
+  redis.call('EXPIRE', KEYS[1], sources_life)
+end
+local decided = #replies
+if decided == 0 then
+  return {-1}  -- the first call needs the spec set: the client sends it and calls again
+end
+if #held > 0 then
+  -- Each grant counts toward its class's permits held fleet-wide until it ends or lapses;
+  -- the key outlives every live member (each grant's need checked in turn, as one by one).
+  redis.call('ZADD', hk, unpack(held))
+  local left = redis.call('TTL', hk)
+  local set = left
+  for _, ttl in ipairs(holds) do
+    local need = math.ceil(ttl) + 1
+    if set < need then
+      set = 2 * need
+    end
+  end
+  if set ~= left then
+    redis.call('EXPIRE', hk, set)
+  end
+end
+if proc then
+  if decided > 1 then
+    granted_in_classes(9)  -- the grants before the last call: one move at one now
+  end
+  if replies[decided][1] > 0 then
+    granted_in_classes(8)
+  elseif for_release then
+    -- Refused: a process waiting for a release is registered to be woken by one.
+    local wttl = num(ARGV[20])
+    local keep = math.ceil(wttl) + 1
+    for _, c in ipairs(classes) do
+      if c[3] then
+        redis.call('ZADD', c[1], 'NX', now_s, proc)
+        redis.call('ZADD', c[2], fmt(now + wttl), proc)
+        redis.call('EXPIRE', c[1], keep)
+        redis.call('EXPIRE', c[2], keep)
+      else
+        redis.call('ZREM', c[1], proc)
+        redis.call('ZREM', c[2], proc)
+      end
+      if c[4] then
+        -- Its tenants in the class as listed now (none listed: its calls there are only
+        -- asking, tenants unknown yet; it counts as a process of no tenant until its next
+        -- refused poll). A tenant new to the fleet's turn joins it at the back.
+        local list = c[3] and c[7] or ''
+        local old = redis.call('HGET', c[5], proc)
+        if old and old ~= list then
+          drop_flows(c[4], c[5], proc)
+        end
+        if list ~= '' then
+          local last = redis.call('ZRANGE', c[6], -1, -1, 'WITHSCORES')
+          local turn = (num(last[2]) or 0) + 1
+          for _, t in ipairs(tenants_of(list)) do
+            redis.call('ZADD', c[4], 0, flow(t, proc))
+            turn = turn + redis.call('ZADD', c[6], 'NX', turn, t)
+          end
+          redis.call('HSET', c[5], proc, list)
+          for k = 4, 6 do
+            redis.call('EXPIRE', c[k], keep)
           end
         end
       end
-      return {j, probe and 1 or 0, table.concat(codes), unpack(reopens)}
-    end
-    if reason == 'c' or reason == 'i' then
-      for_release = true  -- concurrency, probe_in_flight
-    end
-    codes[#codes + 1] = reason
-    if reopen ~= nil then
-      reopens[#reopens + 1] = fmt(reopen)
     end
   end
 end
-codes[#codes + 1] = string.rep('c', skipped)
-local result = {0, 0, table.concat(codes), unpack(reopens)}
--- Refused: a process waiting for a release is registered to be woken by one.
-if proc and for_release then
-  local wttl = num(ARGV[20])
-  local keep = math.ceil(wttl) + 1
-  for _, c in ipairs(classes) do
-    if c[3] then
-      redis.call('ZADD', c[1], 'NX', now_s, proc)
-      redis.call('ZADD', c[2], fmt(now + wttl), proc)
-      redis.call('EXPIRE', c[1], keep)
-      redis.call('EXPIRE', c[2], keep)
-    else
-      redis.call('ZREM', c[1], proc)
-      redis.call('ZREM', c[2], proc)
-    end
-    if c[4] then
-      -- Its tenants in the class as listed now (none listed: its calls there are only
-      -- asking, tenants unknown yet; it counts as a process of no tenant until its next
-      -- refused poll). A tenant new to the fleet's turn joins it at the back.
-      local list = c[3] and c[7] or ''
-      local old = redis.call('HGET', c[5], proc)
-      if old and old ~= list then
-        drop_flows(c[4], c[5], proc)
-      end
-      if list ~= '' then
-        local last = redis.call('ZRANGE', c[6], -1, -1, 'WITHSCORES')
-        local turn = (num(last[2]) or 0) + 1
-        for _, t in ipairs(tenants_of(list)) do
-          redis.call('ZADD', c[4], 0, flow(t, proc))
-          turn = turn + redis.call('ZADD', c[6], 'NX', turn, t)
-        end
-        redis.call('HSET', c[5], proc, list)
-        for k = 4, 6 do
-          redis.call('EXPIRE', c[k], keep)
-        end
-      end
-    end
-  end
+if #ids == 1 then
+  return replies[1]
 end
-return result
+return replies
 """
 
 ACQUIRE = ACQUIRE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)

@@ -1,0 +1,274 @@
+"""An ACQUIRE run decides and leaves Redis exactly as its calls one by one would.
+
+A run (research-wiki/designs/script-cost.md, "Several calls per script run") carries
+several calls of one process, class and candidate order in one script run: their lease
+ids, TTLs and costs as the words of ARGV[2], ARGV[3] and ARGV[4], and the class flags
+as two words, those of the grants before the last call, then those of the last. Each
+case here builds one random history in two twin scopes, then sends the same calls to
+one scope as a run and to the other one by one, stopping where the run stopped (at the
+first refusal), and compares the replies and every key of both scopes: values, and
+whether and how long each key lives.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+
+from polygateway.backends.base import SourceSpec
+from polygateway.backends.redis import codec, scripts
+from polygateway.backends.redis.specset import SpecSet, limits_of
+
+T0, T1 = 1796212800.25, 1796212830.5
+PROC = "proc-a"
+WAIT_TTL = "30"
+CASES = 160
+
+
+def _raw(arg: bytes) -> bytes:
+    """The value of a packed argument (``wire.bulk``: ``$<len>\\r\\n<value>\\r\\n``)."""
+    return arg[arg.index(b"\r\n") + 2 : -2]
+
+
+def _part(name: str) -> tuple[str, ...]:
+    """A class's key suffix: none without classes (the class named "")."""
+    return (name,) if name else ()
+
+
+@dataclass
+class _Twin:
+    """One scope of a case: its keys and how ACQUIRE and RELEASE are called there."""
+
+    name: str
+    specs: list[SourceSpec]
+    classes: int  # 0: no process id; 1: one registry, no classes; 2: two classes
+    own: int  # the calls' class, 0-based
+    tenants: bool
+    floors: bool
+    state_ttl: str  # a day, or a minute: then lives follow the leases' TTLs
+    spec_set: SpecSet | None = None
+    stored: bool = False
+    leases: dict[str, str] = field(default_factory=dict)  # lease id -> source
+
+    def __post_init__(self) -> None:
+        if len(self.specs) > 1:
+            self.spec_set = SpecSet(self.name, {s.name: s for s in self.specs})
+
+    def key(self, *parts: str) -> str:
+        return codec.key(self.name, *parts)
+
+    def acquire(
+        self, ids: list[str], ttls: list[float], costs: list[int], flags: str, now: float
+    ) -> list[Any]:
+        first = self.specs[0]
+        keys = [self.key("sources"), self.key("src", first.name), self.key("leases", first.name)]
+        keys.append(self.key("verdicts"))
+        limits = limits_of(first)
+        argv: list[Any] = [
+            repr(now),
+            " ".join(ids),
+            " ".join(map(repr, ttls)),
+            " ".join(map(str, costs)),
+            self.state_ttl,
+            first.name,
+            *limits,
+            " ".join(limits),
+        ]
+        if self.spec_set is None:
+            keys.append(self.key("specs", ""))
+            argv += ["", "", ""]
+        else:
+            keys.append(_raw(self.spec_set.key))
+            argv += [
+                _raw(self.spec_set.digest),
+                _raw(self.spec_set.order(self.specs)),
+                "" if self.stored else _raw(self.spec_set.packed),
+            ]
+            self.stored = True
+        if self.classes:
+            names = [""] if self.classes == 1 else ["gold", "bulk"]
+            for name in names:
+                keys += [self.key("waiting", *_part(name))]
+                keys += [self.key("waiting_until", *_part(name))]
+            argv += [PROC, WAIT_TTL, flags]
+            if self.tenants:
+                lists = []
+                for j, name in enumerate(names):
+                    keys += [self.key(p, *_part(name)) for p in ("flows", "flows_of")]
+                    keys.append(self.key("tenants", *_part(name)))
+                    inner = "".join(f"{len(t)}:{t}" for t in (["t1", "t22"] if j == 0 else []))
+                    lists.append(f"{len(inner)}:{inner}")
+                argv.append("".join(lists))
+            if self.floors:
+                keys.append(self.key("held", names[self.own]))
+        return [len(keys), *keys, *argv]
+
+    def release(self, lease_id: str, kind: str, pause: str, used: str, now: float) -> list[Any]:
+        source = self.leases[lease_id]
+        keys = [self.key("src", source), self.key("leases", source), self.key("progress")]
+        keys.append(self.key("verdicts"))
+        aimd = "1" if kind == "transient" else "0"
+        argv = [
+            repr(now),
+            lease_id,
+            kind,
+            aimd,
+            pause,
+            used,
+            "40",
+            "5",
+            "0.5",
+            "600",
+            self.state_ttl,
+        ]
+        return [len(keys), *keys, *argv]
+
+
+def _specs(rng: random.Random) -> list[SourceSpec]:
+    specs = []
+    for i in range(rng.randint(1, 3)):
+        rpm = rng.choice([None, rng.randint(2, 6) * 1.0])
+        tpm = rng.choice([None, rng.randint(60, 300) * 1.0])
+        specs.append(
+            SourceSpec(
+                f"s{i}",
+                rng.randint(1, 3),
+                rpm=rpm,
+                tpm=tpm,
+                breaker_failures=rng.randint(1, 3),
+                cooldown_s=rng.choice([1.0, 4.0]),
+                cooldown_max_s=rng.choice([8.0, 300.0]),
+            )
+        )
+    return specs
+
+
+def _dump(client: redis.Redis, twin: _Twin) -> dict[str, Any]:
+    """Every key of the scope by its name less the scope: type, value, remaining life."""
+    found: dict[str, Any] = {}
+    for raw in client.scan_iter(match=f"pgw:{{{twin.name}}}:*", count=1000):
+        name = raw.decode()
+        kind = client.type(name).decode()
+        value: Any
+        if kind == "hash":
+            value = client.hgetall(name)
+        elif kind == "zset":
+            value = client.zrange(name, 0, -1, withscores=True)
+        else:
+            value = client.get(name)
+        found[name.replace(twin.name, "@", 1)] = (kind, value, client.ttl(name))
+    return found
+
+
+def _same(one: dict[str, Any], run: dict[str, Any]) -> None:
+    assert one.keys() == run.keys()
+    for name, (kind, value, ttl) in one.items():
+        run_kind, run_value, run_ttl = run[name]
+        assert (kind, value) == (run_kind, run_value), name
+        # Lives set by the same EXPIREs a few ms apart: equal, or a second apart at most.
+        assert (ttl < 0) == (run_ttl < 0), name
+        assert abs(ttl - run_ttl) <= 1, name
+
+
+def _history(client: redis.Redis, sha: dict[str, str], rng: random.Random, twin: _Twin) -> None:
+    """Random calls before the run: grants, releases, a promised permit, a registration.
+
+    The twins draw from the same random state, so they get the same history.
+    """
+    steps: list[tuple[str, Any]] = []
+    for k in range(rng.randint(0, 10)):
+        if rng.random() < 0.6:
+            steps.append(("acquire", (f"h{k:03d}", rng.choice([5.0, 30.0]), rng.randint(0, 90))))
+        else:
+            kind = rng.choice(["success", "transient", "rate_limited", "request_rejected"])
+            pause = repr(rng.choice([2.0, 40.0])) if kind == "rate_limited" else ""
+            steps.append(("release", (rng.random(), kind, pause, str(rng.randint(0, 90)))))
+    now = T0
+    for what, data in steps:
+        now += 0.125
+        if what == "acquire":
+            lease_id, ttl, cost = data
+            reply = client.evalsha(
+                sha["acquire"],
+                *twin.acquire([lease_id], [ttl], [cost], "0" * twin.classes, now),
+            )
+            if reply[0] > 0:
+                twin.leases[lease_id] = twin.specs[reply[0] - 1].name
+        elif twin.leases:
+            pick, kind, pause, used = data
+            lease_id = sorted(twin.leases)[int(pick * len(twin.leases))]
+            client.evalsha(sha["release"], *twin.release(lease_id, kind, pause, used, now))
+            del twin.leases[lease_id]
+    if twin.classes and rng.random() < 0.5:
+        # A permit promised to the process at the first source, live or lapsed.
+        lk = twin.key("leases", twin.specs[0].name)
+        client.zadd(lk, {f"handoff:{PROC}": T1 + rng.choice([-0.5, 0.75])})
+    if twin.classes and rng.random() < 0.5:
+        # The process registered already, waiting in its class.
+        name = "" if twin.classes == 1 else ["gold", "bulk"][twin.own]
+        part = _part(name)
+        client.zadd(twin.key("waiting", *part), {PROC: T0, "proc-b": T0 + 1})
+        client.zadd(twin.key("waiting_until", *part), {PROC: T1 + 20, "proc-b": T1 + 20})
+
+
+@pytest.fixture
+def client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_a_run_leaves_what_its_calls_one_by_one_leave(client: redis.Redis, seed: int) -> None:
+    rng = random.Random(seed)
+    sha = {
+        "acquire": client.script_load(scripts.ACQUIRE),
+        "release": client.script_load(scripts.RELEASE),
+    }
+    specs = _specs(rng)
+    classes = rng.choice([0, 1, 2])
+    own = rng.randint(0, classes - 1) if classes else 0
+    tenants = classes > 0 and rng.random() < 0.3
+    floors = classes == 2 and rng.random() < 0.5
+    state_ttl = rng.choice(["86400", "60"])
+    twins = [
+        _Twin(f"{label}-{seed}", specs, classes, own, tenants, floors, state_ttl)
+        for label in ("one", "run")
+    ]
+    state = rng.getstate()
+    for twin in twins:
+        rng.setstate(state)
+        _history(client, sha, rng, twin)
+    one, run = twins
+
+    n = rng.randint(1, 6)
+    ids = [f"r{i:03d}-{seed}" for i in range(n)]
+    ttls = [rng.choice([5.0, 30.0, 200.0]) for _ in range(n)]
+    costs = [rng.randint(0, 120) for _ in range(n)]
+    final = mid = ""
+    for j in range(classes):
+        if j == own:
+            final += rng.choice("12")
+            mid += "2"
+        else:
+            other = rng.choice("02")
+            final += other
+            mid += other
+    flags = final if n == 1 else f"{mid} {final}"
+    ran = client.evalsha(sha["acquire"], *run.acquire(ids, ttls, costs, flags, T1))
+    replies = [ran] if n == 1 else ran
+    assert 1 <= len(replies) <= n
+    # Every reply but the last is a grant; the run stops at its first refusal.
+    assert all(r[0] > 0 for r in replies[:-1])
+    assert len(replies) == n or replies[-1][0] == 0
+
+    alone = []
+    for i in range(len(replies)):
+        each = final if i == n - 1 else mid
+        alone.append(
+            client.evalsha(sha["acquire"], *one.acquire([ids[i]], [ttls[i]], [costs[i]], each, T1))
+        )
+    assert alone == replies
+    _same(_dump(client, one), _dump(client, run))
