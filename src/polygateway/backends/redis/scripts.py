@@ -222,12 +222,13 @@ ACQUIRE = """
 -- are not examined (nor registered). {-1} when a candidate after the first needs the
 -- spec set and none is stored under the digest: the client sends it and calls again.
 -- A run decides its calls in order, each as if alone after the ones before it (a run of
--- one is a lone call), and stops at the first refusal or at a call that needs the spec
--- set where none is stored: it returns a reply per call decided, in a list ({-1} when
--- none is), and the calls after those are undecided, to be asked again. Its state,
+-- one is a lone call), and returns a reply per call, in a list. It stops before a call
+-- that needs the spec set where none is stored: the replies are then fewer ({-1} when
+-- there is none), and the calls after them undecided, to be asked again. Its state,
 -- registries and held permits end as the decided calls one by one would leave them:
--- each candidate's state read once and written once, the grants before the last call
--- moved in the registries once (at one now however many), then the last call's step.
+-- each candidate's state read once and written once, and the calls' steps in the
+-- registries taken in order, a step like the one before it once (at one now, it would
+-- change nothing).
 -- Verdicts (calls of two candidates or more): a candidate refused for concurrency is
 -- marked full until its earliest live lease expires (not when that is at most 1 s away,
 -- as a hand-off placeholder may be), and later calls refuse it for concurrency
@@ -612,6 +613,46 @@ local function granted_in_classes(at)
   end
 end
 
+-- A refusal's step when a candidate waits for a release: the process is registered to be
+-- woken by one, in each class it waits in, and leaves the others.
+local function refused_in_classes()
+  local wttl = num(ARGV[20])
+  local keep = math.ceil(wttl) + 1
+  for _, c in ipairs(classes) do
+    if c[3] then
+      redis.call('ZADD', c[1], 'NX', now_s, proc)
+      redis.call('ZADD', c[2], fmt(now + wttl), proc)
+      redis.call('EXPIRE', c[1], keep)
+      redis.call('EXPIRE', c[2], keep)
+    else
+      redis.call('ZREM', c[1], proc)
+      redis.call('ZREM', c[2], proc)
+    end
+    if c[4] then
+      -- Its tenants in the class as listed now (none listed: its calls there are only
+      -- asking, tenants unknown yet; it counts as a process of no tenant until its next
+      -- refused poll). A tenant new to the fleet's turn joins it at the back.
+      local list = c[3] and c[7] or ''
+      local old = redis.call('HGET', c[5], proc)
+      if old and old ~= list then
+        drop_flows(c[4], c[5], proc)
+      end
+      if list ~= '' then
+        local last = redis.call('ZRANGE', c[6], -1, -1, 'WITHSCORES')
+        local turn = (num(last[2]) or 0) + 1
+        for _, t in ipairs(tenants_of(list)) do
+          redis.call('ZADD', c[4], 0, flow(t, proc))
+          turn = turn + redis.call('ZADD', c[6], 'NX', turn, t)
+        end
+        redis.call('HSET', c[5], proc, list)
+        for k = 4, 6 do
+          redis.call('EXPIRE', c[k], keep)
+        end
+      end
+    end
+  end
+end
+
 -- The first candidate from ARGV; the others from the spec set, read when reached (the
 -- set, when the call carries it, stored first).
 local first = {ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13],
@@ -642,14 +683,14 @@ local now_ms = dl > 0 and string.format('%013d', math.floor(now * 1000))  -- mar
 local byte, sub = string.byte, string.sub  -- per candidate walked: no global lookups
 -- Per candidate position, its state once loaded; the loaded ones in load order.
 local states, loaded = {}, {}
-local replies, held, holds = {}, {}, {}
+-- Per decided call its reply, and its step in the registries: a grant's flags (8 for the
+-- run's last call, 9 for one before it), or 'r' for a refusal waiting for a release.
+local replies, steps, held, holds = {}, {}, {}, {}
 local unset = false  -- a candidate's spec is not stored under the digest
-local for_release = false  -- the last call refused waits for a release
 for i = 1, #ids do
   local lease_id, ttl, cost = ids[i], num(ttls[i]), num(costs[i])
   local codes, reopens, skipped = {}, {}, 0
-  local granted, probe = 0, false
-  for_release = false
+  local granted, probe, for_release = 0, false, false
   for j = 1, count do
     local off
     if dl > 0 then
@@ -706,6 +747,7 @@ for i = 1, #ids do
   end
   if granted > 0 then
     replies[i] = {granted, probe and 1 or 0, table.concat(codes), unpack(reopens)}
+    steps[#steps + 1] = i == #ids and 8 or 9
     if hk then
       held[#held + 1] = fmt(now + ttl)
       held[#held + 1] = lease_id
@@ -714,7 +756,9 @@ for i = 1, #ids do
   else
     codes[#codes + 1] = string.rep('c', skipped)
     replies[i] = {0, 0, table.concat(codes), unpack(reopens)}
-    break  -- the calls after a refusal are left undecided
+    if for_release then
+      steps[#steps + 1] = 'r'
+    end
   end
 end
 for _, t in ipairs(loaded) do
@@ -744,47 +788,17 @@ if #held > 0 then
   end
 end
 if proc then
-  if decided > 1 then
-    granted_in_classes(9)  -- the grants before the last call: one move at one now
-  end
-  if replies[decided][1] > 0 then
-    granted_in_classes(8)
-  elseif for_release then
-    -- Refused: a process waiting for a release is registered to be woken by one.
-    local wttl = num(ARGV[20])
-    local keep = math.ceil(wttl) + 1
-    for _, c in ipairs(classes) do
-      if c[3] then
-        redis.call('ZADD', c[1], 'NX', now_s, proc)
-        redis.call('ZADD', c[2], fmt(now + wttl), proc)
-        redis.call('EXPIRE', c[1], keep)
-        redis.call('EXPIRE', c[2], keep)
+  -- Each decided call's step, in order; a step like the one before it changes nothing at
+  -- one now (the moves and registrations are idempotent), so it is not taken again.
+  local last
+  for _, step in ipairs(steps) do
+    if step ~= last then
+      if step == 'r' then
+        refused_in_classes()
       else
-        redis.call('ZREM', c[1], proc)
-        redis.call('ZREM', c[2], proc)
+        granted_in_classes(step)
       end
-      if c[4] then
-        -- Its tenants in the class as listed now (none listed: its calls there are only
-        -- asking, tenants unknown yet; it counts as a process of no tenant until its next
-        -- refused poll). A tenant new to the fleet's turn joins it at the back.
-        local list = c[3] and c[7] or ''
-        local old = redis.call('HGET', c[5], proc)
-        if old and old ~= list then
-          drop_flows(c[4], c[5], proc)
-        end
-        if list ~= '' then
-          local last = redis.call('ZRANGE', c[6], -1, -1, 'WITHSCORES')
-          local turn = (num(last[2]) or 0) + 1
-          for _, t in ipairs(tenants_of(list)) do
-            redis.call('ZADD', c[4], 0, flow(t, proc))
-            turn = turn + redis.call('ZADD', c[6], 'NX', turn, t)
-          end
-          redis.call('HSET', c[5], proc, list)
-          for k = 4, 6 do
-            redis.call('EXPIRE', c[k], keep)
-          end
-        end
-      end
+      last = step
     end
   end
 end
