@@ -27,7 +27,8 @@ costs.
 
 ``--runs`` adds, at 1 source, the experiment of ``bench.script_cost``'s batch
 table that serves several calls in one script run, reading the state once
-(``state_once``), at each of its sizes: a pair's share of a run.
+(``state_once``), at each of its sizes: a pair's share of a run; and the real
+scripts with their ACQUIREs in runs of those sizes (``backends/redis/runs.py``).
 
 ``--against`` names another checkout (a directory with
 ``src/polygateway/backends/redis/scripts.py``, e.g. from ``git archive``)
@@ -218,6 +219,49 @@ def _runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
     return drive
 
 
+def _in_runs(args: list[Any], ids: Sequence[str], per_call: Sequence[int]) -> list[Any]:
+    """A lone call's EVALSHA arguments made a run of ``ids``: the ARGV at ``per_call``
+    (1-based) hold a word per call, the lease id at the first, the others repeated."""
+    at = args[0]  # numkeys, then the keys: ARGV[i] is args[at + i]
+    out = list(args)
+    for i in per_call:
+        value = args[at + i]
+        out[at + i] = " ".join(ids) if i == per_call[0] else " ".join([value] * len(ids))
+    return out
+
+
+def _script_runs(calls: int, pairs: int, *, releases: bool) -> Callable[[redis.Redis], None]:
+    """``pairs`` grants and successes at one source by the real scripts, the ACQUIREs
+    ``calls`` a run (``backends/redis/runs.py``), the RELEASEs too with ``releases``."""
+
+    def drive(client: redis.Redis) -> None:
+        acquire, release = (client.script_load(s) for s in (scripts.ACQUIRE, scripts.RELEASE))
+        scope = _Scope("instructions", 1)
+        for lease in ("warm-0", "warm-1"):
+            _check([client.evalsha(acquire, *scope.acquire(lease))], 1, "acquire")
+            _check([client.evalsha(release, *scope.release(lease))], None, "release")
+        runs, per_pipe = max(1, pairs // calls), max(1, BATCH // calls)
+        for start in range(0, runs, per_pipe):
+            pipe = client.pipeline(transaction=False)
+            for serial in range(start, min(start + per_pipe, runs)):
+                ids = [f"{serial:08x}{i:04x}bench" for i in range(calls)]
+                pipe.evalsha(acquire, *_in_runs(scope.acquire(ids[0]), ids, (2, 3, 4)))
+                if releases:
+                    pipe.evalsha(release, *_in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7)))
+                else:
+                    for lease in ids:
+                        pipe.evalsha(release, *scope.release(lease))
+            replies = pipe.execute()
+            step = 2 if releases else 1 + calls
+            for k in range(0, len(replies), step):
+                granted = replies[k] if calls > 1 else [replies[k]]
+                _check(granted, 1, "acquire")
+                freed = replies[k + 1] if releases and calls > 1 else replies[k + 1 : k + step]
+                _check(freed, None, "release")
+
+    return drive
+
+
 def count(
     server: str, drive_for: Callable[[int], Callable[[redis.Redis], None]], pairs: int
 ) -> int:
@@ -261,6 +305,11 @@ def measure(
         for calls in BATCH_SIZES:
             per_pair = count(server, functools.partial(_runs, calls), pairs)
             label = f"state read once, {calls} call{'s' if calls > 1 else ''} a run"
+            rows.append({"case": "1 source", "version": label, "instructions": per_pair})
+        for calls in BATCH_SIZES[1:]:
+            drive = functools.partial(_script_runs, calls, releases=False)
+            per_pair = count(server, drive, pairs)
+            label = f"ACQUIRE in runs of {calls}"
             rows.append({"case": "1 source", "version": label, "instructions": per_pair})
     for row in rows:
         row["x INCR+DECR"] = row["instructions"] / baseline

@@ -5,8 +5,8 @@ installs valgrind with it) and differences two runs of different lengths.
 This runs it as a person would, small: the printed table has every case, and
 a pair of the scripts counts more instructions than their commands alone, and
 those more than an INCR + DECR pair, and the experiment of several calls a
-script run counts fewer a pair the more calls a run, which a broken
-difference (nothing driven, the runs swapped) would not.
+script run, and the real ACQUIRE in runs, count fewer a pair the more calls a
+run, which a broken difference (nothing driven, the runs swapped) would not.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def test_a_tiny_run_counts_every_case() -> None:
         ("1 source", "state read once, 1 call a run"),
         ("1 source", "state read once, 4 calls a run"),
         ("1 source", "state read once, 16 calls a run"),
+        ("1 source", "ACQUIRE in runs of 4"),
+        ("1 source", "ACQUIRE in runs of 16"),
     ]
     calls = rows[("1 source", "its commands alone, no logic")]
     baseline = rows[("INCR + DECR", "baseline")]
@@ -62,3 +64,6 @@ def test_a_tiny_run_counts_every_case() -> None:
         for n in (1, 4, 16)
     ]
     assert rows[("1 source", "current")] > runs[0] > runs[1] > runs[2] > baseline
+    # The real ACQUIRE in runs: cheaper a pair than alone, and the longer the run the cheaper.
+    real = [rows[("1 source", f"ACQUIRE in runs of {n}")] for n in (4, 16)]
+    assert rows[("1 source", "current")] > real[0] > real[1] > baseline

@@ -11,7 +11,9 @@ both scopes: values, and whether and how long each key lives.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ import pytest
 import redis
 
 from polygateway.backends.base import SourceSpec
-from polygateway.backends.redis import codec, scripts
+from polygateway.backends.redis import RedisBackend, codec, scripts
 from polygateway.backends.redis.specset import SpecSet, limits_of
 
 T0, T1 = 1796212800.25, 1796212830.5
@@ -143,6 +145,8 @@ def _specs(rng: random.Random) -> list[SourceSpec]:
                 cooldown_max_s=rng.choice([8.0, 300.0]),
             )
         )
+    if len(specs) > 1 and rng.random() < 0.3:
+        specs.append(specs[0])  # a source listed twice: one state, walked twice
     return specs
 
 
@@ -286,3 +290,61 @@ def test_a_run_stops_before_a_call_that_needs_a_spec_set_not_stored(client: redi
     twin.stored = False
     ran = client.evalsha(sha, *twin.acquire(["b", "c"], [30.0] * 2, [0] * 2, "", T1))
     assert ran == [[2, 0, b"c"], [2, 0, b"c"]]
+
+
+# -- the backend's runs (backends/redis/runs.py) -------------------------------------------
+
+
+def _evalsha_calls(url: str) -> int:
+    with redis.Redis.from_url(url) as admin:
+        return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_calls_asking_together_go_in_runs_each_answered_alone(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """40 calls at once: the first alone, the 39 that arrived meanwhile in runs of 16 at most;
+    every call gets its own lease, and the source never holds more than its limit."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url)
+    spec = SourceSpec("s", 30)
+    try:
+        await backend.snapshot("warm")  # connected, so that only the calls below count
+        before = _evalsha_calls(server.url)
+        results = await asyncio.gather(
+            *(backend.acquire("runs", [spec], cost_tokens=i, ttl_s=30.0) for i in range(40))
+        )
+        assert _evalsha_calls(server.url) - before == 1 + 3  # 1, then 16 + 16 + 7
+        granted = [r.lease for r in results if r.lease is not None]
+        assert len(granted) == 30
+        assert len({lease.lease_id for lease in granted}) == 30
+        assert [lease.tokens for lease in granted] == list(range(30))  # in arrival order
+        assert all(r.rejections[0].reason == "concurrency" for r in results[30:])
+        snapshot = await backend.snapshot("runs")
+        assert snapshot.sources[0].in_flight == 30
+    finally:
+        await backend.aclose()
+
+
+async def test_a_call_cancelled_before_its_run_is_written_takes_no_permit(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    server = make_redis_server()
+    backend = RedisBackend(server.url)
+    spec = SourceSpec("s", 5)
+    try:
+        await backend.snapshot("warm")
+        before = _evalsha_calls(server.url)
+        tasks = [asyncio.create_task(backend.acquire("runs", [spec], ttl_s=30.0)) for _ in range(3)]
+        await asyncio.sleep(0)  # each has asked: the first is in flight, two wait for it
+        tasks[1].cancel()
+        first, third = await tasks[0], await tasks[2]
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[1]
+        assert first.lease is not None
+        assert third.lease is not None
+        assert _evalsha_calls(server.url) - before == 2  # the first, then a run of one
+        snapshot = await backend.snapshot("runs")
+        assert snapshot.sources[0].in_flight == 2
+    finally:
+        await backend.aclose()

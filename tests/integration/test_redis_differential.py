@@ -5,6 +5,7 @@ of up to eight of six sources, costs and TTLs; releases with random outcomes,
 Retry-After and token usage; renewals; a source's limits changed between two
 acquires, as a fleet mid-deploy or a reloaded config sends them, its
 ``max_concurrency`` raised or lowered; clock steps)
+(and bursts of acquires asking together, which Redis takes in ACQUIRE runs)
 drives a ``MemoryBackend`` and a ``RedisBackend``, each
 on its own ``FakeClock``, advanced together. After every step both must agree
 on every decision (granted source, each rejection's source, reason and reopen
@@ -45,7 +46,7 @@ KINDS: tuple[OutcomeKind, ...] = (
     "cancelled",
 )
 TTLS = (0.5, 2.0, 7.0)
-OPS = ("acquire", "acquire", "acquire", "release", "release", "renew", "respec", "advance")
+OPS = ("acquire", "acquire", "acquire", "burst", "release", "release", "renew", "respec", "advance")
 STEPS = (0.0, 0.1, 0.5, 1.0, 2.0, 2.5, 7.0, 40.0, 400.0)
 
 
@@ -134,6 +135,35 @@ async def _drive(data: st.DataObject, url: str) -> None:
                     leases.append((mem.lease, red.lease))
                 for rejection in mem.rejections:
                     event(f"rejected: {rejection.reason}")
+            elif op == "burst":
+                # Calls asking together: on Redis the first goes alone and the others, which
+                # arrive while it is in flight, in one ACQUIRE run (backends/redis/runs.py);
+                # the memory backend takes them one by one, in the same order.
+                names = data.draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=8))
+                candidates = [specs[n] for n in names]
+                calls = data.draw(
+                    st.lists(
+                        st.tuples(st.sampled_from((0, 1, 40, 120, 900)), st.sampled_from(TTLS)),
+                        min_size=2,
+                        max_size=20,
+                    ),
+                    label="burst",
+                )
+                mems = [
+                    await memory.acquire(scope, candidates, cost_tokens=cost, ttl_s=ttl)
+                    for cost, ttl in calls
+                ]
+                reds = await asyncio.gather(
+                    *(
+                        redis.acquire(scope, candidates, cost_tokens=cost, ttl_s=ttl)
+                        for cost, ttl in calls
+                    )
+                )
+                for mem, red in zip(mems, reds, strict=True):
+                    _assert_same_acquire(mem, red)
+                    if mem.lease is not None and red.lease is not None:
+                        leases.append((mem.lease, red.lease))
+                event(f"burst of {len(calls)}")
             elif op == "release" and leases:
                 index = data.draw(st.integers(0, len(leases) - 1))
                 outcome = data.draw(_OUTCOME)

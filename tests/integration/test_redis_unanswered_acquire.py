@@ -59,7 +59,9 @@ class _End(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.replies and self.relay.holding:
-            return  # held: lost with the connection at the reset
+            if self.relay.passing <= 0:
+                return  # held: lost with the connection at the reset
+            self.relay.passing -= 1
         if self.other is not None and self.other.transport is not None:
             self.other.transport.write(data)
 
@@ -86,6 +88,7 @@ class Relay:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.holding = False
+        self.passing = 0  # while holding, the server's writes still let through first
         self.closed = False
         self._ends: list[_End] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -204,3 +207,48 @@ async def test_an_acquire_run_but_unanswered_gives_its_lease_back(
     finally:
         await backend.aclose()
         await relay.aclose()
+
+
+async def test_an_acquire_run_unanswered_gives_every_lease_back(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """Calls that asked together went in one ACQUIRE run whose reply was lost: each of its
+    grants is released, and the call that went alone before them keeps its lease."""
+    server = make_redis_server()
+    relay = Relay(server.port)
+    port = await relay.start()
+    backend = RedisBackend(f"redis://127.0.0.1:{port}/0", socket_timeout_s=SOCKET_TIMEOUT_S)
+    wide = [*SPECS, SourceSpec(name="c", max_concurrency=2)]
+    try:
+        warm = await backend.acquire(SCOPE, wide, ttl_s=TTL_S)  # connected, scripts loaded
+        assert warm.lease is not None
+        await backend.release(warm.lease, AttemptOutcome("success"))
+
+        # The first call's reply passes; the run of the three that arrived while it was in
+        # flight is granted on the server, and its reply held.
+        relay.holding, relay.passing = True, 1
+        calls = [asyncio.create_task(backend.acquire(SCOPE, wide, ttl_s=TTL_S)) for _ in range(4)]
+        first = await calls[0]
+        assert first.lease is not None
+        assert await eventually(lambda: all_leases(server.url, wide) == 4, GIVEN_BACK_WITHIN_S)
+        relay.reset()  # the run's reply is lost with the connection
+        for call in calls[1:]:
+            with pytest.raises(GovernanceBackendError, match="connection"):
+                await call
+
+        assert await eventually(lambda: all_leases(server.url, wide) == 1, GIVEN_BACK_WITHIN_S), (
+            "a lease the run granted unanswered is still held"
+        )
+        await backend.release(first.lease, AttemptOutcome("success"))
+        assert await eventually(lambda: all_leases(server.url, wide) == 0, GIVEN_BACK_WITHIN_S)
+    finally:
+        await backend.aclose()
+        await relay.aclose()
+
+
+def all_leases(url: str, specs: list[SourceSpec]) -> int:
+    with redis.Redis.from_url(url) as client:
+        return sum(
+            int(client.zcount(codec.key(SCOPE, "leases", spec.name), *LEASES_ONLY))
+            for spec in specs
+        )

@@ -78,7 +78,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple, TypeVar, cast
 
@@ -108,6 +108,7 @@ from polygateway.backends.redis import codec, scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Failed, Late, Reply
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
+from polygateway.backends.redis.runs import Asked, Runs
 from polygateway.backends.redis.sentinel import SentinelPrimary
 from polygateway.backends.redis.specset import SpecSet, limits_of
 from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups
@@ -195,9 +196,6 @@ _RELEASE_RETRY_FIRST_S = 0.05
 _IN_TRANSITION = ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
 """Error replies of a server that may serve the same command shortly (a release is retried)."""
 
-_SET_ARG = 17
-"""ACQUIRE's argument that carries the spec set itself (0-based in the call's argv)."""
-
 _MAX_SPEC_CACHE = 1024
 """Specs (and sources' keys) kept packed; configs hold a few dozen, so this only bounds misuse."""
 
@@ -279,6 +277,7 @@ class RedisBackend:
         "_proc",
         "_proc_arg",
         "_retries",
+        "_runs",
         "_scope_keys",
         "_scripts",
         "_secrets",
@@ -408,6 +407,7 @@ class RedisBackend:
         ] = {}
         self._tenant_keys: dict[tuple[str, tuple[str, ...] | None], tuple[Arg, ...]] = {}
         self._serial = itertools.count(1)
+        self._runs = Runs(self._send_run)
 
     def __repr__(self) -> str:
         return f"RedisBackend(url={self._url!r})"
@@ -679,9 +679,11 @@ class RedisBackend:
     ) -> AcquireResult:
         """Lease the first admissible candidate, in order, in one ACQUIRE run (see ``_wait``).
 
-        A call of a class with reserved permits (its room's ``floors``) has its
-        lease counted toward the class's permits held fleet-wide, and the
-        lease names the class.
+        Calls of the same scope, candidates and class that arrive while one of
+        theirs is in flight go to Redis together, in one run (``runs.py``); each
+        is answered as if it had gone alone. A call of a class with reserved
+        permits (its room's ``floors``) has its lease counted toward the class's
+        permits held fleet-wide, and the lease names the class.
         """
         if not candidates:
             return AcquireResult(None)
@@ -691,70 +693,14 @@ class RedisBackend:
         # memory backend's ids do: ordering leases by id is then stable from run to run, and
         # a lease zset reads chronologically.
         lease_id = f"{next(self._serial):012x}{os.urandom(16).hex()}"
-        scope_keys = self._keys_of_scope(scope)
-        spec_set: SpecSet | None = None
-        if len(specs) > 1:
-            # The others by index into the scope's spec set, sent whole while not stored.
-            spec_set = self._spec_set_of(scope, specs)
-            keys = [scope_keys.sources, *self._keys_of(scope, specs[0].name)]
-            keys += (scope_keys.verdicts, spec_set.key)
-        else:
-            keys = [scope_keys.sources, *self._keys_of(scope, specs[0].name)]
-            keys += (scope_keys.verdicts, scope_keys.no_set)
-        argv = [
-            self._now_arg(),
-            bulk(lease_id),
-            bulk(codec.num(ttl_s)),
-            bulk(str(int(cost_tokens))),
-            _STATE_TTL_ARG,
-            *self._args_of(specs[0]),
-        ]
-        if spec_set is None:
-            argv += (_EMPTY, _EMPTY, _EMPTY)
-        else:
-            argv += (
-                spec_set.digest,
-                spec_set.order(specs),
-                _EMPTY if spec_set.stored else spec_set.packed,
-            )
-            spec_set.stored = True
-        wakeups = self._wakeups
-        room = self._listening.get(scope)
-        counted: str | None = None  # the class whose held permits the lease joins
-        if room is not None:
-            # Someone here waits for this scope's releases: a refusal registers the process
-            # (under each priority class it waits in, when the scope has classes).
-            if not wakeups.started:
-                wakeups.start()
-            classes = self._classes_of(scope, room)
-            flows = room.waiting_tenants()
-            if classes is None:
-                keys += (scope_keys.waiting, scope_keys.waiting_until)
-                argv += (self._proc_arg, _WAITING_TTL_ARG, _flags(_NO_CLASS, room, ""))
-                if flows is not None:
-                    # Its tenants too (a call here named one): registered per tenant.
-                    keys += self._tenant_keys_of(scope, None)
-                    argv.append(_tenant_lists(_NO_CLASS, flows))
-            else:
-                keys += classes.registry
-                argv += (
-                    self._proc_arg,
-                    _WAITING_TTL_ARG,
-                    _flags(classes.names, room, priority_class),
-                )
-                if flows is not None:
-                    keys += self._tenant_keys_of(scope, classes.names)
-                    argv.append(_tenant_lists(classes.names, flows))
-                held = classes.held.get(priority_class)
-                if held is not None:
-                    # Its class reserves permits: the lease counts toward it fleet-wide.
-                    keys.append(held)
-                    counted = priority_class
+        loop = asyncio.get_running_loop()
+        key = (scope, specs, priority_class)
 
-        def parse(reply: Any) -> AcquireResult:
+        def result_of(answer: _Answer) -> AcquireResult:
+            reply = answer.raw
             granted = int(reply[0])
             if granted == -1:
-                if argv[_SET_ARG] is not _EMPTY:
+                if answer.sent_set:
                     raise ValueError("ACQUIRE found no spec set where it was just sent")
                 return _SET_UNKNOWN
             rejections = _rejections(specs, codec.text(reply[2]), reply[3:])
@@ -767,13 +713,30 @@ class RedisBackend:
                 ttl_s=ttl_s,
                 tokens=cost_tokens,
                 probe=int(reply[1]) == 1,
-                priority_class=counted,
+                priority_class=answer.counted,
             )
             return AcquireResult(lease, rejections)
 
-        def give_back(reply: Any) -> None:
+        def parse(answer: _Answer) -> AcquireResult:
+            result = result_of(answer)
+            lease = result.lease
+            acks = answer.acks
+            if lease is None or acks is None or (isinstance(acks, int) and acks >= self._acks):
+                return result  # a refusal wrote nothing worth waiting for
+            # Module docstring, "Replica acknowledgements".
+            self._release(lease, _CANCELLED, waited=False)
+            heard = f"{acks} of {self._acks}" if isinstance(acks, int) else f"none ({acks})"
+            raise GovernanceBackendError(
+                f"redis acquire failed at {self._url}: granted, but acknowledged by {heard}"
+                f" replicas within {self._ack_timeout_s:g} s, so given back"
+                " (redis_replica_acks)",
+                operation="acquire",
+                scope=scope,
+            )
+
+        def give_back(answer: _Answer) -> None:
             # Granted a lease its caller never sees (timed out, cancelled): release it at once.
-            lease = parse(reply).lease
+            lease = result_of(answer).lease
             if lease is not None:
                 self._release(lease, _CANCELLED, waited=False)
 
@@ -789,7 +752,7 @@ class RedisBackend:
                         lease_id=lease_id,
                         ttl_s=ttl_s,
                         tokens=cost_tokens,
-                        priority_class=counted,
+                        priority_class=asked.counted,
                     )
                     self._release(maybe, _CANCELLED, waited=False)
 
@@ -797,72 +760,141 @@ class RedisBackend:
             unanswered(exc)
             self._late_failure(operation, scope, exc)
 
+        reply = Reply(loop.create_future(), give_back, "acquire", scope, failed)
+        asked = Asked(lease_id, ttl_s, int(cost_tokens), reply)
         try:
             while True:
-                if self._acks:
-                    result = await self._acquire_acknowledged(
-                        scope, keys, argv, parse, give_back, failed
-                    )
-                else:
-                    result = await self._eval(
-                        "acquire", scope, keys, argv, parse, give_back, failed
-                    )
-                if result is not _SET_UNKNOWN or spec_set is None:
+                self._runs.ask(key, asked)
+                result = await self._wait("acquire", scope, asked.reply, parse)
+                if result is not _SET_UNKNOWN:
                     return result
                 # Redis holds no set under its digest (it expired, or a new primary never
-                # had it): sent whole, in a call of its own (specset.py).
-                argv[_SET_ARG] = spec_set.packed
+                # had it): sent whole, in the call's next run (specset.py).
+                asked.with_set = True
+                asked.reply = Reply(loop.create_future(), give_back, "acquire", scope, failed)
         except GovernanceBackendError as exc:
             unanswered(exc.__cause__)
             raise
 
-    async def _acquire_acknowledged(
+    def _send_run(self, key: Hashable, calls: list[Asked]) -> None:
+        """Write one ACQUIRE run of ``calls`` (one scope, candidates and class; ``runs.py``).
+
+        Its reply goes to each call's own ``Reply``, as an ``_Answer``: the
+        call's part of the reply, with what the run was written with. Calls the
+        run left undecided (it stopped before one needing the spec set) get
+        ``{-1}``, and ask again with the set.
+        """
+        scope, specs, priority_class = cast(tuple[str, tuple[SourceSpec, ...], str], key)
+        keys, argv, counted, sent_set = self._acquire_args(scope, specs, priority_class, calls)
+        for asked in calls:
+            asked.counted = counted
+        runs = self._runs
+        acks_expected = self._acks > 0
+        alone = len(calls) == 1
+
+        def ran(reply: Any) -> None:
+            try:
+                if isinstance(reply, BaseException):
+                    for asked in calls:
+                        asked.reply(reply)
+                    return
+                acks = None
+                if acks_expected:
+                    reply, acks = reply
+                each = [reply] if alone else reply if isinstance(reply[0], list) else ()
+                for i, asked in enumerate(calls):
+                    part = each[i] if i < len(each) else _UNDECIDED
+                    asked.reply(_Answer(part, counted, sent_set, acks))
+            finally:
+                runs.answered(key)
+
+        wire = self._wire.route(scope)
+        script = self._scripts["acquire"]
+        data = script.command(keys, argv)
+        if acks_expected:
+            # ACQUIRE and ``WAIT`` written together; a grant the replicas did not
+            # acknowledge fails (module docstring, "Replica acknowledgements").
+            both = _Acknowledged(ran, wire, self._ack_command)
+            wire.send(data, both.ran, script)
+            wire.send(self._ack_command, both.acknowledged)
+        else:
+            wire.send(data, ran, script)
+
+    def _acquire_args(
         self,
         scope: str,
-        keys: Sequence[Arg],
-        argv: Sequence[Arg],
-        parse: Callable[[Any], AcquireResult],
-        give_back: Late,
-        failed: Failed,
-    ) -> AcquireResult:
-        """ACQUIRE and ``WAIT`` written together; a grant the replicas did not acknowledge fails.
-
-        Module docstring, "Replica acknowledgements". Raises
-        ``GovernanceBackendError`` after giving the grant back.
-        """
-
-        def parse_acknowledged(replies: tuple[Any, Any]) -> AcquireResult:
-            result = parse(replies[0])
-            lease = result.lease
-            acks = replies[1]
-            if lease is None or (isinstance(acks, int) and acks >= self._acks):
-                return result  # a refusal wrote nothing worth waiting for
-            self._release(lease, _CANCELLED, waited=False)
-            heard = f"{acks} of {self._acks}" if isinstance(acks, int) else f"none ({acks})"
-            raise GovernanceBackendError(
-                f"redis acquire failed at {self._url}: granted, but acknowledged by {heard}"
-                f" replicas within {self._ack_timeout_s:g} s, so given back"
-                " (redis_replica_acks)",
-                operation="acquire",
-                scope=scope,
+        specs: tuple[SourceSpec, ...],
+        priority_class: str,
+        calls: Sequence[Asked],
+    ) -> tuple[list[Arg], list[Arg], str | None, bool]:
+        """ACQUIRE's KEYS and ARGV for a run of ``calls``, the class its grants count in, and
+        whether it carries the spec set whole."""
+        scope_keys = self._keys_of_scope(scope)
+        spec_set: SpecSet | None = None
+        if len(specs) > 1:
+            # The others by index into the scope's spec set, sent whole while not stored.
+            spec_set = self._spec_set_of(scope, specs)
+            keys = [scope_keys.sources, *self._keys_of(scope, specs[0].name)]
+            keys += (scope_keys.verdicts, spec_set.key)
+        else:
+            keys = [scope_keys.sources, *self._keys_of(scope, specs[0].name)]
+            keys += (scope_keys.verdicts, scope_keys.no_set)
+        if len(calls) == 1:
+            first = calls[0]
+            words = (first.lease_id, codec.num(first.ttl_s), str(first.cost_tokens))
+        else:
+            # A run: its calls' lease ids, TTLs and costs, a word each (scripts.py).
+            words = (
+                " ".join(asked.lease_id for asked in calls),
+                " ".join(codec.num(asked.ttl_s) for asked in calls),
+                " ".join(str(asked.cost_tokens) for asked in calls),
             )
-
-        def late(replies: tuple[Any, Any]) -> None:
-            give_back(replies[0])
-
-        reply = Reply(
-            asyncio.get_running_loop().create_future(),
-            late,
-            "acquire",
-            scope,
-            failed,
-        )
-        wire = self._wire.route(scope)
-        both = _Acknowledged(reply, wire, self._ack_command)
-        script = self._scripts["acquire"]
-        wire.send(script.command(keys, argv), both.ran, script)
-        wire.send(self._ack_command, both.acknowledged)
-        return await self._wait("acquire", scope, reply, parse_acknowledged)
+        argv = [self._now_arg(), *bulks(words), _STATE_TTL_ARG, *self._args_of(specs[0])]
+        whole = False
+        if spec_set is None:
+            argv += (_EMPTY, _EMPTY, _EMPTY)
+        else:
+            whole = not spec_set.stored or any(asked.with_set for asked in calls)
+            argv += (
+                spec_set.digest,
+                spec_set.order(specs),
+                spec_set.packed if whole else _EMPTY,
+            )
+            spec_set.stored = True
+        wakeups = self._wakeups
+        room = self._listening.get(scope)
+        counted: str | None = None  # the class whose held permits the leases join
+        if room is not None:
+            # Someone here waits for this scope's releases: a refusal registers the process
+            # (under each priority class it waits in, when the scope has classes).
+            if not wakeups.started:
+                wakeups.start()
+            classes = self._classes_of(scope, room)
+            flows = room.waiting_tenants()
+            run = len(calls)
+            if classes is None:
+                keys += (scope_keys.waiting, scope_keys.waiting_until)
+                argv += (self._proc_arg, _WAITING_TTL_ARG, _flags(_NO_CLASS, room, "", run))
+                if flows is not None:
+                    # Its tenants too (a call here named one): registered per tenant.
+                    keys += self._tenant_keys_of(scope, None)
+                    argv.append(_tenant_lists(_NO_CLASS, flows))
+            else:
+                keys += classes.registry
+                argv += (
+                    self._proc_arg,
+                    _WAITING_TTL_ARG,
+                    _flags(classes.names, room, priority_class, run),
+                )
+                if flows is not None:
+                    keys += self._tenant_keys_of(scope, classes.names)
+                    argv.append(_tenant_lists(classes.names, flows))
+                held = classes.held.get(priority_class)
+                if held is not None:
+                    # Its class reserves permits: the leases count toward it fleet-wide.
+                    keys.append(held)
+                    counted = priority_class
+        return keys, argv, counted, whole
 
     async def release(self, lease: Lease, outcome: AttemptOutcome) -> None:
         """Free the permit and record the outcome in one RELEASE run, written behind.
@@ -1114,22 +1146,30 @@ class _Classes:
         return bulk(" ".join(map(str, (index, *self.reserved))))
 
 
-def _flags(names: Sequence[str], room: ReleaseListener, priority_class: str) -> Arg:
+def _flags(names: Sequence[str], room: ReleaseListener, priority_class: str, run: int) -> Arg:
     """ACQUIRE's class flags: per class in order, what the process's calls want there.
 
-    "0": no call waits or asks; "1": some do, none once this call is granted;
-    "2": some are left even then. The calling call counts in its own class
-    (``priority_class``) whether the room counts it or not: it asks there.
+    "0": no call waits or asks; "1": some do, none once the ``run`` calls
+    asking now are granted; "2": some are left even then. The calls asking
+    count in their own class (``priority_class``) whether the room counts them
+    or not: they ask there. A run of several sends two words: the flags of
+    its calls before the last (its own class "2": the run's later calls are
+    left), then those of its last (``scripts.py``).
     """
     wanting = room.wanting()
-    flags = []
+    last, before = [], []
     for name in names:
         n = wanting.get(name, 0)
         if name == priority_class:
-            flags.append("2" if n > 1 else "1")
+            last.append("2" if n > run else "1")
+            before.append("2")
         else:
-            flags.append("2" if n else "0")
-    return bulk("".join(flags))
+            flag = "2" if n else "0"
+            last.append(flag)
+            before.append(flag)
+    if run == 1:
+        return bulk("".join(last))
+    return bulk(f"{''.join(before)} {''.join(last)}")
 
 
 def _tenant_lists(names: Sequence[str], flows: Mapping[str, Collection[str]]) -> Arg:
@@ -1157,6 +1197,19 @@ class _ScopeKeys(NamedTuple):
 
 _SET_UNKNOWN = AcquireResult(None)
 """ACQUIRE's ``{-1}``: no spec set under the digest sent; the call is sent again with it."""
+
+_UNDECIDED = (-1,)
+"""A call's part of a run that stopped before it (``{-1}``: it asks again with the spec set)."""
+
+
+class _Answer(NamedTuple):
+    """A call's part of an ACQUIRE run's reply, with what the run was written with."""
+
+    raw: Any
+    counted: str | None  # the class whose held permits a grant joins
+    sent_set: bool  # the run carried the spec set whole
+    acks: Any  # the WAIT's reply (replicas that acknowledged), None without WAIT
+
 
 _REASONS: dict[str, RejectReason] = {
     "c": "concurrency",
@@ -1188,7 +1241,7 @@ _NOT_YET: Any = object()
 
 
 class _Acknowledged:
-    """An ACQUIRE's reply and its ``WAIT``'s, handed on together to one ``Reply``.
+    """An ACQUIRE's reply and its ``WAIT``'s, handed on together to one callback.
 
     Redis runs one connection's commands in order, so a ``WAIT`` answered
     after its script counts the replicas holding what the script wrote. One
@@ -1200,7 +1253,7 @@ class _Acknowledged:
 
     __slots__ = ("_ack_command", "_early", "_ran", "_reply", "_wire")
 
-    def __init__(self, reply: Reply, wire: Wire, ack_command: bytes) -> None:
+    def __init__(self, reply: Callable[[Any], None], wire: Wire, ack_command: bytes) -> None:
         self._reply = reply
         self._wire = wire
         self._ack_command = ack_command

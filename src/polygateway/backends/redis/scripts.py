@@ -681,7 +681,9 @@ end
 
 local now_ms = dl > 0 and string.format('%013d', math.floor(now * 1000))  -- marks' clock
 local byte, sub = string.byte, string.sub  -- per candidate walked: no global lookups
--- Per candidate position, its state once loaded; the loaded ones in load order.
+-- Per source, its state once loaded (by its offset among the marks, which the spec set's
+-- index makes one per source; 0 for a single candidate), so that a source listed twice
+-- is one state; the loaded ones in load order.
 local states, loaded = {}, {}
 -- Per decided call its reply, and its step in the registries: a grant's flags (8 for the
 -- run's last call, 9 for one before it), or 'r' for a refusal waiting for a release.
@@ -697,7 +699,7 @@ for i = 1, #ids do
       local hi, lo = byte(order, 2 * j - 1, 2 * j)
       off = dl + 13 * (hi * 256 + lo)
     end
-    local t = states[j]
+    local t = states[off or 0]
     if off and (sub(verdicts, off + 1, off + 13) > now_ms or (t and t.full)) then
       -- Marked full, and it stands: refused for concurrency unexamined (runs as one string).
       skipped = skipped + 1
@@ -724,7 +726,7 @@ for i = 1, #ids do
           c.sk, c.lk = prefix .. 'src:' .. s[1], prefix .. 'leases:' .. s[1]
         end
         t = load(c, off)
-        states[j] = t
+        states[off or 0] = t
         loaded[#loaded + 1] = t
       end
       local reason, reopen
