@@ -746,12 +746,12 @@ RELEASE = """
 -- @clock
 local sk, lk = KEYS[1], KEYS[2]
 
--- The leases, in order: ARGV[2 .. 7] as lists of one word per lease (a lone release: its
--- arguments as they are, nothing split).
+-- A run's leases, in order: ARGV[2 .. 7] as lists of one word per lease, ``lists[a][i]``
+-- (a lone release makes no list: its arguments are read as they are).
 local run = string.find(ARGV[2], ' ', 1, true) ~= nil
-local ids, kinds, aimds, pauses, useds, reserveds
+local lists, n = nil, 1
 if run then
-  local lists = {}
+  lists = {}
   for a = 2, 7 do
     local words = {}
     for w in string.gmatch(ARGV[a] .. ' ', '([^ ]*) ') do
@@ -759,11 +759,7 @@ if run then
     end
     lists[a] = words
   end
-  ids, kinds, aimds, pauses = lists[2], lists[3], lists[4], lists[5]
-  useds, reserveds = lists[6], lists[7]
-else
-  ids, kinds, aimds, pauses = {ARGV[2]}, {ARGV[3]}, {ARGV[4]}, {ARGV[5]}
-  useds, reserveds = {ARGV[6]}, {ARGV[7]}
+  n = #lists[2]
 end
 
 -- Reserved floors: per class its reserved permits and its held-permits zset; ``own``, the
@@ -1032,7 +1028,7 @@ local function wake(cap, expires_at)
     else
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
-        resweep = resweep or handoff <= 0  -- dead at once: the next lease's sweep drops it
+        resweep = resweep or handoff <= 0  -- dead at once: the next lease's sweep goes
         if redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head, '-inf', SKIPLIST)
             == 2 then
           -- The placeholder made the key anew: it gets the lifetime the source's state
@@ -1084,197 +1080,67 @@ end
 -- The source's state, read once a run, at its first live lease: what every outcome reads
 -- (h); what only a failure or a pause uses (the breaker's threshold and cool-down, its
 -- reopen time, AIMD's last decrease, the pacer), read by a second HMGET at the run's first
--- such lease: a success without a pause touches none of it. Each lease's outcome moves
--- these locals as the calls one by one would move the stored fields.
+-- lease that needs it (f): a success without a pause touches none of it. Each lease's
+-- outcome moves these locals as the calls one by one would move the stored fields.
 local h, f, maxc
 local tpm, tpm_cap, cooldown_max, breaker, failures, trips, probe_id, probe_until
 local limit, tpm_tokens, reopen_probe, pprobe_id, verdict, expires_at
 local threshold, cooldown, open_until, last_decrease, not_before
 -- Lifetimes (see ACQUIRE): a lease renewed past half the state's life still leaves a
 -- breaker's cool-down time to run out. ``expires_at`` is left to ACQUIRE, which also keeps
--- the scope's list of sources; RELEASE never moves it nor the spec, so whether the keys'
--- lifetimes are set, and to what, is the same for every lease of a run.
-local life
+-- the scope's list of sources; RELEASE moves neither it nor the spec, so whether the keys'
+-- lifetimes are set, and to what (``life``), is the same for every lease of a run.
+local life, lives = nil, false
+local progress = false
 
--- Only what moved is written, once a run: ``stored``, each field as the calls one by one
--- would have left it so far (as read, or as last written; a number as its number, which
--- its 17 digits read back exactly); ``moved``, each field one of them would have written,
--- with its last value, in the order first written (``order``). A field already holding
--- its new value (as text, or as a number) is not written, so a success at a closed source
--- at its limit writes nothing; one written and then set back is written (in its own
--- spelling), as the calls one by one would have.
-local stored, moved, order
-local progress, lives = false, false
-local function write(field, value)
-  if moved[field] == nil then
-    order[#order + 1] = field
-  end
-  moved[field] = value
+-- Only what moved is written, once a run. ``was_*``: each field as the calls one by one
+-- would have stored it so far (as read, or as last written; a number as its number, which
+-- its 17 digits read back exactly). A field already holding its new value (as text, or as
+-- a number) is not written, so a success at a closed source at its limit writes nothing;
+-- one written and then set back is written, in our spelling, as the calls one by one
+-- would have. A lone release's writes go straight to the HSET's arguments (``writes``); a
+-- run's, to ``moved`` (each field one of its leases would have written, with its last
+-- value) in the order first written (``order``).
+local was_breaker, was_failures, was_trips, was_open_until, was_probe_id, was_probe_until
+local was_limit, was_not_before, was_reopen_probe
+local writes, moved, order = {}, nil, nil
+if run then
+  moved, order = {}, {}
 end
-local function put(field, value)
-  if value ~= stored[field] then
-    stored[field] = value
+local function write(field, value)
+  if run then
+    if moved[field] == nil then
+      order[#order + 1] = field
+    end
+    moved[field] = value
+  else
+    writes[#writes + 1] = field
+    writes[#writes + 1] = type(value) == 'number' and fmt(value) or value
+  end
+end
+-- The field's value as now stored: written when it differs from what was.
+local function put(field, value, was)
+  if value ~= was then
     write(field, value)
   end
-end
-
-local function read_state()
-  h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
-    'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
-    'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
-  maxc = num(h[1])
-  if maxc == nil then
-    return
-  end
-  tpm, tpm_cap, cooldown_max = num(h[2]), num(h[3]), num(h[4])
-  breaker, failures, trips = h[5], num(h[6]), num(h[7])
-  probe_id, probe_until = h[8] or '', num(h[9])
-  limit, tpm_tokens = num(h[10]), num(h[11])
-  reopen_probe, pprobe_id = h[12] or '0', h[13] or ''
-  expires_at, verdict = num(h[14]), h[15] or ''
-  -- As read: absent reopen_probe reads as "0" everywhere; unread (nil) on a success
-  -- without a pause: open_until and not_before, read with their outcome's HMGET.
-  stored = {breaker = h[5], failures = failures, trips = trips, probe_id = h[8],
-    probe_until = probe_until, limit = limit, reopen_probe = reopen_probe}
-  moved, order = {}, {}
-  local need = math.ceil(cooldown_max) + 1
-  if expires_at == nil or expires_at - now < need then
-    life = math.max(num(ARGV[11]), 2 * need)
-  end
-end
-
--- One live lease's outcome (source_state.apply_outcome) on the state as the leases before
--- it in the run left it; returns the source's limit for its wake-up.
-local function settle(lease_id, kind, aimd, pause_s, used_s, reserved_s)
-  local pause = num(pause_s)
-  if f == nil and (kind ~= 'success' or pause ~= nil) then
-    f = redis.call('HMGET', sk, 'breaker_failures', 'cooldown_s', 'open_until',
-      'last_decrease', 'not_before')
-    threshold, cooldown, open_until = num(f[1]), num(f[2]), num(f[3])
-    last_decrease, not_before = num(f[4]), num(f[5])
-    stored.open_until, stored.not_before = open_until, not_before
-  end
-  local decreased = false
-
-  -- The pause's probe slot is freed by its own lease's release, whatever the outcome.
-  local pprobe_freed = pprobe_id ~= '' and pprobe_id == lease_id
-  if kind == 'success' then
-    breaker, failures, trips = 'closed', 0, 0
-    probe_id, probe_until = '', 0
-    limit = math.min(maxc, limit + 1 / limit)
-    reopen_probe = '0'
-  else
-    -- The failures' helpers, made for a failure only: a function nested here closes over
-    -- the locals it uses each time it is made (research-wiki/designs/script-cost.md, "The
-    -- Lua's own share").
-    local function free_probe(only)
-      if only == nil or (probe_id ~= '' and probe_id == only) then
-        probe_id, probe_until = '', 0
-      end
-    end
-
-    -- breaker.trip: the cool-down doubles per consecutive trip, capped.
-    local function trip()
-      trips = trips + 1
-      local doublings = math.min(math.max(trips - 1, 0), 1000)
-      open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
-      breaker, failures = 'open', 0
-      free_probe(nil)
-    end
-
-    -- aimd.on_overload: at most one decrease per cool-off.
-    local function overload()
-      if last_decrease ~= nil and now - last_decrease < num(ARGV[8]) then
-        return
-      end
-      limit = math.max(1, limit * num(ARGV[9]))
-      last_decrease = now
-      decreased = true
-    end
-
-    if kind == 'transient' then
-      if breaker == 'closed' then
-        failures = failures + 1
-        if failures >= threshold then
-          trip()
-        end
-      elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
-        trip()
-      end
-      if aimd == '1' then
-        overload()
-      end
-      if pause ~= nil then
-        reopen_probe = '1'
-      end
-    elseif kind == 'rate_limited' then
-      free_probe(lease_id)
-      overload()
-      reopen_probe = '1'
-    elseif kind == 'source_misconfigured' then
-      -- breaker.trip_long: misconfigured, not overloaded.
-      trips = trips + 1
-      open_until = now + cooldown_max
-      breaker, failures = 'open', 0
-      free_probe(nil)
-      pause = nil
-    else
-      free_probe(lease_id)
-      pause = nil
-    end
-  end
-  if pause ~= nil then
-    not_before = math.max(not_before, now + pause)
-  end
-
-  put('breaker', breaker)
-  put('failures', failures)
-  put('trips', trips)
-  put('open_until', open_until)
-  put('probe_id', probe_id)
-  put('probe_until', probe_until)
-  put('limit', limit)
-  put('not_before', not_before)
-  put('reopen_probe', reopen_probe)
-  if pprobe_freed then
-    pprobe_id = ''
-    write('pprobe_id', '')
-    write('pprobe_until', '0')
-  end
-  if decreased then
-    write('last_decrease', last_decrease)
-  end
-
-  -- ratelimit.reconcile: replace the reservation with real usage.
-  local used = num(used_s)
-  if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
-    tpm_tokens = math.min(tpm_cap, tpm_tokens + (num(reserved_s) or 0) - used)
-    write('tpm_tokens', tpm_tokens)
-  end
-  -- A verdict on the source (ACQUIRE's mark) no longer holds: a lease is freed, and the
-  -- outcome may have moved the limit, the breaker or the pacer.
-  if verdict ~= '' then
-    if redis.call('EXISTS', KEYS[4]) == 1 then
-      redis.call('SETRANGE', KEYS[4], verdict, '0000000000000')
-    end
-    verdict = ''
-    write('verdict', '')
-  end
-  if life then
-    lives, lk_life_by_wake = true, false
-  end
-  progress = progress or kind == 'success'
-  return math.min(maxc, math.floor(limit))
+  return value
 end
 
 -- Each lease in turn: it leaves its class's floor; dead leases (expiry <= now) go, the
 -- sweep starting above -inf, where SKIPLIST stays; the lease is live exactly when it is
--- still there. A live lease is freed, its outcome applied, and its permit's wake-up run
--- (with the source's state outlived by its own lease, the state TTL, the permit is freed,
--- no more). Its reply is the lone release's.
-local replies = {}
-for i = 1, #ids do
-  local lease_id = ids[i]
+-- still there. A live lease is freed, its outcome applied (source_state.apply_outcome) on
+-- the state as the leases before it left it, and its permit's wake-up run; with the
+-- source's state outlived by its own lease (state TTL), the permit is freed, no more. Its
+-- reply is the lone release's (``reply``; a run's, in order, in ``replies``).
+local reply, replies = nil, nil
+if run then
+  replies = {}
+end
+for i = 1, n do
+  local lease_id = ARGV[2]
+  if run then
+    lease_id = lists[2][i]
+  end
   if own then
     redis.call('ZREM', own[2], lease_id)
   end
@@ -1283,30 +1149,177 @@ for i = 1, #ids do
     resweep = false
   end
   if redis.call('ZREM', lk, lease_id) == 0 then
-    replies[i] = 0
+    reply = 0
   else
     if h == nil then
-      read_state()
+      h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
+        'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
+        'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
+      maxc = num(h[1])
+      if maxc ~= nil then
+        tpm, tpm_cap, cooldown_max = num(h[2]), num(h[3]), num(h[4])
+        breaker, failures, trips = h[5], num(h[6]), num(h[7])
+        probe_id, probe_until = h[8] or '', num(h[9])
+        limit, tpm_tokens = num(h[10]), num(h[11])
+        reopen_probe, pprobe_id = h[12] or '0', h[13] or ''
+        expires_at, verdict = num(h[14]), h[15] or ''
+        -- As read; an absent reopen_probe reads as "0" everywhere.
+        was_breaker, was_failures, was_trips = h[5], failures, trips
+        was_probe_id, was_probe_until, was_limit = h[8], probe_until, limit
+        was_reopen_probe = reopen_probe
+        local need = math.ceil(cooldown_max) + 1
+        if expires_at == nil or expires_at - now < need then
+          life = math.max(num(ARGV[11]), 2 * need)
+        end
+      end
     end
     if maxc == nil then
-      replies[i] = wake(nil, nil)
+      reply = wake(nil, nil)
     else
-      local cap = settle(lease_id, kinds[i], aimds[i], pauses[i], useds[i], reserveds[i])
-      replies[i] = wake(cap, expires_at)
+      local kind, aimd, pause_s = ARGV[3], ARGV[4], ARGV[5]
+      local used_s, reserved_s = ARGV[6], ARGV[7]
+      if run then
+        kind, aimd, pause_s = lists[3][i], lists[4][i], lists[5][i]
+        used_s, reserved_s = lists[6][i], lists[7][i]
+      end
+      local pause = num(pause_s)
+      if f == nil and (kind ~= 'success' or pause ~= nil) then
+        f = redis.call('HMGET', sk, 'breaker_failures', 'cooldown_s', 'open_until',
+          'last_decrease', 'not_before')
+        threshold, cooldown, open_until = num(f[1]), num(f[2]), num(f[3])
+        last_decrease, not_before = num(f[4]), num(f[5])
+        -- Unread (nil) until now: no lease before this one moved them.
+        was_open_until, was_not_before = open_until, not_before
+      end
+      local decreased = false
+
+      -- The pause's probe slot is freed by its own lease's release, whatever the outcome.
+      local pprobe_freed = pprobe_id ~= '' and pprobe_id == lease_id
+      if kind == 'success' then
+        breaker, failures, trips = 'closed', 0, 0
+        probe_id, probe_until = '', 0
+        limit = math.min(maxc, limit + 1 / limit)
+        reopen_probe = '0'
+      else
+        -- The failures' helpers, made for a failure only: a function nested here closes
+        -- over the locals it uses each time it is made (research-wiki/designs/
+        -- script-cost.md, "The Lua's own share").
+        local function free_probe(only)
+          if only == nil or (probe_id ~= '' and probe_id == only) then
+            probe_id, probe_until = '', 0
+          end
+        end
+
+        -- breaker.trip: the cool-down doubles per consecutive trip, capped.
+        local function trip()
+          trips = trips + 1
+          local doublings = math.min(math.max(trips - 1, 0), 1000)
+          open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
+          breaker, failures = 'open', 0
+          free_probe(nil)
+        end
+
+        -- aimd.on_overload: at most one decrease per cool-off.
+        local function overload()
+          if last_decrease ~= nil and now - last_decrease < num(ARGV[8]) then
+            return
+          end
+          limit = math.max(1, limit * num(ARGV[9]))
+          last_decrease = now
+          decreased = true
+        end
+
+        if kind == 'transient' then
+          if breaker == 'closed' then
+            failures = failures + 1
+            if failures >= threshold then
+              trip()
+            end
+          elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
+            trip()
+          end
+          if aimd == '1' then
+            overload()
+          end
+          if pause ~= nil then
+            reopen_probe = '1'
+          end
+        elseif kind == 'rate_limited' then
+          free_probe(lease_id)
+          overload()
+          reopen_probe = '1'
+        elseif kind == 'source_misconfigured' then
+          -- breaker.trip_long: misconfigured, not overloaded.
+          trips = trips + 1
+          open_until = now + cooldown_max
+          breaker, failures = 'open', 0
+          free_probe(nil)
+          pause = nil
+        else
+          free_probe(lease_id)
+          pause = nil
+        end
+      end
+      if pause ~= nil then
+        not_before = math.max(not_before, now + pause)
+      end
+
+      was_breaker = put('breaker', breaker, was_breaker)
+      was_failures = put('failures', failures, was_failures)
+      was_trips = put('trips', trips, was_trips)
+      was_open_until = put('open_until', open_until, was_open_until)
+      was_probe_id = put('probe_id', probe_id, was_probe_id)
+      was_probe_until = put('probe_until', probe_until, was_probe_until)
+      was_limit = put('limit', limit, was_limit)
+      was_not_before = put('not_before', not_before, was_not_before)
+      was_reopen_probe = put('reopen_probe', reopen_probe, was_reopen_probe)
+      if pprobe_freed then
+        pprobe_id = ''
+        write('pprobe_id', '')
+        write('pprobe_until', '0')
+      end
+      if decreased then
+        write('last_decrease', last_decrease)
+      end
+
+      -- ratelimit.reconcile: replace the reservation with real usage.
+      local used = num(used_s)
+      if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
+        tpm_tokens = math.min(tpm_cap, tpm_tokens + (num(reserved_s) or 0) - used)
+        write('tpm_tokens', tpm_tokens)
+      end
+      -- A verdict on the source (ACQUIRE's mark) no longer holds: a lease is freed, and
+      -- the outcome may have moved the limit, the breaker or the pacer.
+      if verdict ~= '' then
+        if redis.call('EXISTS', KEYS[4]) == 1 then
+          redis.call('SETRANGE', KEYS[4], verdict, '0000000000000')
+        end
+        verdict = ''
+        write('verdict', '')
+      end
+      if life then
+        lives, lk_life_by_wake = true, false
+      end
+      progress = progress or kind == 'success'
+      reply = wake(math.min(maxc, math.floor(limit)), expires_at)
     end
+  end
+  if run then
+    replies[i] = reply
   end
 end
 
 -- What moved, written once, and the lifetimes and the progress mark as the last of the
 -- calls one by one would leave them (a wake-up's lifetime of a lease zset it made anew
 -- stands when it came after).
-if order and #order > 0 then
-  local writes = {}
+if run then
   for _, field in ipairs(order) do
     local value = moved[field]
     writes[#writes + 1] = field
     writes[#writes + 1] = type(value) == 'number' and fmt(value) or value
   end
+end
+if #writes > 0 then
   redis.call('HSET', sk, unpack(writes))
 end
 if lives then
@@ -1321,7 +1334,7 @@ end
 if run then
   return replies
 end
-return replies[1]
+return reply
 """
 
 RELEASE = RELEASE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
