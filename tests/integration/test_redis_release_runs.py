@@ -90,6 +90,7 @@ class Plan:
     skiplist: bool = True  # False: the lease zset lacks its skiplist member (an old one)
     expiring: bool = False  # the source's keys were set to expire long ago: RELEASE renews
     marked: bool = False  # a call of two candidates found the source full: its verdict
+    state_lost: bool = False  # the source's state hash outlived by its leases (state TTL)
 
 
 class Scope:
@@ -256,6 +257,7 @@ def plans(draw: st.DrawFn) -> Plan:
         draw(st.sampled_from((True, True, False))),
         draw(st.sampled_from((False, False, True))),
         draw(st.booleans()),
+        draw(st.sampled_from((False, False, False, True))),
     )
 
 
@@ -394,6 +396,9 @@ def test_a_run_of_releases_leaves_what_its_releases_one_by_one_leave(
         if plan.expiring:
             for s in twins:
                 client.hset(s.key("src", plan.spec.name), "expires_at", repr(plan.at + 2.0))
+        if plan.state_lost:
+            for s in twins:
+                assert client.delete(s.key("src", plan.spec.name)) == 1
         for i, words in plan.before:
             for s in twins:
                 client.evalsha(release, *s.release(T1, (words,), plan.grants[i][0]))
