@@ -787,18 +787,16 @@ local SKIPLIST = '@skiplist'
 
 -- @tenant-functions
 
--- What one lease's turn leaves for the next ones of the run (each as the calls one by one
--- would see it): ``nobody``, no process registered (registries only shrink here, so it
--- holds for the run once found); ``resweep``, the lease zset may hold a dead member (at
--- first, or after a placeholder that expires at once); ``lk_life_by_wake``, the lease
--- zset's lifetime was last set by a wake-up, after the last lease's lifetimes.
-local nobody, resweep, lk_life_by_wake = false, true, false
-
 -- The freed permit's one wake-up: the least recently woken live registered process (of
 -- the class whose turn it is, with priority classes), for whom the permit is held when
--- there is room for it (``cap``: the source's limit).
-local function wake(cap, expires_at)
-  if #ARGV < 14 or nobody then
+-- there is room for it (``cap``: the source's limit). ``turn`` (a run's; nil for a lone
+-- release) is what a lease's wake-up leaves for the next leases of the run, each seeing
+-- what the calls one by one would: ``nobody``, no process is registered (registries only
+-- shrink here, so that holds for the run once found); ``resweep``, the lease zset may
+-- hold a dead member (a placeholder that expires at once); ``lk_life``, the lease zset's
+-- lifetime was last set here, after the last lease's lifetimes.
+local function wake(cap, expires_at, turn)
+  if #ARGV < 14 or (turn and turn.nobody) then
     return 1
   end
   local m = math.floor((#ARGV - 15) / 2)
@@ -810,7 +808,9 @@ local function wake(cap, expires_at)
     anyone = anyone or counts[j] > 0
   end
   if not anyone then
-    nobody = true
+    if turn then
+      turn.nobody = true
+    end
     return 1
   end
   local me = ARGV[12]
@@ -859,7 +859,9 @@ local function wake(cap, expires_at)
     end
   end
   if #live == 0 then
-    nobody = true  -- every registry is empty now
+    if turn then
+      turn.nobody = true  -- every registry is empty now
+    end
     return 1
   end
   local j = live[1]
@@ -1028,7 +1030,9 @@ local function wake(cap, expires_at)
     else
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
-        resweep = resweep or handoff <= 0  -- dead at once: the next lease's sweep goes
+        if turn and handoff <= 0 then
+          turn.resweep = true  -- dead at once: the next lease's sweep drops it
+        end
         if redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head, '-inf', SKIPLIST)
             == 2 then
           -- The placeholder made the key anew: it gets the lifetime the source's state
@@ -1038,7 +1042,9 @@ local function wake(cap, expires_at)
             life = math.max(life, math.ceil(expires_at - now))
           end
           redis.call('EXPIRE', lk, life)
-          lk_life_by_wake = true
+          if turn then
+            turn.lk_life = true
+          end
         end
       end
       local heard = head == me
@@ -1098,33 +1104,29 @@ local progress = false
 -- its 17 digits read back exactly). A field already holding its new value (as text, or as
 -- a number) is not written, so a success at a closed source at its limit writes nothing;
 -- one written and then set back is written, in our spelling, as the calls one by one
--- would have. A lone release's writes go straight to the HSET's arguments (``writes``); a
--- run's, to ``moved`` (each field one of its leases would have written, with its last
--- value) in the order first written (``order``).
+-- would have.
 local was_breaker, was_failures, was_trips, was_open_until, was_probe_id, was_probe_until
 local was_limit, was_not_before, was_reopen_probe
-local writes, moved, order = {}, nil, nil
-if run then
-  moved, order = {}, {}
-end
-local function write(field, value)
-  if run then
-    if moved[field] == nil then
-      order[#order + 1] = field
-    end
-    moved[field] = value
-  else
-    writes[#writes + 1] = field
-    writes[#writes + 1] = type(value) == 'number' and fmt(value) or value
-  end
-end
--- The field's value as now stored: written when it differs from what was.
-local function put(field, value, was)
+-- Writes ``field`` when its ``value`` differs from what ``was`` stored (nil: always) and
+-- returns the value: a lone release's straight to the HSET's arguments ``w``; a run's to
+-- ``w`` as a map, each field one of its leases would have written with its last value,
+-- in the order first written (``order``). No upvalue but ``fmt``: a closure pays for each.
+local function put(w, order, field, value, was)
   if value ~= was then
-    write(field, value)
+    if order then
+      if w[field] == nil then
+        order[#order + 1] = field
+      end
+      w[field] = value
+    else
+      w[#w + 1] = field
+      w[#w + 1] = type(value) == 'number' and fmt(value) or value
+    end
   end
   return value
 end
+local writes, w, order = {}, nil, nil
+w = writes
 
 -- Each lease in turn: it leaves its class's floor; dead leases (expiry <= now) go, the
 -- sweep starting above -inf, where SKIPLIST stays; the lease is live exactly when it is
@@ -1132,9 +1134,10 @@ end
 -- the state as the leases before it left it, and its permit's wake-up run; with the
 -- source's state outlived by its own lease (state TTL), the permit is freed, no more. Its
 -- reply is the lone release's (``reply``; a run's, in order, in ``replies``).
-local reply, replies = nil, nil
+local reply, replies, turn = nil, nil, nil
 if run then
-  replies = {}
+  replies, w, order = {}, {}, {}
+  turn = {nobody = false, resweep = false, lk_life = false}
 end
 for i = 1, n do
   local lease_id = ARGV[2]
@@ -1144,9 +1147,11 @@ for i = 1, n do
   if own then
     redis.call('ZREM', own[2], lease_id)
   end
-  if resweep then
+  if i == 1 or turn.resweep then
     redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)
-    resweep = false
+    if turn then
+      turn.resweep = false
+    end
   end
   if redis.call('ZREM', lk, lease_id) == 0 then
     reply = 0
@@ -1174,7 +1179,7 @@ for i = 1, n do
       end
     end
     if maxc == nil then
-      reply = wake(nil, nil)
+      reply = wake(nil, nil, turn)
     else
       local kind, aimd, pause_s = ARGV[3], ARGV[4], ARGV[5]
       local used_s, reserved_s = ARGV[6], ARGV[7]
@@ -1264,29 +1269,29 @@ for i = 1, n do
         not_before = math.max(not_before, now + pause)
       end
 
-      was_breaker = put('breaker', breaker, was_breaker)
-      was_failures = put('failures', failures, was_failures)
-      was_trips = put('trips', trips, was_trips)
-      was_open_until = put('open_until', open_until, was_open_until)
-      was_probe_id = put('probe_id', probe_id, was_probe_id)
-      was_probe_until = put('probe_until', probe_until, was_probe_until)
-      was_limit = put('limit', limit, was_limit)
-      was_not_before = put('not_before', not_before, was_not_before)
-      was_reopen_probe = put('reopen_probe', reopen_probe, was_reopen_probe)
+      was_breaker = put(w, order, 'breaker', breaker, was_breaker)
+      was_failures = put(w, order, 'failures', failures, was_failures)
+      was_trips = put(w, order, 'trips', trips, was_trips)
+      was_open_until = put(w, order, 'open_until', open_until, was_open_until)
+      was_probe_id = put(w, order, 'probe_id', probe_id, was_probe_id)
+      was_probe_until = put(w, order, 'probe_until', probe_until, was_probe_until)
+      was_limit = put(w, order, 'limit', limit, was_limit)
+      was_not_before = put(w, order, 'not_before', not_before, was_not_before)
+      was_reopen_probe = put(w, order, 'reopen_probe', reopen_probe, was_reopen_probe)
       if pprobe_freed then
         pprobe_id = ''
-        write('pprobe_id', '')
-        write('pprobe_until', '0')
+        put(w, order, 'pprobe_id', '', nil)
+        put(w, order, 'pprobe_until', '0', nil)
       end
       if decreased then
-        write('last_decrease', last_decrease)
+        put(w, order, 'last_decrease', last_decrease, nil)
       end
 
       -- ratelimit.reconcile: replace the reservation with real usage.
       local used = num(used_s)
       if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
         tpm_tokens = math.min(tpm_cap, tpm_tokens + (num(reserved_s) or 0) - used)
-        write('tpm_tokens', tpm_tokens)
+        put(w, order, 'tpm_tokens', tpm_tokens, nil)
       end
       -- A verdict on the source (ACQUIRE's mark) no longer holds: a lease is freed, and
       -- the outcome may have moved the limit, the breaker or the pacer.
@@ -1295,13 +1300,17 @@ for i = 1, n do
           redis.call('SETRANGE', KEYS[4], verdict, '0000000000000')
         end
         verdict = ''
-        write('verdict', '')
+        put(w, order, 'verdict', '', nil)
       end
-      if life then
-        lives, lk_life_by_wake = true, false
+      if life and turn then
+        lives, turn.lk_life = true, false
+      elseif life then
+        -- A lone release: before its wake-up, which may set the lease zset's anew.
+        redis.call('EXPIRE', sk, life)
+        redis.call('EXPIRE', lk, life)
       end
       progress = progress or kind == 'success'
-      reply = wake(math.min(maxc, math.floor(limit)), expires_at)
+      reply = wake(math.min(maxc, math.floor(limit)), expires_at, turn)
     end
   end
   if run then
@@ -1314,7 +1323,7 @@ end
 -- stands when it came after).
 if run then
   for _, field in ipairs(order) do
-    local value = moved[field]
+    local value = w[field]
     writes[#writes + 1] = field
     writes[#writes + 1] = type(value) == 'number' and fmt(value) or value
   end
@@ -1324,7 +1333,7 @@ if #writes > 0 then
 end
 if lives then
   redis.call('EXPIRE', sk, life)
-  if not lk_life_by_wake then
+  if not turn.lk_life then
     redis.call('EXPIRE', lk, life)
   end
 end
