@@ -278,6 +278,35 @@ FLOORS = Plan(
 """Class a holds 4 permits, 2 reserved: below its floor only once the run's third lease of
 it has left its count, not before (the wake-ups go to b, a, then a by its floor)."""
 
+FLOORS_NOBODY_WAITING = Plan(
+    Layout("1", classes=True, floors=True),
+    SourceSpec("s", max_concurrency=3),
+    (("a", 60.0), ("a", 60.0), ("b", 60.0)),
+    (),
+    (),
+    "a",
+    (_success("lease-1"), _success("lease-0")),
+    T1,
+)
+"""Nobody waits: the run's leases leave the lease zset and their class's count together."""
+
+FAILURES = Plan(
+    Layout(None),
+    SourceSpec("s", max_concurrency=3),
+    (("", 60.0),) * 3,
+    (),
+    (),
+    "",
+    (
+        _success("lease-0"),
+        ("lease-1", "transient", "1", "", "", COST),
+        ("lease-2", "rate_limited", "0", "0.5", "", COST),
+    ),
+    T1,
+)
+"""A success, then a failure that lowers the limit, then one that may not (the cool-off):
+each decided on the state the one before left, the progress mark set by the first."""
+
 NO_ROOM = Plan(
     Layout("0"),
     SourceSpec("s", max_concurrency=3),
@@ -363,7 +392,9 @@ def test_a_run_of_releases_leaves_what_its_releases_one_by_one_leave(
         suppress_health_check=[HealthCheck.function_scoped_fixture],
     )
     @given(plan=plans())
+    @example(plan=FAILURES)
     @example(plan=FLOORS)
+    @example(plan=FLOORS_NOBODY_WAITING)
     @example(plan=NO_ROOM)
     @example(plan=WAKE_SETS_LIFETIME)
     def check(plan: Plan) -> None:
