@@ -359,6 +359,44 @@ def _dump(client: redis.Redis, scope: str) -> tuple[dict[str, Any], dict[str, in
     return values, lifetimes
 
 
+def _prepare(
+    client: redis.Redis, acquire: str, release: str, plan: Plan, twins: tuple[Scope, ...]
+) -> None:
+    """The plan's state before its run, made alike in each scope, call after call."""
+    for i, (priority_class, ttl_s) in enumerate(plan.grants):
+        for s in twins:
+            args = s.acquire(T0, f"lease-{i}", ttl_s, ME, priority_class)
+            assert client.evalsha(acquire, *args)[0] == 1
+    if not plan.skiplist:
+        for s in twins:
+            assert client.zremrangebyscore(s.key("leases", plan.spec.name), "-inf", "-inf")
+    for w in plan.waiters:
+        for s in twins:
+            args = s.acquire(
+                T0,
+                f"ask-{w.process}",
+                60.0,
+                w.process,
+                w.priority_class,
+                w.tenant,
+                w.registration_ttl,
+            )
+            assert client.evalsha(acquire, *args)[0] == 0, "the source is full"
+    if plan.marked:
+        for s in twins:
+            assert client.evalsha(acquire, *s.marking(T0))[:3] == [2, 0, b"c"]
+            assert client.hget(s.key("src", plan.spec.name), "verdict") not in (None, b"")
+    if plan.expiring:
+        for s in twins:
+            client.hset(s.key("src", plan.spec.name), "expires_at", repr(plan.at + 2.0))
+    if plan.state_lost:
+        for s in twins:
+            assert client.delete(s.key("src", plan.spec.name)) == 1
+    for i, words in plan.before:
+        for s in twins:
+            client.evalsha(release, *s.release(T1, (words,), plan.grants[i][0]))
+
+
 @pytest.fixture
 def heard(redis_url: str) -> Iterator[None]:
     """HEARD listens on its channel; the others do not (a wake-up may find them gone)."""
@@ -401,38 +439,7 @@ def test_a_run_of_releases_leaves_what_its_releases_one_by_one_leave(
         k = next(names)
         one, run = Scope(f"one-{k}", plan), Scope(f"run-{k}", plan)
         twins = (one, run)
-        for i, (priority_class, ttl_s) in enumerate(plan.grants):
-            for s in twins:
-                args = s.acquire(T0, f"lease-{i}", ttl_s, ME, priority_class)
-                assert client.evalsha(acquire, *args)[0] == 1
-        if not plan.skiplist:
-            for s in twins:
-                assert client.zremrangebyscore(s.key("leases", plan.spec.name), "-inf", "-inf")
-        for w in plan.waiters:
-            for s in twins:
-                args = s.acquire(
-                    T0,
-                    f"ask-{w.process}",
-                    60.0,
-                    w.process,
-                    w.priority_class,
-                    w.tenant,
-                    w.registration_ttl,
-                )
-                assert client.evalsha(acquire, *args)[0] == 0, "the source is full"
-        if plan.marked:
-            for s in twins:
-                assert client.evalsha(acquire, *s.marking(T0))[:3] == [2, 0, b"c"]
-                assert client.hget(s.key("src", plan.spec.name), "verdict") not in (None, b"")
-        if plan.expiring:
-            for s in twins:
-                client.hset(s.key("src", plan.spec.name), "expires_at", repr(plan.at + 2.0))
-        if plan.state_lost:
-            for s in twins:
-                assert client.delete(s.key("src", plan.spec.name)) == 1
-        for i, words in plan.before:
-            for s in twins:
-                client.evalsha(release, *s.release(T1, (words,), plan.grants[i][0]))
+        _prepare(client, acquire, release, plan, twins)
 
         one_by_one = [
             client.evalsha(release, *one.release(plan.at, (words,), plan.run_class))
@@ -476,3 +483,17 @@ def test_a_run_of_releases_leaves_what_its_releases_one_by_one_leave(
         "hand-off held",
     ):
         assert seen.get(what, 0) > 0, (what, seen)
+
+
+def test_a_lone_release_leaves_the_lease_zsets_lifetime_its_wake_up_set(redis_url: str) -> None:
+    """A lone release sets the keys' lifetimes (a day: the state's were about to run out)
+    before its wake-up, whose placeholder gives an old lease zset its skiplist member and
+    the state's remaining life (2 s), which stands, as it did before runs existed."""
+    client = redis.Redis.from_url(redis_url)
+    acquire, release = (client.script_load(s) for s in (scripts.ACQUIRE, scripts.RELEASE))
+    plan = WAKE_SETS_LIFETIME
+    scope = Scope("lone", plan)
+    _prepare(client, acquire, release, plan, (scope,))
+    assert client.evalsha(release, *scope.release(plan.at, plan.run[:1], "")) == 2
+    assert 0 < client.pttl(scope.key("leases", "s")) <= 2000
+    assert client.ttl(scope.key("src", "s")) > 86000
