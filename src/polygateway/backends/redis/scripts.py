@@ -1125,8 +1125,8 @@ local function put(w, order, field, value, was)
   end
   return value
 end
-local writes, w, order = {}, nil, nil
-w = writes
+local writes = {}
+local w, order = writes, nil
 
 -- Each lease in turn: it leaves its class's floor; dead leases (expiry <= now) go, the
 -- sweep starting above -inf, where SKIPLIST stays; the lease is live exactly when it is
@@ -1305,7 +1305,7 @@ for i = 1, n do
       if life and turn then
         lives, turn.lk_life = true, false
       elseif life then
-        -- A lone release: before its wake-up, which may set the lease zset's anew.
+        -- A lone release: before its wake-up, which may set the lease zset's lifetime anew.
         redis.call('EXPIRE', sk, life)
         redis.call('EXPIRE', lk, life)
       end
