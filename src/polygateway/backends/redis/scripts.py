@@ -816,7 +816,9 @@ ACQUIRE = ACQUIRE.replace("'@skiplist'", f"'{_SKIPLIST}'", 1)
 ACQUIRE = ACQUIRE.replace("-- @clock\n", _CLOCK, 1)
 
 RELEASE = """
--- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome).
+-- RELEASE: free a live lease and record its attempt's outcome (source_state.apply_outcome);
+-- or, in one run, several leases of one source (research-wiki/designs/script-cost.md,
+-- "Several calls per script run").
 --
 -- KEYS[1] pgw:{scope}:src:<source>   KEYS[2] pgw:{scope}:leases:<source>
 -- KEYS[3] pgw:{scope}:progress     KEYS[4] pgw:{scope}:verdicts (see ACQUIRE)
@@ -858,6 +860,14 @@ RELEASE = """
 -- least recently woken process; the tenant goes to the back of the turn, the message is
 -- the scope, the class ("" without classes) and the tenant, each on a line of its own,
 -- and the releasing process's own turn returns {1, class, tenant}.
+-- A run: ARGV[2 .. 7] each a list of N words joined by single spaces (a word may be
+-- empty: "" between two spaces), the leases' in the same order, all of one source and
+-- of one class (the floors argument's); every other key and argument as above. A lone
+-- release is one without a space in ARGV[2]. A run leaves Redis and replies exactly as
+-- the N releases one after another at the same ``now`` would, and replies a list of their
+-- N replies in order; it reads the source's state once (and the failures' fields once,
+-- at its first lease that needs them), decides each lease's outcome on what the ones
+-- before it left, runs each freed permit's wake-up in turn, and writes what moved once.
 -- Returns 1 when the lease was live and is now freed, 0 when it was unknown or expired
 -- (then nothing but the dropping of the source's dead leases happened, which only
 -- RELEASE and RENEW do: ACQUIRE counts live leases and leaves the dead). With the
@@ -874,11 +884,26 @@ RELEASE = """
 
 -- @clock
 local sk, lk = KEYS[1], KEYS[2]
-local lease_id = ARGV[2]
-local kind = ARGV[3]
 
--- Reserved floors: per class its reserved permits and its held-permits zset.
-local floors
+-- A run's leases, in order: ARGV[2 .. 7] as lists of one word per lease, ``lists[a][i]``
+-- (a lone release makes no list: its arguments are read as they are).
+local run = string.find(ARGV[2], ' ', 1, true) ~= nil
+local lists, n = nil, 1
+if run then
+  lists = {}
+  for a = 2, 7 do
+    local words = {}
+    for w in string.gmatch(ARGV[a] .. ' ', '([^ ]*) ') do
+      words[#words + 1] = w
+    end
+    lists[a] = words
+  end
+  n = #lists[2]
+end
+
+-- Reserved floors: per class its reserved permits and its held-permits zset; ``own``, the
+-- run's class's (its leases leave it one by one, below, each before its wake-up).
+local floors, own
 if #ARGV >= 16 and (#ARGV - 15) % 2 == 1 then
   local nclasses = math.floor((#ARGV - 15) / 2)
   local words = {}
@@ -889,31 +914,28 @@ if #ARGV >= 16 and (#ARGV - 15) % 2 == 1 then
   for j = 1, nclasses do
     floors[j] = {words[j + 1], KEYS[#KEYS - nclasses + j]}
   end
-  local own = floors[words[1]]
+  own = floors[words[1]]
   if own then
-    -- The lease no longer counts toward its class's floor (lapsed ones go too).
+    -- Lapsed leases no longer count toward the class's floor (nothing in a run adds any).
     redis.call('ZREMRANGEBYSCORE', own[2], '-inf', now_s)
-    redis.call('ZREM', own[2], lease_id)
   end
 end
 
 -- The lease zsets' member that is no lease (see ACQUIRE); a hand-off adds it too.
 local SKIPLIST = '@skiplist'
 
--- Dead leases (expiry <= now) go first: the lease is live exactly when it is still there.
--- The sweep starts above -inf, where SKIPLIST stays.
-redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)
-if redis.call('ZREM', lk, lease_id) == 0 then
-  return 0
-end
-
 -- @tenant-functions
 
 -- The freed permit's one wake-up: the least recently woken live registered process (of
 -- the class whose turn it is, with priority classes), for whom the permit is held when
--- there is room for it (``cap``: the source's limit).
-local function wake(cap, expires_at)
-  if #ARGV < 14 then
+-- there is room for it (``cap``: the source's limit). ``turn`` (a run's; nil for a lone
+-- release) is what a lease's wake-up leaves for the next leases of the run, each seeing
+-- what the calls one by one would: ``nobody``, no process is registered (registries only
+-- shrink here, so that holds for the run once found); ``resweep``, the lease zset may
+-- hold a dead member (a placeholder that expires at once); ``lk_life``, the lease zset's
+-- lifetime was last set here, after the last lease's lifetimes.
+local function wake(cap, expires_at, turn)
+  if #ARGV < 14 or (turn and turn.nobody) then
     return 1
   end
   local m = math.floor((#ARGV - 15) / 2)
@@ -925,6 +947,9 @@ local function wake(cap, expires_at)
     anyone = anyone or counts[j] > 0
   end
   if not anyone then
+    if turn then
+      turn.nobody = true
+    end
     return 1
   end
   local me = ARGV[12]
@@ -973,6 +998,9 @@ local function wake(cap, expires_at)
     end
   end
   if #live == 0 then
+    if turn then
+      turn.nobody = true  -- every registry is empty now
+    end
     return 1
   end
   local j = live[1]
@@ -1141,6 +1169,9 @@ local function wake(cap, expires_at)
     else
       redis.call('ZADD', wk, 'XX', now_s, head)
       if held then
+        if turn and handoff <= 0 then
+          turn.resweep = true  -- dead at once: the next lease's sweep drops it
+        end
         if redis.call('ZADD', lk, fmt(now + handoff), 'handoff:' .. head, '-inf', SKIPLIST)
             == 2 then
           -- The placeholder made the key anew: it gets the lifetime the source's state
@@ -1150,6 +1181,9 @@ local function wake(cap, expires_at)
             life = math.max(life, math.ceil(expires_at - now))
           end
           redis.call('EXPIRE', lk, life)
+          if turn then
+            turn.lk_life = true
+          end
         end
       end
       local heard = head == me
@@ -1188,177 +1222,267 @@ local function wake(cap, expires_at)
   end
 end
 
--- What every outcome reads; what only a failure or a pause uses (the breaker's threshold
--- and cool-down, its reopen time, AIMD's last decrease, the pacer), read by a second HMGET
--- for those alone: a success without a pause touches none of it.
-local h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
-  'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
-  'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
-local maxc = num(h[1])
-if maxc == nil then
-  -- The source's state outlived by its own lease (state TTL): the permit is freed, no more.
-  return wake(nil, nil)
-end
-local pause = num(ARGV[5])
-local f = {}
-if kind ~= 'success' or pause ~= nil then
-  f = redis.call('HMGET', sk, 'breaker_failures', 'cooldown_s', 'open_until',
-    'last_decrease', 'not_before')
-end
-local tpm, tpm_cap, cooldown_max = num(h[2]), num(h[3]), num(h[4])
-local breaker, failures, trips = h[5], num(h[6]), num(h[7])
-local probe_id, probe_until = h[8] or '', num(h[9])
-local limit, tpm_tokens = num(h[10]), num(h[11])
-local reopen_probe, pprobe_id = h[12] or '0', h[13] or ''
--- Unread (nil) on a success without a pause, which neither uses nor changes them.
-local threshold, cooldown, open_until = num(f[1]), num(f[2]), num(f[3])
-local last_decrease, not_before = num(f[4]), num(f[5])
-local decreased = false
--- As read: what the writes below compare the new values with (each parsed once).
-local read_failures, read_trips, read_probe_until = failures, trips, probe_until
-local read_limit, read_open_until, read_not_before = limit, open_until, not_before
+-- The source's state, read once a run, at its first live lease: what every outcome reads
+-- (h); what only a failure or a pause uses (the breaker's threshold and cool-down, its
+-- reopen time, AIMD's last decrease, the pacer), read by a second HMGET at the run's first
+-- lease that needs it (f): a success without a pause touches none of it. Each lease's
+-- outcome moves these locals as the calls one by one would move the stored fields.
+local h, f, maxc
+local tpm, tpm_cap, cooldown_max, breaker, failures, trips, probe_id, probe_until
+local limit, tpm_tokens, reopen_probe, pprobe_id, verdict, expires_at
+local threshold, cooldown, open_until, last_decrease, not_before
+-- Lifetimes (see ACQUIRE): a lease renewed past half the state's life still leaves a
+-- breaker's cool-down time to run out. ``expires_at`` is left to ACQUIRE, which also keeps
+-- the scope's list of sources; RELEASE moves neither it nor the spec, so whether the keys'
+-- lifetimes are set, and to what (``life``), is the same for every lease of a run.
+local life, lives = nil, false
+local progress = false
 
--- The pause's probe slot is freed by its own lease's release, whatever the outcome.
-local pprobe_freed = pprobe_id ~= '' and pprobe_id == lease_id
-if kind == 'success' then
-  breaker, failures, trips = 'closed', 0, 0
-  probe_id, probe_until = '', 0
-  limit = math.min(maxc, limit + 1 / limit)
-  reopen_probe = '0'
-else
-  -- The failures' helpers, made for a failure only: a function nested here closes over
-  -- the locals it uses each time it is made (research-wiki/designs/script-cost.md, "The
-  -- Lua's own share").
-  local function free_probe(only)
-    if only == nil or (probe_id ~= '' and probe_id == only) then
-      probe_id, probe_until = '', 0
-    end
-  end
-
-  -- breaker.trip: the cool-down doubles per consecutive trip, capped.
-  local function trip()
-    trips = trips + 1
-    local doublings = math.min(math.max(trips - 1, 0), 1000)
-    open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
-    breaker, failures = 'open', 0
-    free_probe(nil)
-  end
-
-  -- aimd.on_overload: at most one decrease per cool-off.
-  local function overload()
-    if last_decrease ~= nil and now - last_decrease < num(ARGV[8]) then
-      return
-    end
-    limit = math.max(1, limit * num(ARGV[9]))
-    last_decrease = now
-    decreased = true
-  end
-
-  if kind == 'transient' then
-    if breaker == 'closed' then
-      failures = failures + 1
-      if failures >= threshold then
-        trip()
+-- Only what moved is written, once a run. ``was_*``: each field as the calls one by one
+-- would have stored it so far (as read, or as last written; a number as its number, which
+-- its 17 digits read back exactly). A field already holding its new value (as text, or as
+-- a number) is not written, so a success at a closed source at its limit writes nothing;
+-- one written and then set back is written, in our spelling, as the calls one by one
+-- would have.
+local was_breaker, was_failures, was_trips, was_open_until, was_probe_id, was_probe_until
+local was_limit, was_not_before, was_reopen_probe
+-- Writes ``field`` when its ``value`` differs from what ``was`` stored (nil: always) and
+-- returns the value: a lone release's straight to the HSET's arguments ``w``; a run's to
+-- ``w`` as a map, each field one of its leases would have written with its last value,
+-- in the order first written (``order``). No upvalue but ``fmt``: a closure pays for each.
+local function put(w, order, field, value, was)
+  if value ~= was then
+    if order then
+      if w[field] == nil then
+        order[#order + 1] = field
       end
-    elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
-      trip()
+      w[field] = value
+    else
+      w[#w + 1] = field
+      w[#w + 1] = type(value) == 'number' and fmt(value) or value
     end
-    if ARGV[4] == '1' then
-      overload()
-    end
-    if pause ~= nil then
-      reopen_probe = '1'
-    end
-  elseif kind == 'rate_limited' then
-    free_probe(lease_id)
-    overload()
-    reopen_probe = '1'
-  elseif kind == 'source_misconfigured' then
-    -- breaker.trip_long: misconfigured, not overloaded.
-    trips = trips + 1
-    open_until = now + cooldown_max
-    breaker, failures = 'open', 0
-    free_probe(nil)
-    pause = nil
-  else
-    free_probe(lease_id)
-    pause = nil
   end
+  return value
 end
-if pause ~= nil then
-  not_before = math.max(not_before, now + pause)
-end
-
--- Only what moved is written: a field already holding its new value (as text, or as a
--- number) is left as it is, so a success at a closed source at its limit writes nothing.
 local writes = {}
-local function put(field, value, stored)
-  if value ~= stored then
-    table.insert(writes, field)
-    table.insert(writes, value)
+local w, order = writes, nil
+
+-- Each lease in turn: it leaves its class's floor; dead leases (expiry <= now) go, the
+-- sweep starting above -inf, where SKIPLIST stays; the lease is live exactly when it is
+-- still there. A live lease is freed, its outcome applied (source_state.apply_outcome) on
+-- the state as the leases before it left it, and its permit's wake-up run; with the
+-- source's state outlived by its own lease (state TTL), the permit is freed, no more. Its
+-- reply is the lone release's (``reply``; a run's, in order, in ``replies``).
+local reply, replies, turn = nil, nil, nil
+if run then
+  replies, w, order = {}, {}, {}
+  turn = {nobody = false, resweep = false, lk_life = false}
+end
+for i = 1, n do
+  local lease_id = ARGV[2]
+  if run then
+    lease_id = lists[2][i]
   end
-end
-local function put_number(field, value, stored)
-  if value ~= stored then
-    table.insert(writes, field)
-    table.insert(writes, fmt(value))
+  if own then
+    redis.call('ZREM', own[2], lease_id)
   end
-end
-put('breaker', breaker, h[5])
-put_number('failures', failures, read_failures)
-put_number('trips', trips, read_trips)
-put_number('open_until', open_until, read_open_until)
-put('probe_id', probe_id, h[8])
-put_number('probe_until', probe_until, read_probe_until)
-put_number('limit', limit, read_limit)
-put_number('not_before', not_before, read_not_before)
-put('reopen_probe', reopen_probe, h[12] or '0')  -- absent reads as "0" everywhere
-if pprobe_freed then
-  table.insert(writes, 'pprobe_id')
-  table.insert(writes, '')
-  table.insert(writes, 'pprobe_until')
-  table.insert(writes, '0')
-end
-if decreased then
-  table.insert(writes, 'last_decrease')
-  table.insert(writes, fmt(last_decrease))
+  if i == 1 or turn.resweep then
+    redis.call('ZREMRANGEBYSCORE', lk, '(-inf', now_s)
+    if turn then
+      turn.resweep = false
+    end
+  end
+  if redis.call('ZREM', lk, lease_id) == 0 then
+    reply = 0
+  else
+    if h == nil then
+      h = redis.call('HMGET', sk, 'max_concurrency', 'tpm', 'tpm_cap', 'cooldown_max_s',
+        'breaker', 'failures', 'trips', 'probe_id', 'probe_until', 'limit', 'tpm_tokens',
+        'reopen_probe', 'pprobe_id', 'expires_at', 'verdict')
+      maxc = num(h[1])
+      if maxc ~= nil then
+        tpm, tpm_cap, cooldown_max = num(h[2]), num(h[3]), num(h[4])
+        breaker, failures, trips = h[5], num(h[6]), num(h[7])
+        probe_id, probe_until = h[8] or '', num(h[9])
+        limit, tpm_tokens = num(h[10]), num(h[11])
+        reopen_probe, pprobe_id = h[12] or '0', h[13] or ''
+        expires_at, verdict = num(h[14]), h[15] or ''
+        -- As read; an absent reopen_probe reads as "0" everywhere.
+        was_breaker, was_failures, was_trips = h[5], failures, trips
+        was_probe_id, was_probe_until, was_limit = h[8], probe_until, limit
+        was_reopen_probe = reopen_probe
+        local need = math.ceil(cooldown_max) + 1
+        if expires_at == nil or expires_at - now < need then
+          life = math.max(num(ARGV[11]), 2 * need)
+        end
+      end
+    end
+    if maxc == nil then
+      reply = wake(nil, nil, turn)
+    else
+      local kind, aimd, pause_s = ARGV[3], ARGV[4], ARGV[5]
+      local used_s, reserved_s = ARGV[6], ARGV[7]
+      if run then
+        kind, aimd, pause_s = lists[3][i], lists[4][i], lists[5][i]
+        used_s, reserved_s = lists[6][i], lists[7][i]
+      end
+      local pause = num(pause_s)
+      if f == nil and (kind ~= 'success' or pause ~= nil) then
+        f = redis.call('HMGET', sk, 'breaker_failures', 'cooldown_s', 'open_until',
+          'last_decrease', 'not_before')
+        threshold, cooldown, open_until = num(f[1]), num(f[2]), num(f[3])
+        last_decrease, not_before = num(f[4]), num(f[5])
+        -- Unread (nil) until now: no lease before this one moved them.
+        was_open_until, was_not_before = open_until, not_before
+      end
+      local decreased = false
+
+      -- The pause's probe slot is freed by its own lease's release, whatever the outcome.
+      local pprobe_freed = pprobe_id ~= '' and pprobe_id == lease_id
+      if kind == 'success' then
+        breaker, failures, trips = 'closed', 0, 0
+        probe_id, probe_until = '', 0
+        limit = math.min(maxc, limit + 1 / limit)
+        reopen_probe = '0'
+      else
+        -- The failures' helpers, made for a failure only: a function nested here closes
+        -- over the locals it uses each time it is made (research-wiki/designs/
+        -- script-cost.md, "The Lua's own share").
+        local function free_probe(only)
+          if only == nil or (probe_id ~= '' and probe_id == only) then
+            probe_id, probe_until = '', 0
+          end
+        end
+
+        -- breaker.trip: the cool-down doubles per consecutive trip, capped.
+        local function trip()
+          trips = trips + 1
+          local doublings = math.min(math.max(trips - 1, 0), 1000)
+          open_until = now + math.min(cooldown * 2 ^ doublings, cooldown_max)
+          breaker, failures = 'open', 0
+          free_probe(nil)
+        end
+
+        -- aimd.on_overload: at most one decrease per cool-off.
+        local function overload()
+          if last_decrease ~= nil and now - last_decrease < num(ARGV[8]) then
+            return
+          end
+          limit = math.max(1, limit * num(ARGV[9]))
+          last_decrease = now
+          decreased = true
+        end
+
+        if kind == 'transient' then
+          if breaker == 'closed' then
+            failures = failures + 1
+            if failures >= threshold then
+              trip()
+            end
+          elseif breaker == 'half_open' and probe_id ~= '' and probe_id == lease_id then
+            trip()
+          end
+          if aimd == '1' then
+            overload()
+          end
+          if pause ~= nil then
+            reopen_probe = '1'
+          end
+        elseif kind == 'rate_limited' then
+          free_probe(lease_id)
+          overload()
+          reopen_probe = '1'
+        elseif kind == 'source_misconfigured' then
+          -- breaker.trip_long: misconfigured, not overloaded.
+          trips = trips + 1
+          open_until = now + cooldown_max
+          breaker, failures = 'open', 0
+          free_probe(nil)
+          pause = nil
+        else
+          free_probe(lease_id)
+          pause = nil
+        end
+      end
+      if pause ~= nil then
+        not_before = math.max(not_before, now + pause)
+      end
+
+      was_breaker = put(w, order, 'breaker', breaker, was_breaker)
+      was_failures = put(w, order, 'failures', failures, was_failures)
+      was_trips = put(w, order, 'trips', trips, was_trips)
+      was_open_until = put(w, order, 'open_until', open_until, was_open_until)
+      was_probe_id = put(w, order, 'probe_id', probe_id, was_probe_id)
+      was_probe_until = put(w, order, 'probe_until', probe_until, was_probe_until)
+      was_limit = put(w, order, 'limit', limit, was_limit)
+      was_not_before = put(w, order, 'not_before', not_before, was_not_before)
+      was_reopen_probe = put(w, order, 'reopen_probe', reopen_probe, was_reopen_probe)
+      if pprobe_freed then
+        pprobe_id = ''
+        put(w, order, 'pprobe_id', '', nil)
+        put(w, order, 'pprobe_until', '0', nil)
+      end
+      if decreased then
+        put(w, order, 'last_decrease', last_decrease, nil)
+      end
+
+      -- ratelimit.reconcile: replace the reservation with real usage.
+      local used = num(used_s)
+      if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
+        tpm_tokens = math.min(tpm_cap, tpm_tokens + (num(reserved_s) or 0) - used)
+        put(w, order, 'tpm_tokens', tpm_tokens, nil)
+      end
+      -- A verdict on the source (ACQUIRE's mark) no longer holds: a lease is freed, and
+      -- the outcome may have moved the limit, the breaker or the pacer.
+      if verdict ~= '' then
+        if redis.call('EXISTS', KEYS[4]) == 1 then
+          redis.call('SETRANGE', KEYS[4], verdict, '0000000000000')
+        end
+        verdict = ''
+        put(w, order, 'verdict', '', nil)
+      end
+      if life and turn then
+        lives, turn.lk_life = true, false
+      elseif life then
+        -- A lone release: before its wake-up, which may set the lease zset's lifetime anew.
+        redis.call('EXPIRE', sk, life)
+        redis.call('EXPIRE', lk, life)
+      end
+      progress = progress or kind == 'success'
+      reply = wake(math.min(maxc, math.floor(limit)), expires_at, turn)
+    end
+  end
+  if run then
+    replies[i] = reply
+  end
 end
 
--- ratelimit.reconcile: replace the reservation with real usage.
-local used = num(ARGV[6])
-if used ~= nil and tpm ~= nil and tpm_tokens ~= nil then
-  local reserved = num(ARGV[7]) or 0
-  table.insert(writes, 'tpm_tokens')
-  table.insert(writes, fmt(math.min(tpm_cap, tpm_tokens + reserved - used)))
-end
--- A verdict on the source (ACQUIRE's mark) no longer holds: a lease is freed, and the
--- outcome may have moved the limit, the breaker or the pacer.
-if h[15] and h[15] ~= '' then
-  if redis.call('EXISTS', KEYS[4]) == 1 then
-    redis.call('SETRANGE', KEYS[4], h[15], '0000000000000')
+-- What moved, written once, and the lifetimes and the progress mark as the last of the
+-- calls one by one would leave them (a wake-up's lifetime of a lease zset it made anew
+-- stands when it came after).
+if run then
+  for _, field in ipairs(order) do
+    local value = w[field]
+    writes[#writes + 1] = field
+    writes[#writes + 1] = type(value) == 'number' and fmt(value) or value
   end
-  table.insert(writes, 'verdict')
-  table.insert(writes, '')
 end
 if #writes > 0 then
   redis.call('HSET', sk, unpack(writes))
 end
-
--- Lifetimes (see ACQUIRE): a lease renewed past half the state's life still leaves a
--- breaker's cool-down time to run out. ``expires_at`` is left to ACQUIRE, which also
--- keeps the scope's list of sources.
-local expires_at = num(h[14])
-local need = math.ceil(cooldown_max) + 1
-if expires_at == nil or expires_at - now < need then
-  local life = math.max(num(ARGV[11]), 2 * need)
+if lives then
   redis.call('EXPIRE', sk, life)
-  redis.call('EXPIRE', lk, life)
+  if not turn.lk_life then
+    redis.call('EXPIRE', lk, life)
+  end
 end
-
-if kind == 'success' then
+if progress then
   redis.call('SET', KEYS[3], now_s, 'EX', ARGV[10])
 end
-return wake(math.min(maxc, math.floor(limit)), expires_at)
+if run then
+  return replies
+end
+return reply
 """
 
 RELEASE = RELEASE.replace("-- @tenant-functions\n", _TENANT_FUNCTIONS, 1)
