@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-from polygateway.backends.base import SourceSpec
+from polygateway.backends.base import AttemptOutcome, SourceSpec
 from polygateway.backends.redis import RedisBackend, codec, scripts
 from polygateway.backends.redis.specset import SpecSet, limits_of
 
@@ -292,7 +292,7 @@ def test_a_run_stops_before_a_call_that_needs_a_spec_set_not_stored(client: redi
     assert ran == [[2, 0, b"c"], [2, 0, b"c"]]
 
 
-# -- the backend's runs (backends/redis/runs.py) -------------------------------------------
+# -- the backend's runs of acquires and releases (backends/redis/runs.py) -----------------
 
 
 def _evalsha_calls(url: str) -> int:
@@ -346,5 +346,71 @@ async def test_a_call_cancelled_before_its_run_is_written_takes_no_permit(
         assert _evalsha_calls(server.url) - before == 2  # the first, then a run of one
         snapshot = await backend.snapshot("runs")
         assert snapshot.sources[0].in_flight == 2
+    finally:
+        await backend.aclose()
+
+
+async def test_releases_behind_one_in_flight_go_in_one_run_each_freeing_its_permit(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    server = make_redis_server()
+    backend = RedisBackend(server.url)
+    spec = SourceSpec("s", 20)
+    try:
+        results = await asyncio.gather(
+            *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in range(20))
+        )
+        before = _evalsha_calls(server.url)
+        for result in results:
+            assert result.lease is not None
+            await backend.release(result.lease, AttemptOutcome("success", tokens_used=3))
+        snapshot = await backend.snapshot("runs")  # written after every release before it
+        assert snapshot.sources[0].in_flight == 0
+        # The first release alone; the 19 written while it was in flight, in runs of 16 at
+        # most, before the snapshot; then the snapshot's own script.
+        assert _evalsha_calls(server.url) - before == 1 + 2 + 1
+    finally:
+        await backend.aclose()
+
+
+async def test_a_release_waiting_for_its_run_is_written_before_the_next_acquire(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    """Whatever the process sends next finds the permit free, as without runs."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url)
+    spec = SourceSpec("s", 2)
+    try:
+        one, two = await asyncio.gather(
+            *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in "ab")
+        )
+        assert one.lease is not None
+        assert two.lease is not None
+        await backend.release(one.lease, AttemptOutcome("success"))  # written, in flight
+        await backend.release(two.lease, AttemptOutcome("success"))  # waits for a run
+        # Two acquires that go at once (two classes: two keys), right behind the first release.
+        again = await asyncio.gather(
+            *(backend.acquire("runs", [spec], ttl_s=30.0, priority_class=c) for c in "ab")
+        )
+        assert all(result.lease is not None for result in again)
+    finally:
+        await backend.aclose()
+
+
+async def test_a_release_waiting_for_its_run_is_written_before_a_renewal(
+    make_redis_server: Callable[..., Any],
+) -> None:
+    server = make_redis_server()
+    backend = RedisBackend(server.url)
+    spec = SourceSpec("s", 2)
+    try:
+        one, two = await asyncio.gather(
+            *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in "ab")
+        )
+        assert one.lease is not None
+        assert two.lease is not None
+        await backend.release(one.lease, AttemptOutcome("success"))  # written, in flight
+        await backend.release(two.lease, AttemptOutcome("success"))  # waits for a run
+        assert await backend.renew(two.lease) is False  # released already, as written before
     finally:
         await backend.aclose()

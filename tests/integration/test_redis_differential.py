@@ -5,7 +5,8 @@ of up to eight of six sources, costs and TTLs; releases with random outcomes,
 Retry-After and token usage; renewals; a source's limits changed between two
 acquires, as a fleet mid-deploy or a reloaded config sends them, its
 ``max_concurrency`` raised or lowered; clock steps)
-(and bursts of acquires asking together, which Redis takes in ACQUIRE runs)
+(and bursts of acquires asking together and of releases in a row, which Redis
+takes in runs)
 drives a ``MemoryBackend`` and a ``RedisBackend``, each
 on its own ``FakeClock``, advanced together. After every step both must agree
 on every decision (granted source, each rejection's source, reason and reopen
@@ -46,7 +47,18 @@ KINDS: tuple[OutcomeKind, ...] = (
     "cancelled",
 )
 TTLS = (0.5, 2.0, 7.0)
-OPS = ("acquire", "acquire", "acquire", "burst", "release", "release", "renew", "respec", "advance")
+OPS = (
+    "acquire",
+    "acquire",
+    "acquire",
+    "burst",
+    "release",
+    "release",
+    "releases",
+    "renew",
+    "respec",
+    "advance",
+)
 STEPS = (0.0, 0.1, 0.5, 1.0, 2.0, 2.5, 7.0, 40.0, 400.0)
 
 
@@ -170,6 +182,15 @@ async def _drive(data: st.DataObject, url: str) -> None:
                 mem_lease, red_lease = leases.pop(index)
                 await memory.release(mem_lease, outcome)
                 await redis.release(red_lease, outcome)
+            elif op == "releases" and leases:
+                # Several releases in a row: on Redis those behind one in flight at their
+                # source go in one RELEASE run, written before the next step's commands.
+                for _ in range(data.draw(st.integers(1, min(len(leases), 12)), label="releases")):
+                    index = data.draw(st.integers(0, len(leases) - 1))
+                    outcome = data.draw(_OUTCOME)
+                    mem_lease, red_lease = leases.pop(index)
+                    await memory.release(mem_lease, outcome)
+                    await redis.release(red_lease, outcome)
             elif op == "renew" and leases:
                 mem_lease, red_lease = leases[data.draw(st.integers(0, len(leases) - 1))]
                 assert await memory.renew(mem_lease) == await redis.renew(red_lease)

@@ -19,7 +19,7 @@ from polygateway.backends.redis.runs import MAX_RUN, Asked, Runs
 
 def _asked(loop: asyncio.AbstractEventLoop, name: str) -> Asked:
     reply = Reply(loop.create_future(), None, "acquire", "scope", lambda *_: None)
-    return Asked(name, 30.0, 0, reply)
+    return Asked(name, 30.0, 0, reply, b"")
 
 
 class _Sent:

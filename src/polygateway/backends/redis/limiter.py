@@ -78,7 +78,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Callable, Collection, Coroutine, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple, TypeVar, cast
 
@@ -108,7 +108,7 @@ from polygateway.backends.redis import codec, scripts
 from polygateway.backends.redis.bounded import TIMED_OUT, Deadlines, Failed, Late, Reply
 from polygateway.backends.redis.cluster import Cluster
 from polygateway.backends.redis.endpoint import Endpoint
-from polygateway.backends.redis.runs import Asked, Runs
+from polygateway.backends.redis.runs import Asked, Key, Releasing, Runs
 from polygateway.backends.redis.sentinel import SentinelPrimary
 from polygateway.backends.redis.specset import SpecSet, limits_of
 from polygateway.backends.redis.wakeups import CHANNEL_PREFIX, Wakeups
@@ -276,6 +276,7 @@ class RedisBackend:
         "_now",
         "_proc",
         "_proc_arg",
+        "_release_runs",
         "_retries",
         "_runs",
         "_scope_keys",
@@ -407,7 +408,8 @@ class RedisBackend:
         ] = {}
         self._tenant_keys: dict[tuple[str, tuple[str, ...] | None], tuple[Arg, ...]] = {}
         self._serial = itertools.count(1)
-        self._runs = Runs(self._send_run)
+        self._runs: Runs[Asked] = Runs(self._send_run)
+        self._release_runs: Runs[Releasing] = Runs(self._send_releases)
 
     def __repr__(self) -> str:
         return f"RedisBackend(url={self._url!r})"
@@ -488,6 +490,7 @@ class RedisBackend:
         failed: Failed | None = None,
     ) -> Coroutine[Any, Any, T]:
         """Send one command (one round trip); the caller awaits its parsed reply (``_wait``)."""
+        self._release_runs.flush(scope)  # what it finds must include every release before it
         reply = Reply(
             asyncio.get_running_loop().create_future(),
             late,
@@ -694,7 +697,8 @@ class RedisBackend:
         # a lease zset reads chronologically.
         lease_id = f"{next(self._serial):012x}{os.urandom(16).hex()}"
         loop = asyncio.get_running_loop()
-        key = (scope, specs, priority_class)
+        now = self._now_arg()
+        key = (scope, specs, priority_class, now)
 
         def result_of(answer: _Answer) -> AcquireResult:
             reply = answer.raw
@@ -761,7 +765,7 @@ class RedisBackend:
             self._late_failure(operation, scope, exc)
 
         reply = Reply(loop.create_future(), give_back, "acquire", scope, failed)
-        asked = Asked(lease_id, ttl_s, int(cost_tokens), reply)
+        asked = Asked(lease_id, ttl_s, int(cost_tokens), reply, now)
         try:
             while True:
                 self._runs.ask(key, asked)
@@ -776,7 +780,7 @@ class RedisBackend:
             unanswered(exc.__cause__)
             raise
 
-    def _send_run(self, key: Hashable, calls: list[Asked]) -> None:
+    def _send_run(self, key: Key, calls: list[Asked]) -> None:
         """Write one ACQUIRE run of ``calls`` (one scope, candidates and class; ``runs.py``).
 
         Its reply goes to each call's own ``Reply``, as an ``_Answer``: the
@@ -784,7 +788,8 @@ class RedisBackend:
         run left undecided (it stopped before one needing the spec set) get
         ``{-1}``, and ask again with the set.
         """
-        scope, specs, priority_class = cast(tuple[str, tuple[SourceSpec, ...], str], key)
+        scope, specs, priority_class, _ = cast(tuple[str, tuple[SourceSpec, ...], str, Arg], key)
+        self._release_runs.flush(scope)  # what it finds must include every release before it
         keys, argv, counted, sent_set = self._acquire_args(scope, specs, priority_class, calls)
         for asked in calls:
             asked.counted = counted
@@ -849,7 +854,7 @@ class RedisBackend:
                 " ".join(codec.num(asked.ttl_s) for asked in calls),
                 " ".join(str(asked.cost_tokens) for asked in calls),
             )
-        argv = [self._now_arg(), *bulks(words), _STATE_TTL_ARG, *self._args_of(specs[0])]
+        argv = [calls[0].now, *bulks(words), _STATE_TTL_ARG, *self._args_of(specs[0])]
         whole = False
         if spec_set is None:
             argv += (_EMPTY, _EMPTY, _EMPTY)
@@ -926,45 +931,15 @@ class RedisBackend:
     ) -> Reply | None:
         """Write a RELEASE; ``None``, or the ``Reply`` to wait for when it could only be queued.
 
-        ``waited=False``: nobody will wait (a late grant given back, a retry),
-        queued or not. A failure for want of a server writes it again
+        On an open connection nobody waits: it is written at once, or, while a
+        release of its source and class is in flight, with the next run of them
+        (``runs.py``; written before anything else this process sends for the
+        scope). ``waited=False``: nobody will wait (a late grant given back, a
+        retry), queued or not. A failure for want of a server writes it again
         (``_retry_release``) until ``deadline`` (the event loop's time; by default
         the lease's TTL from its first failure).
         """
         scope = lease.scope
-        pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
-        room = self._listening.get(scope)
-        classes = None if room is None else self._classes_of(scope, room)
-        ours = self._keys_of_scope(scope)
-        keys = (*self._keys_of(scope, lease.source), ours.progress, ours.verdicts)
-        if classes is None:
-            keys += (ours.waiting, ours.waiting_until)
-        else:
-            keys += (*classes.registry, classes.hash_key)
-        if room is not None and room.named_tenants:
-            # A call here named a tenant: the wake-up takes the fleet's turn of tenants.
-            keys += self._tenant_keys_of(scope, None if classes is None else classes.names)
-        floors: tuple[Arg, ...] = ()
-        if classes is not None and classes.held:
-            # Reserved floors, fleet-wide: each class's held permits, the lease's leaving.
-            keys += classes.held_keys
-            floors = (classes.floors(lease.priority_class),)
-        argv = (
-            self._now_arg(),
-            bulk(lease.lease_id),
-            bulk(outcome.kind),
-            _AIMD_DECREASE if outcome.aimd_decrease else _NO_AIMD_DECREASE,
-            _EMPTY if pause is None else bulk(repr(pause)),
-            _EMPTY if outcome.tokens_used is None else bulk(str(int(outcome.tokens_used))),
-            bulk(str(int(lease.tokens))),
-            *_RELEASE_TAIL,
-            self._proc_arg,
-            bulk(scope),
-            self._wake_tail,
-            self._handoff_arg,
-            *(() if classes is None else classes.shares),
-            *floors,
-        )
 
         def freed(reply: Any) -> None:
             # 1: the permit is this process's turn (or nobody waits): its waiters hear of it.
@@ -979,7 +954,6 @@ class RedisBackend:
 
         closes = self._closes
 
-        # Written at once on an open connection: nobody waits. Else queued: the caller waits.
         def failed(operation: str, scope: str, exc: BaseException) -> None:
             if _worth_retrying(exc) and self._retry_release(
                 lease, outcome, deadline, pause_s, closes
@@ -992,13 +966,68 @@ class RedisBackend:
                 return
             self._late_failure(operation, scope, exc)
 
-        wire = self._wire.route(scope)
-        queued = waited and not wire.writable
+        queued = waited and not self._wire.route(scope).writable
         waiter = asyncio.get_running_loop().create_future() if queued else None
-        reply = Reply(waiter, freed, "release", scope, failed)
+        now = self._now_arg()
+        releasing = Releasing(lease, outcome, Reply(waiter, freed, "release", scope, failed), now)
+        key = (scope, lease.source, lease.priority_class or "", now)
+        if queued:
+            # No connection up: written alone, and its caller waits for the reply.
+            self._send_releases(key, [releasing])
+            return releasing.reply
+        self._release_runs.ask(key, releasing)
+        return None
+
+    def _send_releases(self, key: Key, calls: list[Releasing]) -> None:
+        """Write one RELEASE of ``calls`` (one source and class: a run when several).
+
+        Its reply goes to each release's own ``Reply``: a run's, one part each.
+        """
+        lease = calls[0].lease
+        scope, source, lease_class = lease.scope, lease.source, lease.priority_class
+        room = self._listening.get(scope)
+        classes = None if room is None else self._classes_of(scope, room)
+        ours = self._keys_of_scope(scope)
+        keys = (*self._keys_of(scope, source), ours.progress, ours.verdicts)
+        if classes is None:
+            keys += (ours.waiting, ours.waiting_until)
+        else:
+            keys += (*classes.registry, classes.hash_key)
+        if room is not None and room.named_tenants:
+            # A call here named a tenant: the wake-up takes the fleet's turn of tenants.
+            keys += self._tenant_keys_of(scope, None if classes is None else classes.names)
+        floors: tuple[Arg, ...] = ()
+        if classes is not None and classes.held:
+            # Reserved floors, fleet-wide: each class's held permits, the leases' leaving.
+            keys += classes.held_keys
+            floors = (classes.floors(lease_class),)
+        argv = (
+            calls[0].now,
+            *_release_words(calls),
+            *_RELEASE_TAIL,
+            self._proc_arg,
+            bulk(scope),
+            self._wake_tail,
+            self._handoff_arg,
+            *(() if classes is None else classes.shares),
+            *floors,
+        )
+        runs = self._release_runs
+        alone = len(calls) == 1
+
+        def ran(reply: Any) -> None:
+            try:
+                if alone or isinstance(reply, BaseException):
+                    for releasing in calls:
+                        releasing.reply(reply)
+                else:
+                    for releasing, part in zip(calls, reply, strict=True):
+                        releasing.reply(part)
+            finally:
+                runs.answered(key)
+
         script = self._scripts["release"]
-        wire.send(script.command(keys, argv), reply, script)
-        return None if waiter is None else reply
+        self._wire.route(scope).send(script.command(keys, argv), ran, script)
 
     def _retry_release(
         self,
@@ -1144,6 +1173,29 @@ class _Classes:
         """RELEASE's floors argument: the lease's class (1-based, 0: none), the reserved."""
         index = self.names.index(lease_class) + 1 if lease_class in self.held else 0
         return bulk(" ".join(map(str, (index, *self.reserved))))
+
+
+def _release_words(calls: Sequence[Releasing]) -> tuple[Arg, ...]:
+    """RELEASE's ARGV[2 .. 7] for ``calls``: lease id, outcome kind, AIMD decrease, pause,
+    tokens used, reservation; for a run, a word per release in each, joined by spaces
+    (``scripts.py``)."""
+    rows = []
+    for releasing in calls:
+        lease, outcome = releasing.lease, releasing.outcome
+        pause = pause_for(outcome.kind == "rate_limited", outcome.retry_after_s)
+        rows.append(
+            (
+                lease.lease_id,
+                outcome.kind,
+                "1" if outcome.aimd_decrease else "0",
+                "" if pause is None else repr(pause),
+                "" if outcome.tokens_used is None else str(int(outcome.tokens_used)),
+                str(int(lease.tokens)),
+            )
+        )
+    if len(rows) == 1:
+        return bulks(rows[0])
+    return bulks([" ".join(column) for column in zip(*rows, strict=True)])
 
 
 def _flags(names: Sequence[str], room: ReleaseListener, priority_class: str, run: int) -> Arg:
