@@ -335,16 +335,12 @@ local function load(c, off)
   local h = redis.call('HMGET', c.sk, 'limit', 'breaker', 'not_before', 'rpm_tokens',
     'rpm_at', 'tpm_tokens', 'tpm_at', 'reopen_probe', 'spec', 'expires_at')
   local limit = num(h[1])
-  -- Every field named in the constructor, nil ones too: Lua sizes the table once for
-  -- them, where fields added one by one would grow it a rehash at a time.
   local t = {sk = c.sk, lk = c.lk, name = c[1], off = off, w = {}, leases = {},
     maxc = num(c[2]), rpm = num(c[3]), rpm_cap = num(c[4]), tpm = num(c[5]),
     tpm_cap = num(c[6]), cooldown_max = num(c[9]), limit = limit, breaker = h[2],
     not_before = num(h[3]), rpm_tokens = num(h[4]), rpm_at = num(h[5]),
     tpm_tokens = num(h[6]), tpm_at = num(h[7]), reopen_probe = h[8] == '1',
-    expires_at = num(h[10]), open_until = nil, probe_id = nil, probe_until = nil,
-    pprobe_id = nil, pprobe_until = nil, live = nil, claimed = nil, full = nil,
-    soonest = nil, life = nil, rpm_moved = nil, tpm_moved = nil}
+    expires_at = num(h[10])}
   local w = t.w
   if limit == nil then
     -- First sight (source_state.new_source_state): closed, limit at its max, buckets full
@@ -594,10 +590,14 @@ end
 
 -- @tenant-functions
 
--- A grant's step in the waiting registries: per class, with its flag at ``at`` (8 for the
--- run's last call, 9 for a call before it), the process stays registered at the back or
--- leaves the class.
-local function granted_in_classes(at)
+-- The calls' steps in the waiting registries, made only for a call with a process id (a
+-- function made costs its upvalues at every run: research-wiki/designs/script-cost.md,
+-- "The Lua's own share").
+local granted_in_classes, refused_in_classes
+if proc then
+-- A grant's step: per class, with its flag at ``at`` (8 for the run's last call, 9 for a
+-- call before it), the process stays registered at the back or leaves the class.
+function granted_in_classes(at)
   for _, k in ipairs(classes) do
     if k[at] then
       -- Calls of the process are left here: it stays registered, at the back, where
@@ -615,7 +615,7 @@ end
 
 -- A refusal's step when a candidate waits for a release: the process is registered to be
 -- woken by one, in each class it waits in, and leaves the others.
-local function refused_in_classes()
+function refused_in_classes()
   local wttl = num(ARGV[20])
   local keep = math.ceil(wttl) + 1
   for _, c in ipairs(classes) do
@@ -651,6 +651,8 @@ local function refused_in_classes()
       end
     end
   end
+end
+
 end
 
 -- The first candidate from ARGV; the others from the spec set, read when reached (the
@@ -699,9 +701,19 @@ for i = 1, #ids do
       local hi, lo = byte(order, 2 * j - 1, 2 * j)
       off = dl + 13 * (hi * 256 + lo)
     end
-    local t = states[off or 0]
-    if off and (sub(verdicts, off + 1, off + 13) > now_ms or (t and t.full)) then
-      -- Marked full, and it stands: refused for concurrency unexamined (runs as one string).
+    -- Marked full, and it stands (in Redis, or by an earlier call of this run, which the
+    -- calls one by one would read there): refused for concurrency unexamined.
+    local t, marked = nil, false
+    if not off then
+      t = states[0]
+    elseif sub(verdicts, off + 1, off + 13) > now_ms then
+      marked = true
+    else
+      t = states[off]
+      marked = t ~= nil and t.full
+    end
+    if marked then
+      -- Refused unexamined (a row of them is written as one string).
       skipped = skipped + 1
       for_release = true
     else
