@@ -63,6 +63,7 @@ from bench.script_cost import (
     _check,
     _fill,
     _Scope,
+    in_runs,
     state_once,
 )
 from bench.services import _free_port, _ping
@@ -219,17 +220,6 @@ def _runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
     return drive
 
 
-def _in_runs(args: list[Any], ids: Sequence[str], per_call: Sequence[int]) -> list[Any]:
-    """A lone call's EVALSHA arguments made a run of ``ids``: the ARGV at ``per_call``
-    (1-based) hold a word per call, the lease id at the first, the others repeated."""
-    at = args[0]  # numkeys, then the keys: ARGV[i] is args[at + i]
-    out = list(args)
-    for i in per_call:
-        value = args[at + i]
-        out[at + i] = " ".join(ids) if i == per_call[0] else " ".join([value] * len(ids))
-    return out
-
-
 def _script_runs(calls: int, pairs: int, *, releases: bool) -> Callable[[redis.Redis], None]:
     """``pairs`` grants and successes at one source by the real scripts, the ACQUIREs
     ``calls`` a run (``backends/redis/runs.py``), the RELEASEs too with ``releases``."""
@@ -245,9 +235,9 @@ def _script_runs(calls: int, pairs: int, *, releases: bool) -> Callable[[redis.R
             pipe = client.pipeline(transaction=False)
             for serial in range(start, min(start + per_pipe, runs)):
                 ids = [f"{serial:08x}{i:04x}bench" for i in range(calls)]
-                pipe.evalsha(acquire, *_in_runs(scope.acquire(ids[0]), ids, (2, 3, 4)))
+                pipe.evalsha(acquire, *in_runs(scope.acquire(ids[0]), ids, (2, 3, 4)))
                 if releases:
-                    pipe.evalsha(release, *_in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7)))
+                    pipe.evalsha(release, *in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7)))
                 else:
                     for lease in ids:
                         pipe.evalsha(release, *scope.release(lease))
@@ -307,10 +297,11 @@ def measure(
             label = f"state read once, {calls} call{'s' if calls > 1 else ''} a run"
             rows.append({"case": "1 source", "version": label, "instructions": per_pair})
         for calls in BATCH_SIZES[1:]:
-            drive = functools.partial(_script_runs, calls, releases=False)
-            per_pair = count(server, drive, pairs)
-            label = f"ACQUIRE in runs of {calls}"
-            rows.append({"case": "1 source", "version": label, "instructions": per_pair})
+            for releases in (False, True):
+                drive = functools.partial(_script_runs, calls, releases=releases)
+                per_pair = count(server, drive, pairs)
+                label = f"ACQUIRE{' and RELEASE' if releases else ''} in runs of {calls}"
+                rows.append({"case": "1 source", "version": label, "instructions": per_pair})
     for row in rows:
         row["x INCR+DECR"] = row["instructions"] / baseline
     return rows
