@@ -53,7 +53,9 @@ def test_a_tiny_run_counts_every_case() -> None:
         ("1 source", "state read once, 4 calls a run"),
         ("1 source", "state read once, 16 calls a run"),
         ("1 source", "ACQUIRE in runs of 4"),
+        ("1 source", "ACQUIRE and RELEASE in runs of 4"),
         ("1 source", "ACQUIRE in runs of 16"),
+        ("1 source", "ACQUIRE and RELEASE in runs of 16"),
     ]
     calls = rows[("1 source", "its commands alone, no logic")]
     baseline = rows[("INCR + DECR", "baseline")]
@@ -67,3 +69,6 @@ def test_a_tiny_run_counts_every_case() -> None:
     # The real ACQUIRE in runs: cheaper a pair than alone, and the longer the run the cheaper.
     real = [rows[("1 source", f"ACQUIRE in runs of {n}")] for n in (4, 16)]
     assert rows[("1 source", "current")] > real[0] > real[1] > baseline
+    both = [rows[("1 source", f"ACQUIRE and RELEASE in runs of {n}")] for n in (4, 16)]
+    assert real[0] > both[0] > both[1] > baseline
+    assert real[1] > both[1]
