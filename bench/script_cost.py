@@ -1202,7 +1202,11 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -
     return "\n".join(lines)
 
 
-def _targets(rows: Sequence[dict[str, Any]], sources: int) -> str:
+def _targets(
+    rows: Sequence[dict[str, Any]], sources: int, batches: Sequence[dict[str, Any]] = ()
+) -> str:
+    """The issue's targets: a lone pair, a pair's share of runs (``backends/redis/runs.py``,
+    the way a process with several calls in flight sends them), the walk's ratio."""
     by = {(r["case"], r["variant"]): r for r in rows}
     one = by[(case_label(ONE, sources), "current scripts")]["pair_cpu_us"]
     two = by[(case_label(TWO, sources), "current scripts")]["pair_cpu_us"]
@@ -1210,10 +1214,16 @@ def _targets(rows: Sequence[dict[str, Any]], sources: int) -> str:
     ratio = walk / two
     return "\n".join(
         [
-            "| target (issue 18) | measured (current scripts) | verdict |",
+            "| target (issue 18) | measured | verdict |",
             "|---|---|---|",
             f"| ACQUIRE + RELEASE ≤ 25 µs of Redis CPU, 1 source | {one:,.1f} µs"
             f" | {'met' if one <= 25 else '**missed**'} |",
+            *(
+                f"| the same, {row['calls']} calls a run (ACQUIRE and RELEASE runs)"
+                f" | {row['runs']:,.1f} µs | {'met' if row['runs'] <= 25 else '**missed**'} |"
+                for row in batches
+                if row["calls"] > 1
+            ),
             f"| {sources} sources ≤ 2x 2 sources | {ratio:,.2f}x ({walk:,.1f} / {two:,.1f} µs)"
             f" | {'met' if ratio <= 2 else '**missed**'} |",
         ]
@@ -1276,7 +1286,7 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         _table(result["commands"], COMMAND_COLUMNS),
         "",
-        _targets(result["rows"], args.sources),
+        _targets(result["rows"], args.sources, result.get("batches", ())),
         "",
         _layouts(result["layouts"], result["rows"], args.sources),
         "",

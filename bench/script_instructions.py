@@ -28,7 +28,7 @@ costs.
 ``--runs`` adds, at 1 source, the experiment of ``bench.script_cost``'s batch
 table that serves several calls in one script run, reading the state once
 (``state_once``), at each of its sizes: a pair's share of a run; and the real
-scripts with their ACQUIREs in runs of those sizes (``backends/redis/runs.py``).
+scripts with their ACQUIREs and RELEASEs in runs of those sizes (``backends/redis/runs.py``).
 
 ``--against`` names another checkout (a directory with
 ``src/polygateway/backends/redis/scripts.py``, e.g. from ``git archive``)
@@ -220,9 +220,9 @@ def _runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
     return drive
 
 
-def _script_runs(calls: int, pairs: int, *, releases: bool) -> Callable[[redis.Redis], None]:
-    """``pairs`` grants and successes at one source by the real scripts, the ACQUIREs
-    ``calls`` a run (``backends/redis/runs.py``), the RELEASEs too with ``releases``."""
+def _script_runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
+    """``pairs`` grants and successes at one source by the real scripts, ACQUIREs and
+    RELEASEs ``calls`` a run (``backends/redis/runs.py``)."""
 
     def drive(client: redis.Redis) -> None:
         acquire, release = (client.script_load(s) for s in (scripts.ACQUIRE, scripts.RELEASE))
@@ -236,18 +236,11 @@ def _script_runs(calls: int, pairs: int, *, releases: bool) -> Callable[[redis.R
             for serial in range(start, min(start + per_pipe, runs)):
                 ids = [f"{serial:08x}{i:04x}bench" for i in range(calls)]
                 pipe.evalsha(acquire, *in_runs(scope.acquire(ids[0]), ids, (2, 3, 4)))
-                if releases:
-                    pipe.evalsha(release, *in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7)))
-                else:
-                    for lease in ids:
-                        pipe.evalsha(release, *scope.release(lease))
+                pipe.evalsha(release, *in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7)))
             replies = pipe.execute()
-            step = 2 if releases else 1 + calls
-            for k in range(0, len(replies), step):
-                granted = replies[k] if calls > 1 else [replies[k]]
-                _check(granted, 1, "acquire")
-                freed = replies[k + 1] if releases and calls > 1 else replies[k + 1 : k + step]
-                _check(freed, None, "release")
+            for k in range(0, len(replies), 2):
+                _check(replies[k], 1, "acquire")
+                _check(replies[k + 1], None, "release")
 
     return drive
 
@@ -297,11 +290,9 @@ def measure(
             label = f"state read once, {calls} call{'s' if calls > 1 else ''} a run"
             rows.append({"case": "1 source", "version": label, "instructions": per_pair})
         for calls in BATCH_SIZES[1:]:
-            for releases in (False, True):
-                drive = functools.partial(_script_runs, calls, releases=releases)
-                per_pair = count(server, drive, pairs)
-                label = f"ACQUIRE{' and RELEASE' if releases else ''} in runs of {calls}"
-                rows.append({"case": "1 source", "version": label, "instructions": per_pair})
+            per_pair = count(server, functools.partial(_script_runs, calls), pairs)
+            label = f"ACQUIRE and RELEASE in runs of {calls}"
+            rows.append({"case": "1 source", "version": label, "instructions": per_pair})
     for row in rows:
         row["x INCR+DECR"] = row["instructions"] / baseline
     return rows
