@@ -521,19 +521,25 @@ def evaluate_targets(medians: Medians, meta: dict[str, Any]) -> list[Check]:
         keys = [f"chat/pgw_redis_{transport}/n{n}/c{c}" for c in sizes["concurrencies"]]
         trips = [_get(medians, k, "redis_round_trips_per_call") for k in keys]
         scripts = [_get(medians, k, "redis_script_calls_per_call") for k in keys]
-        seen = [t for t in [*trips, *scripts] if t is not None]
+        seen = [t for t in trips if t is not None]
         parts = [
             f"c{c}: {t:.2f} round trips (MONITOR sample), {x:.2f} scripts/call (measured loop)"
             for c, t, x in zip(sizes["concurrencies"], trips, scripts, strict=True)
             if t is not None and x is not None
         ]
+        # A call's own round trips are two (MONITOR, one call at a time); calls asking at
+        # once share script runs (backends/redis/runs.py), so the loop runs at most two
+        # scripts a call, fewer when runs form.
         checks.append(
             Check(
                 f"redis-round-trips-{transport}",
                 f"Redis backend on {transport}: exactly 2 Redis round trips per call that "
-                "does not wait",
+                "does not wait (at most 2 scripts a call under load: runs share them)",
                 "; ".join(parts) or "not measured",
-                None if not seen else all(abs(t - 2.0) < 0.005 for t in seen),
+                None
+                if not seen
+                else all(abs(t - 2.0) < 0.005 for t in seen)
+                and all(x <= 2.005 for x in scripts if x is not None),
             )
         )
     for c in sizes["concurrencies"]:
