@@ -193,16 +193,20 @@ def _pairs(
     return drive
 
 
-def _runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
-    """``pairs`` grants and successes at one source, ``calls`` a run, by the experiment
-    ``bench.script_cost.state_once`` (the state read once a run, each call decided on it),
-    after the real scripts' warm-up."""
+def _runs(calls: int, pairs: int, *, real: bool = False) -> Callable[[redis.Redis], None]:
+    """``pairs`` grants and successes at one source, ``calls`` a run, after the real scripts'
+    warm-up: by the experiment ``bench.script_cost.state_once`` (the state read once a
+    run, each call decided on it), or with ``real`` by the real scripts, ACQUIREs and
+    RELEASEs in runs (``backends/redis/runs.py``)."""
 
     def drive(client: redis.Redis) -> None:
         warm_acquire, warm_release = (
             client.script_load(s) for s in (scripts.ACQUIRE, scripts.RELEASE)
         )
-        acquire, release = (client.script_load(s) for s in state_once(calls))
+        if real:
+            acquire, release = warm_acquire, warm_release
+        else:
+            acquire, release = (client.script_load(s) for s in state_once(calls))
         scope = _Scope("instructions", 1)
         for lease in ("warm-0", "warm-1"):
             _check([client.evalsha(warm_acquire, *scope.acquire(lease))], 1, "acquire")
@@ -211,36 +215,20 @@ def _runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
         for start in range(0, runs, per_pipe):
             pipe = client.pipeline(transaction=False)
             for serial in range(start, min(start + per_pipe, runs)):
-                pipe.evalsha(acquire, *scope.acquire(f"{serial:012x}bench"))
-                pipe.evalsha(release, *scope.release(f"{serial:012x}bench"))
-            replies = pipe.execute()
-            _check(replies[0::2], 1, "acquire")
-            _check(replies[1::2], None, "release")
-
-    return drive
-
-
-def _script_runs(calls: int, pairs: int) -> Callable[[redis.Redis], None]:
-    """``pairs`` grants and successes at one source by the real scripts, ACQUIREs and
-    RELEASEs ``calls`` a run (``backends/redis/runs.py``)."""
-
-    def drive(client: redis.Redis) -> None:
-        acquire, release = (client.script_load(s) for s in (scripts.ACQUIRE, scripts.RELEASE))
-        scope = _Scope("instructions", 1)
-        for lease in ("warm-0", "warm-1"):
-            _check([client.evalsha(acquire, *scope.acquire(lease))], 1, "acquire")
-            _check([client.evalsha(release, *scope.release(lease))], None, "release")
-        runs, per_pipe = max(1, pairs // calls), max(1, BATCH // calls)
-        for start in range(0, runs, per_pipe):
-            pipe = client.pipeline(transaction=False)
-            for serial in range(start, min(start + per_pipe, runs)):
-                ids = [f"{serial:08x}{i:04x}bench" for i in range(calls)]
-                pipe.evalsha(acquire, *in_runs(scope.acquire(ids[0]), ids, (2, 3, 4)))
-                pipe.evalsha(release, *in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7)))
+                if real:
+                    ids = [f"{serial:08x}{i:04x}bench" for i in range(calls)]
+                    pipe.evalsha(acquire, *in_runs(scope.acquire(ids[0]), ids, (2, 3, 4)))
+                    args = in_runs(scope.release(ids[0]), ids, (2, 3, 4, 5, 6, 7))
+                    pipe.evalsha(release, *args)
+                else:
+                    pipe.evalsha(acquire, *scope.acquire(f"{serial:012x}bench"))
+                    pipe.evalsha(release, *scope.release(f"{serial:012x}bench"))
             replies = pipe.execute()
             for k in range(0, len(replies), 2):
-                _check(replies[k], 1, "acquire")
-                _check(replies[k + 1], None, "release")
+                # A real run of several replies a list; the experiment one reply a run.
+                several = real and calls > 1
+                _check(replies[k] if several else [replies[k]], 1, "acquire")
+                _check(replies[k + 1] if several else [replies[k + 1]], None, "release")
 
     return drive
 
@@ -290,7 +278,7 @@ def measure(
             label = f"state read once, {calls} call{'s' if calls > 1 else ''} a run"
             rows.append({"case": "1 source", "version": label, "instructions": per_pair})
         for calls in BATCH_SIZES[1:]:
-            per_pair = count(server, functools.partial(_script_runs, calls), pairs)
+            per_pair = count(server, functools.partial(_runs, calls, real=True), pairs)
             label = f"ACQUIRE and RELEASE in runs of {calls}"
             rows.append({"case": "1 source", "version": label, "instructions": per_pair})
     for row in rows:

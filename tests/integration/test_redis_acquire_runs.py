@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import redis
 
-from polygateway.backends.base import AttemptOutcome, SourceSpec
+from polygateway.backends.base import AttemptOutcome, Lease, SourceSpec
 from polygateway.backends.redis import RedisBackend, codec, scripts
 from polygateway.backends.redis.specset import SpecSet, limits_of
 
@@ -300,117 +300,107 @@ def _evalsha_calls(url: str) -> int:
         return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+@pytest.fixture
+async def own(make_redis_server: Callable[..., Any]) -> AsyncIterator[tuple[str, RedisBackend]]:
+    """A redis-server of the test's own (its commands counted from zero) and a backend on it."""
+    server = make_redis_server()
+    backend = RedisBackend(server.url)
+    try:
+        yield server.url, backend
+    finally:
+        await backend.aclose()
+
+
 async def test_calls_asking_together_go_in_runs_each_answered_alone(
-    make_redis_server: Callable[..., Any],
+    own: tuple[str, RedisBackend],
 ) -> None:
     """40 calls at once: the first alone, the 39 that arrived meanwhile in runs of 16 at most;
     every call gets its own lease, and the source never holds more than its limit."""
-    server = make_redis_server()
-    backend = RedisBackend(server.url)
+    url, backend = own
     spec = SourceSpec("s", 30)
-    try:
-        await backend.snapshot("warm")  # connected, so that only the calls below count
-        before = _evalsha_calls(server.url)
-        results = await asyncio.gather(
-            *(backend.acquire("runs", [spec], cost_tokens=i, ttl_s=30.0) for i in range(40))
-        )
-        assert _evalsha_calls(server.url) - before == 1 + 3  # 1, then 16 + 16 + 7
-        granted = [r.lease for r in results if r.lease is not None]
-        assert len(granted) == 30
-        assert len({lease.lease_id for lease in granted}) == 30
-        assert [lease.tokens for lease in granted] == list(range(30))  # in arrival order
-        assert all(r.rejections[0].reason == "concurrency" for r in results[30:])
-        snapshot = await backend.snapshot("runs")
-        assert snapshot.sources[0].in_flight == 30
-    finally:
-        await backend.aclose()
+    await backend.snapshot("warm")  # connected, so that only the calls below count
+    before = _evalsha_calls(url)
+    results = await asyncio.gather(
+        *(backend.acquire("runs", [spec], cost_tokens=i, ttl_s=30.0) for i in range(40))
+    )
+    assert _evalsha_calls(url) - before == 1 + 3  # 1, then 16 + 16 + 7
+    granted = [r.lease for r in results if r.lease is not None]
+    assert len(granted) == 30
+    assert len({lease.lease_id for lease in granted}) == 30
+    assert [lease.tokens for lease in granted] == list(range(30))  # in arrival order
+    assert all(r.rejections[0].reason == "concurrency" for r in results[30:])
+    snapshot = await backend.snapshot("runs")
+    assert snapshot.sources[0].in_flight == 30
 
 
 async def test_a_call_cancelled_before_its_run_is_written_takes_no_permit(
-    make_redis_server: Callable[..., Any],
+    own: tuple[str, RedisBackend],
 ) -> None:
-    server = make_redis_server()
-    backend = RedisBackend(server.url)
+    url, backend = own
     spec = SourceSpec("s", 5)
-    try:
-        await backend.snapshot("warm")
-        before = _evalsha_calls(server.url)
-        tasks = [asyncio.create_task(backend.acquire("runs", [spec], ttl_s=30.0)) for _ in range(3)]
-        await asyncio.sleep(0)  # each has asked: the first is in flight, two wait for it
-        tasks[1].cancel()
-        first, third = await tasks[0], await tasks[2]
-        with pytest.raises(asyncio.CancelledError):
-            await tasks[1]
-        assert first.lease is not None
-        assert third.lease is not None
-        assert _evalsha_calls(server.url) - before == 2  # the first, then a run of one
-        snapshot = await backend.snapshot("runs")
-        assert snapshot.sources[0].in_flight == 2
-    finally:
-        await backend.aclose()
+    await backend.snapshot("warm")
+    before = _evalsha_calls(url)
+    tasks = [asyncio.create_task(backend.acquire("runs", [spec], ttl_s=30.0)) for _ in range(3)]
+    await asyncio.sleep(0)  # each has asked: the first is in flight, two wait for it
+    tasks[1].cancel()
+    first, third = await tasks[0], await tasks[2]
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[1]
+    assert first.lease is not None
+    assert third.lease is not None
+    assert _evalsha_calls(url) - before == 2  # the first, then a run of one
+    snapshot = await backend.snapshot("runs")
+    assert snapshot.sources[0].in_flight == 2
 
 
 async def test_releases_behind_one_in_flight_go_in_one_run_each_freeing_its_permit(
-    make_redis_server: Callable[..., Any],
+    own: tuple[str, RedisBackend],
 ) -> None:
-    server = make_redis_server()
-    backend = RedisBackend(server.url)
+    url, backend = own
     spec = SourceSpec("s", 20)
-    try:
-        results = await asyncio.gather(
-            *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in range(20))
-        )
-        before = _evalsha_calls(server.url)
-        for result in results:
-            assert result.lease is not None
-            await backend.release(result.lease, AttemptOutcome("success", tokens_used=3))
-        snapshot = await backend.snapshot("runs")  # written after every release before it
-        assert snapshot.sources[0].in_flight == 0
-        # The first release alone; the 19 written while it was in flight, in runs of 16 at
-        # most, before the snapshot; then the snapshot's own script.
-        assert _evalsha_calls(server.url) - before == 1 + 2 + 1
-    finally:
-        await backend.aclose()
+    results = await asyncio.gather(
+        *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in range(20))
+    )
+    before = _evalsha_calls(url)
+    for result in results:
+        assert result.lease is not None
+        await backend.release(result.lease, AttemptOutcome("success", tokens_used=3))
+    snapshot = await backend.snapshot("runs")  # written after every release before it
+    assert snapshot.sources[0].in_flight == 0
+    # The first release alone; the 19 written while it was in flight, in runs of 16 at
+    # most, before the snapshot; then the snapshot's own script.
+    assert _evalsha_calls(url) - before == 1 + 2 + 1
+
+
+async def _one_release_waiting(backend: RedisBackend, spec: SourceSpec) -> Lease:
+    """Two leases at ``spec`` released in a row: the first written and in flight, the
+    second waiting for its run; returns the second."""
+    one, two = await asyncio.gather(*(backend.acquire("runs", [spec], ttl_s=30.0) for _ in "ab"))
+    assert one.lease is not None
+    assert two.lease is not None
+    await backend.release(one.lease, AttemptOutcome("success"))  # written, in flight
+    await backend.release(two.lease, AttemptOutcome("success"))  # waits for a run
+    return two.lease
 
 
 async def test_a_release_waiting_for_its_run_is_written_before_the_next_acquire(
-    make_redis_server: Callable[..., Any],
+    own: tuple[str, RedisBackend],
 ) -> None:
     """Whatever the process sends next finds the permit free, as without runs."""
-    server = make_redis_server()
-    backend = RedisBackend(server.url)
+    _, backend = own
     spec = SourceSpec("s", 2)
-    try:
-        one, two = await asyncio.gather(
-            *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in "ab")
-        )
-        assert one.lease is not None
-        assert two.lease is not None
-        await backend.release(one.lease, AttemptOutcome("success"))  # written, in flight
-        await backend.release(two.lease, AttemptOutcome("success"))  # waits for a run
-        # Two acquires that go at once (two classes: two keys), right behind the first release.
-        again = await asyncio.gather(
-            *(backend.acquire("runs", [spec], ttl_s=30.0, priority_class=c) for c in "ab")
-        )
-        assert all(result.lease is not None for result in again)
-    finally:
-        await backend.aclose()
+    await _one_release_waiting(backend, spec)
+    # Two acquires that go at once (two classes: two keys), right behind the first release.
+    again = await asyncio.gather(
+        *(backend.acquire("runs", [spec], ttl_s=30.0, priority_class=c) for c in "ab")
+    )
+    assert all(result.lease is not None for result in again)
 
 
 async def test_a_release_waiting_for_its_run_is_written_before_a_renewal(
-    make_redis_server: Callable[..., Any],
+    own: tuple[str, RedisBackend],
 ) -> None:
-    server = make_redis_server()
-    backend = RedisBackend(server.url)
+    _, backend = own
     spec = SourceSpec("s", 2)
-    try:
-        one, two = await asyncio.gather(
-            *(backend.acquire("runs", [spec], ttl_s=30.0) for _ in "ab")
-        )
-        assert one.lease is not None
-        assert two.lease is not None
-        await backend.release(one.lease, AttemptOutcome("success"))  # written, in flight
-        await backend.release(two.lease, AttemptOutcome("success"))  # waits for a run
-        assert await backend.renew(two.lease) is False  # released already, as written before
-    finally:
-        await backend.aclose()
+    waiting = await _one_release_waiting(backend, spec)
+    assert await backend.renew(waiting) is False  # released already, as written before
